@@ -1,0 +1,28 @@
+# Set-up is idempotent: the venv is (re)built only when it is missing or pyproject.toml changed.
+# The venv must come from the system interpreter: the Triton Python stub embeds its libpython.
+SYSTEM_PYTHON ?= /usr/bin/python3
+VENV := .venv
+PYTHON := $(VENV)/bin/python
+MODEL_REPOSITORY ?= model_repository
+PYTEST_ARGS ?=
+
+.PHONY: setup serve test clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PYTHON) || $(SYSTEM_PYTHON) -m venv $(VENV)
+	$(PYTHON) -m pip install --quiet --upgrade pip
+	# torch==2.13.0 pins the CPU wheel kept on these machines; elsewhere any torch>=2.4 will do.
+	$(PYTHON) -m pip install --quiet torch==2.13.0 || $(PYTHON) -m pip install --quiet 'torch>=2.4'
+	$(PYTHON) -m pip install --quiet -e '.[server,client,test]'
+	touch $@
+
+serve: setup
+	exec $(PYTHON) -m triton_sampling_mask.launcher --model-repository $(MODEL_REPOSITORY)
+
+test: setup
+	$(PYTHON) -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,81 @@
+"""Helpers for tests against a real tritonserver: test model repositories and tiny clients."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+MODEL_REPOSITORY = REPO_ROOT / "model_repository"
+
+# Variants of the sampler the tests load beside it: name -> config parameter overrides.
+SAMPLER_VARIANTS = {
+    "sampler_speculative": {"speculative_algorithm": "EAGLE"},
+    "sampler_nosupport": {"sampling_backend": "no_support_backend:NoSupportBackend"},
+}
+
+
+def set_parameter(config_text: str, key: str, value: str) -> str:
+    """Replace a `parameters` string value in config.pbtxt text (the key must be there)."""
+    pattern = re.compile(r'(key:\s*"%s",\s*value:\s*\{\s*string_value:\s*)"[^"]*"' % re.escape(key))
+    text, count = pattern.subn(lambda m: f'{m.group(1)}"{value}"', config_text)
+    assert count == 1, f"parameter {key} not found in config"
+    return text
+
+
+def build_test_repository(dest: Path) -> Path:
+    """The shipped model repository plus the sampler variants the tests need."""
+    shutil.copytree(MODEL_REPOSITORY, dest, ignore=shutil.ignore_patterns("__pycache__"))
+    base = (MODEL_REPOSITORY / "sampler" / "config.pbtxt").read_text()
+    for name, overrides in SAMPLER_VARIANTS.items():
+        variant = dest / name
+        shutil.copytree(MODEL_REPOSITORY / "sampler", variant, ignore=shutil.ignore_patterns("__pycache__"))
+        text = base.replace('name: "sampler"', f'name: "{name}"')
+        for key, value in overrides.items():
+            text = set_parameter(text, key, value)
+        (variant / "config.pbtxt").write_text(text)
+        shutil.copy(Path(__file__).parent / "no_support_backend.py", variant / "1")
+    return dest
+
+
+INPUT_DTYPES = {
+    "logits": "FP32",
+    "temperature": "FP32",
+    "top_k": "INT32",
+    "top_p": "FP32",
+    "min_p": "FP32",
+    "seed": "UINT64",
+    "return_sampling_mask": "BOOL",
+}
+NUMPY_DTYPES = {"FP32": np.float32, "INT32": np.int32, "UINT64": np.uint64, "BOOL": np.bool_}
+OUTPUTS = ("output_ids", "output_logprobs", "sampling_mask", "sampling_mask_len", "sampling_logprobs")
+
+
+def sampler_inputs(module, logits: np.ndarray, **params) -> list:
+    """tritonclient InferInputs (module: tritonclient.http or .grpc) for logits [B, V] and per-row
+    parameters given as scalars (repeated per row) or length-B sequences."""
+    logits = np.asarray(logits, dtype=np.float32)
+    rows = logits.shape[0]
+    inputs = [_infer_input(module, "logits", logits, "FP32")]
+    for name, value in params.items():
+        datatype = INPUT_DTYPES[name]
+        array = np.asarray(value, dtype=NUMPY_DTYPES[datatype])
+        if array.ndim == 0:
+            array = np.full((rows, 1), array, dtype=array.dtype)
+        inputs.append(_infer_input(module, name, array.reshape(rows, 1), datatype))
+    return inputs
+
+
+def _infer_input(module, name: str, array: np.ndarray, datatype: str):
+    infer_input = module.InferInput(name, list(array.shape), datatype)
+    infer_input.set_data_from_numpy(array)
+    return infer_input
+
+
+def infer(client, module, model: str, logits, **params) -> dict[str, np.ndarray]:
+    """Run the sampler and return every output as numpy."""
+    result = client.infer(model, sampler_inputs(module, logits, **params))
+    return {name: result.as_numpy(name) for name in OUTPUTS}

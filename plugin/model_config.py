@@ -1,0 +1,63 @@
+"""Reading what a model's config.pbtxt says (as the JSON Triton hands to `initialize`)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+
+def load_model_config(args: dict) -> dict:
+    """The model config dict from the `args` of `TritonPythonModel.initialize`."""
+    return json.loads(args["model_config"])
+
+
+def output_width(model_config: dict, output_name: str) -> int:
+    """The last (fixed) dimension of an output: the mask width W lives only in config.pbtxt."""
+    for output in model_config.get("output", []):
+        if output["name"] == output_name:
+            width = int(output["dims"][-1])
+            if width < 1:
+                raise ValueError(f"output {output_name!r} must have a fixed positive last dimension, got {width}")
+            return width
+    raise ValueError(f"config.pbtxt declares no output named {output_name!r}")
+
+
+def string_parameter(model_config: dict, key: str, default: str) -> str:
+    """A `parameters { key: ... value: { string_value: ... } }` entry, or `default`."""
+    entry = model_config.get("parameters", {}).get(key)
+    if entry is None:
+        return default
+    return str(entry.get("string_value", default)).strip()
+
+
+def int_parameter(model_config: dict, key: str, default: int) -> int:
+    """An integer-valued config parameter; a malformed value fails model load, naming the key."""
+    raw = string_parameter(model_config, key, str(default))
+    try:
+        return int(raw)
+    except ValueError as exc:
+        raise ValueError(f"config parameter {key!r} must be an integer, got {raw!r}") from exc
+
+
+def bool_parameter(model_config: dict, key: str, default: bool) -> bool:
+    """A yes/no config parameter ("true"/"false", "yes"/"no", "1"/"0")."""
+    raw = string_parameter(model_config, key, "true" if default else "false").lower()
+    if raw in ("true", "yes", "1", "on"):
+        return True
+    if raw in ("false", "no", "0", "off"):
+        return False
+    raise ValueError(f"config parameter {key!r} must be true or false, got {raw!r}")
+
+
+def instance_device(args: dict) -> torch.device:
+    """cuda:<model_instance_device_id> for KIND_GPU instances, else the CPU (Triton pins nothing)."""
+    if args.get("model_instance_kind") == "GPU":
+        return torch.device(f"cuda:{int(args.get('model_instance_device_id', 0))}")
+    return torch.device("cpu")
+
+
+def config_path(args: dict) -> str:
+    """Where this model's config.pbtxt lives, for messages that tell users what to edit."""
+    return os.path.join(args.get("model_repository", "<model directory>"), "config.pbtxt")

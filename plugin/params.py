@@ -1,0 +1,74 @@
+"""Per-row sampling parameters: their wire names, dtypes and defaults (one source of truth)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+TOP_K_ALL = -1  # top_k value meaning "the whole vocabulary"
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One optional per-row scalar input of the sampler: name, numpy dtype and default."""
+
+    name: str
+    dtype: type
+    default: object  # None: no default (the row draws from fresh entropy)
+
+
+TEMPERATURE = ParamSpec("temperature", np.float32, 1.0)
+TOP_K = ParamSpec("top_k", np.int32, TOP_K_ALL)
+TOP_P = ParamSpec("top_p", np.float32, 1.0)
+MIN_P = ParamSpec("min_p", np.float32, 0.0)
+SEED = ParamSpec("seed", np.uint64, None)
+RETURN_SAMPLING_MASK = ParamSpec("return_sampling_mask", np.bool_, False)
+
+PARAM_SPECS = (TEMPERATURE, TOP_K, TOP_P, MIN_P, SEED, RETURN_SAMPLING_MASK)
+
+LOGITS = "logits"
+
+
+@dataclass
+class RowParams:
+    """Sampling parameters for a batch of rows, one numpy array of shape [rows] per field.
+
+    `has_seed[i]` says whether row i carried a seed; `seed[i]` is meaningless where it did not.
+    """
+
+    temperature: np.ndarray
+    top_k: np.ndarray
+    top_p: np.ndarray
+    min_p: np.ndarray
+    seed: np.ndarray
+    has_seed: np.ndarray
+    return_sampling_mask: np.ndarray
+
+    @classmethod
+    def defaults(cls, rows: int) -> "RowParams":
+        """Parameters of `rows` rows that carried no optional input."""
+        return cls(
+            temperature=np.full(rows, TEMPERATURE.default, TEMPERATURE.dtype),
+            top_k=np.full(rows, TOP_K.default, TOP_K.dtype),
+            top_p=np.full(rows, TOP_P.default, TOP_P.dtype),
+            min_p=np.full(rows, MIN_P.default, MIN_P.dtype),
+            seed=np.zeros(rows, SEED.dtype),
+            has_seed=np.zeros(rows, np.bool_),
+            return_sampling_mask=np.full(rows, RETURN_SAMPLING_MASK.default, RETURN_SAMPLING_MASK.dtype),
+        )
+
+    @property
+    def rows(self) -> int:
+        return len(self.temperature)
+
+    @classmethod
+    def concatenate(cls, parts: list["RowParams"]) -> "RowParams":
+        """Stack the rows of several requests, in order."""
+        fields = cls.__dataclass_fields__
+        return cls(**{f: np.concatenate([getattr(p, f) for p in parts]) for f in fields})
+
+    def take(self, rows: np.ndarray) -> "RowParams":
+        """The subset of rows selected by an index or boolean array."""
+        fields = self.__dataclass_fields__
+        return RowParams(**{f: getattr(self, f)[rows] for f in fields})

@@ -1,0 +1,198 @@
+"""Batched token sampler that also returns the sampling mask (plain torch, no Triton).
+
+Semantics (SGLang's): p = softmax(logits / T) over the whole vocabulary; tokens are ranked by
+logit, descending, ties broken by lower token id (a total order, so a support never depends on
+the batch or on a kernel's tie-breaking). The support of a row is
+
+    {rank < top_k} ∩ {mass ranked strictly before the token <= top_p} ∩ {p >= min_p * p_max}
+    ∩ {logit > -inf}
+
+and the token is drawn from p restricted to it. top_p >= 1 disables the top-p rule outright.
+T == 0 is greedy (SGLang's convention: top_k = 1 and T = 1 for the log-probabilities).
+Because every rule keeps a prefix of the ranking, the support is the first `support_len` ranked
+ids. With a finite top_k only a top-k selection and one exp-sum pass over the vocabulary are
+needed; a full sort happens only for rows with top_k = -1 and top_p < 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import rng
+
+TOP_K_ALL = -1
+
+
+@dataclass
+class SamplingBatch:
+    """Rows to sample, all tensors on one device. Shapes: logits [B, V], the rest [B]."""
+
+    logits: torch.Tensor  # float32
+    temperature: torch.Tensor  # float32, 0 = greedy
+    top_k: torch.Tensor  # int64, -1 = whole vocabulary
+    top_p: torch.Tensor  # float32 in (0, 1]
+    min_p: torch.Tensor  # float32 in [0, 1)
+    seed: torch.Tensor  # int64 bit pattern of the uint64 seed
+    want_mask: torch.Tensor  # bool
+
+
+@dataclass
+class SamplingResult:
+    """Per-row outputs. mask_ids is [B, W] padded with -1; rows that did not ask get len 0."""
+
+    token_ids: torch.Tensor  # int64 [B]
+    logprobs: torch.Tensor  # float32 [B], under softmax(logits / T) over the full vocabulary
+    mask_ids: torch.Tensor  # int32 [B, W], most probable first
+    mask_len: torch.Tensor  # int32 [B]
+    mask_logprobs: torch.Tensor  # float32 [B], renormalised over the support (0 when not asked)
+
+
+def sample(batch: SamplingBatch, mask_width: int) -> SamplingResult:
+    """Draw one token per row and, for rows that ask, its support (at most `mask_width` ids)."""
+    rows, vocab = batch.logits.shape
+    device = batch.logits.device
+    greedy = batch.temperature == 0
+    temperature = torch.where(greedy, torch.ones_like(batch.temperature), batch.temperature)
+    top_k = torch.where(greedy, torch.ones_like(batch.top_k), batch.top_k)
+    k_eff = torch.where(top_k == TOP_K_ALL, vocab, top_k.clamp(max=vocab))
+    state = rng.seed_state(batch.seed)
+
+    result = SamplingResult(
+        token_ids=torch.zeros(rows, dtype=torch.int64, device=device),
+        logprobs=torch.zeros(rows, dtype=torch.float32, device=device),
+        mask_ids=torch.full((rows, mask_width), -1, dtype=torch.int32, device=device),
+        mask_len=torch.zeros(rows, dtype=torch.int32, device=device),
+        mask_logprobs=torch.zeros(rows, dtype=torch.float32, device=device),
+    )
+    unbounded = top_k == TOP_K_ALL
+    # Plain temperature/min_p sampling over the whole vocabulary needs no ranking at all.
+    no_ranking = unbounded & (batch.top_p >= 1) & ~batch.want_mask
+    for rows_mask, ranked in ((~unbounded, True), (unbounded & ~no_ranking, True), (no_ranking, False)):
+        index = torch.nonzero(rows_mask).flatten()
+        if index.numel() == 0:
+            continue
+        part = _select(batch, index, temperature, k_eff, state)
+        if ranked:
+            _sample_ranked(part, int(part["k_eff"].max()), mask_width, result, index)
+        else:
+            _sample_unranked(part, result, index)
+    return result
+
+
+def _select(batch: SamplingBatch, index: torch.Tensor, temperature, k_eff, state) -> dict:
+    """The tensors of one partition of rows (no copy when the partition is the whole batch)."""
+    whole = index.numel() == batch.logits.shape[0]
+    pick = (lambda t: t) if whole else (lambda t: t.index_select(0, index))
+    return {
+        "logits": pick(batch.logits),
+        "temperature": pick(temperature),
+        "k_eff": pick(k_eff),
+        "top_p": pick(batch.top_p),
+        "min_p": pick(batch.min_p),
+        "state": pick(state),
+        "want_mask": pick(batch.want_mask),
+    }
+
+
+def ranked_candidates(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k highest logits of each row in the total order (logit desc, id asc): values, ids."""
+    rows, vocab = logits.shape
+    if k >= vocab:
+        # A stable descending sort keeps equal logits in ascending id order.
+        return torch.sort(logits, dim=-1, descending=True, stable=True)
+    values, ids = torch.topk(logits, k + 1, dim=-1, sorted=True)
+    # A tie straddling the k-th place means topk may have kept a higher id than the order wants.
+    straddles = (values[:, k] == values[:, k - 1]) & (values[:, k - 1] > float("-inf"))
+    values, ids = values[:, :k], ids[:, :k]
+    if bool(straddles.any()):
+        ids = _repair_boundary_ties(logits, values, ids, straddles)
+    # Order equal values by id: sort by id, then stably by value.
+    by_id = torch.argsort(ids, dim=-1)
+    values, ids = values.gather(1, by_id), ids.gather(1, by_id)
+    by_value = torch.sort(values, dim=-1, descending=True, stable=True).indices
+    return values.gather(1, by_value), ids.gather(1, by_value)
+
+
+def _repair_boundary_ties(logits, values, ids, straddles):
+    """Replace the boundary-valued candidates of straddling rows by the lowest tied ids."""
+    rows_idx = torch.nonzero(straddles).flatten()
+    k = values.shape[1]
+    sub = logits.index_select(0, rows_idx)
+    boundary = values[rows_idx, k - 1 :]  # [r, 1]
+    above = (values[rows_idx] > boundary).sum(dim=-1, keepdim=True)  # candidates strictly above
+    need = k - int(above.min())
+    vocab_ids = torch.arange(sub.shape[1], device=sub.device, dtype=torch.float32)
+    # Lowest ids among the tied entries: top-k of -id over the tied positions.
+    tie_key = torch.where(sub == boundary, -vocab_ids, torch.tensor(float("-inf"), device=sub.device))
+    tied_ids = torch.topk(tie_key, need, dim=-1, sorted=True).indices  # ascending id
+    # Sort each row's candidates so the ones above the boundary come first, then fill the rest.
+    sub_values, sub_ids = values[rows_idx], ids[rows_idx]
+    order = torch.sort(sub_values, dim=-1, descending=True, stable=True).indices
+    sub_ids = sub_ids.gather(1, order)
+    position = torch.arange(k, device=sub.device).unsqueeze(0)
+    fill = tied_ids.gather(1, (position - above).clamp(min=0, max=need - 1))
+    ids = ids.clone()
+    ids[rows_idx] = torch.where(position < above, sub_ids, fill)
+    return ids
+
+
+def _log_normaliser(logits: torch.Tensor, row_max: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """log sum exp((logits - max) / T) per row in float64, one pass and one scratch buffer."""
+    scratch = logits - row_max.unsqueeze(1)
+    scratch.div_(temperature.unsqueeze(1)).exp_()
+    return scratch.sum(dim=-1).to(torch.float64).log()
+
+
+def _sample_ranked(part: dict, k: int, mask_width: int, result: SamplingResult, index: torch.Tensor) -> None:
+    """Rows whose support is a prefix of their top-k ranking (k = the largest effective top_k)."""
+    logits, temperature = part["logits"], part["temperature"].to(torch.float64)
+    values, ids = ranked_candidates(logits, k)
+    row_max = values[:, 0]
+    log_z = _log_normaliser(logits, row_max, part["temperature"])
+    scaled = (values.to(torch.float64) - row_max.to(torch.float64).unsqueeze(1)) / temperature.unsqueeze(1)
+    logp = scaled - log_z.unsqueeze(1)  # log-probability under the full-vocabulary softmax
+    probs = logp.exp()
+
+    rank = torch.arange(k, device=logits.device).unsqueeze(0)
+    keep = (rank < part["k_eff"].unsqueeze(1)) & (values > float("-inf"))
+    mass_before = torch.cumsum(probs, dim=-1) - probs
+    top_p = part["top_p"].to(torch.float64).unsqueeze(1)
+    keep &= (top_p >= 1) | (mass_before <= top_p)
+    keep &= scaled.exp() >= part["min_p"].to(torch.float64).unsqueeze(1)  # p / p_max >= min_p
+    # Each rule keeps a prefix, so the support is the first support_len candidates.
+    support_len = keep.sum(dim=-1)
+
+    noise = rng.gumbel(part["state"].unsqueeze(1), ids)
+    score = torch.where(keep, scaled + noise, torch.tensor(float("-inf"), dtype=torch.float64, device=logits.device))
+    pick = score.argmax(dim=-1, keepdim=True)
+    token_logp = logp.gather(1, pick).squeeze(1)
+    support_logmass = torch.logsumexp(torch.where(keep, logp, torch.tensor(float("-inf"), dtype=torch.float64, device=logits.device)), dim=-1)
+
+    want = part["want_mask"]
+    result.token_ids[index] = ids.gather(1, pick).squeeze(1)
+    result.logprobs[index] = token_logp.to(torch.float32)
+    width = min(k, mask_width)
+    mask_len = torch.where(want, support_len.clamp(max=mask_width), torch.zeros_like(support_len))
+    in_mask = rank[:, :width] < mask_len.unsqueeze(1)
+    result.mask_ids[index, :width] = torch.where(in_mask, ids[:, :width], torch.full_like(ids[:, :width], -1)).to(torch.int32)
+    result.mask_len[index] = mask_len.to(torch.int32)
+    renormalised = torch.where(want, token_logp - support_logmass, torch.zeros_like(token_logp))
+    result.mask_logprobs[index] = renormalised.to(torch.float32)
+
+
+def _sample_unranked(part: dict, result: SamplingResult, index: torch.Tensor) -> None:
+    """Rows with top_k = -1, top_p >= 1 and no mask: Gumbel-max over the whole vocabulary."""
+    logits = part["logits"]
+    row_max = logits.amax(dim=-1)
+    temperature = part["temperature"].to(torch.float64).unsqueeze(1)
+    scaled = (logits.to(torch.float64) - row_max.to(torch.float64).unsqueeze(1)) / temperature
+    log_z = torch.logsumexp(scaled, dim=-1)
+    keep = (logits > float("-inf")) & (scaled.exp() >= part["min_p"].to(torch.float64).unsqueeze(1))
+    vocab_ids = torch.arange(logits.shape[1], device=logits.device).unsqueeze(0)
+    noise = rng.gumbel(part["state"].unsqueeze(1), vocab_ids)
+    score = torch.where(keep, scaled + noise, torch.tensor(float("-inf"), dtype=torch.float64, device=logits.device))
+    pick = score.argmax(dim=-1, keepdim=True)
+    result.token_ids[index] = pick.squeeze(1)
+    result.logprobs[index] = (scaled.gather(1, pick).squeeze(1) - log_z).to(torch.float32)

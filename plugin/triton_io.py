@@ -1,0 +1,82 @@
+"""Triton request parsing and response building for the sampler inputs and outputs.
+
+`pb_utils` (the Python backend's `triton_python_backend_utils`) is passed in, so this package
+imports without Triton and the same code serves every model that takes sampler parameters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .params import LOGITS, PARAM_SPECS, SEED, RowParams
+from .validation import SamplingRequestError, check_vocab_size
+
+
+@dataclass
+class ParsedRequest:
+    """One request's rows: logits [rows, V] on the sampling device and their parameters."""
+
+    logits: torch.Tensor
+    params: RowParams
+
+    @property
+    def rows(self) -> int:
+        return self.logits.shape[0]
+
+
+def input_to_torch(tensor, device: torch.device) -> torch.Tensor:
+    """A pb_utils.Tensor as a torch tensor on `device`, via DLPack when Triton left it on a GPU."""
+    if tensor.is_cpu():
+        return torch.from_numpy(tensor.as_numpy()).to(device)
+    return torch.from_dlpack(tensor.to_dlpack()).to(device)
+
+
+def read_params(request, pb_utils, rows: int) -> RowParams:
+    """The optional per-row scalars of a request, defaults filled in; shapes checked per field."""
+    params = RowParams.defaults(rows)
+    for spec in PARAM_SPECS:
+        tensor = pb_utils.get_input_tensor_by_name(request, spec.name)
+        if tensor is None:
+            continue
+        values = tensor.as_numpy()
+        if values.dtype != np.dtype(spec.dtype):
+            raise SamplingRequestError(spec.name, f"{spec.name} must be {np.dtype(spec.dtype).name}, got {values.dtype}")
+        if values.size != rows or values.ndim not in (1, 2):
+            raise SamplingRequestError(
+                spec.name,
+                f"{spec.name} must have shape [{rows}, 1] (one value per logits row), got {list(values.shape)}",
+            )
+        setattr(params, spec.name, values.reshape(rows))
+        if spec is SEED:
+            params.has_seed = np.ones(rows, np.bool_)
+    return params
+
+
+def parse_request(request, pb_utils, device: torch.device, max_vocab_size: int) -> ParsedRequest:
+    """Logits and parameters of one request; raises SamplingRequestError naming a bad field."""
+    tensor = pb_utils.get_input_tensor_by_name(request, LOGITS)
+    if tensor is None:
+        raise SamplingRequestError(LOGITS, "missing required input 'logits'")
+    shape = list(tensor.shape())
+    if len(shape) != 2:
+        raise SamplingRequestError(LOGITS, f"logits must have shape [rows, vocab], got {shape}")
+    check_vocab_size(shape[1], max_vocab_size)
+    logits = input_to_torch(tensor, device)
+    if logits.dtype != torch.float32:
+        raise SamplingRequestError(LOGITS, f"logits must be float32, got {logits.dtype}")
+    return ParsedRequest(logits=logits, params=read_params(request, pb_utils, shape[0]))
+
+
+def error_response(pb_utils, message: str, code_name: str = "INVALID_ARG"):
+    """A per-request error response (INVALID_ARG: HTTP 400 / gRPC INVALID_ARGUMENT)."""
+    code = getattr(pb_utils.TritonError, code_name)
+    return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message, code))
+
+
+def sampler_response(pb_utils, outputs: dict[str, np.ndarray]):
+    """A response carrying the sampler outputs (numpy arrays keyed by output name)."""
+    tensors = [pb_utils.Tensor(name, np.ascontiguousarray(value)) for name, value in outputs.items()]
+    return pb_utils.InferenceResponse(output_tensors=tensors)

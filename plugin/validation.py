@@ -1,0 +1,147 @@
+"""Request rules shared by every model and the client: parameter ranges and mask admission.
+
+Every rule is checked vectorised over the rows of a batch; a failing row yields one message that
+names the offending field. The model turns a message into a per-request INVALID_ARG (HTTP 400 /
+gRPC INVALID_ARGUMENT); the other requests of the batch are unaffected.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from .params import TOP_K_ALL, RowParams
+
+UNBOUNDED_MASK_MESSAGE = (
+    "return_sampling_mask requires finite top_k; top_p-only sampling is valid but can return "
+    "huge masks in the tail, blowing up metadata, so we need a safety cap."
+)
+SPECULATIVE_MASK_MESSAGE = "return_sampling_mask is not supported with speculative decoding."
+
+
+def backend_mask_message(backend_name: str) -> str:
+    """The rejection for mask requests on a sampling backend that builds no support."""
+    return f"return_sampling_mask is not supported with the {backend_name} sampling backend."
+
+
+class SamplingRequestError(ValueError):
+    """A user error in a request: the model answers it with INVALID_ARG, naming `field`."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+        self.message = message
+
+
+class Rejection(NamedTuple):
+    """Why a row is refused: a short `reason` label (for metrics) and the user-facing message."""
+
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class MaskPolicy:
+    """What a deployment allows for mask requests (read from the model's config.pbtxt)."""
+
+    mask_width: int
+    width_source: str  # where the width is set, quoted in the over-width message
+    speculative_algorithm: str = "none"
+    backend_name: str = "torch"
+    backend_builds_support: bool = True
+
+    @property
+    def speculative(self) -> bool:
+        return self.speculative_algorithm.strip().lower() not in ("", "none")
+
+
+def effective_top_k(params: RowParams, vocab_size: int) -> np.ndarray:
+    """Largest support each row can have: 1 for greedy, else min(top_k, V) (V when top_k is -1)."""
+    top_k = params.top_k.astype(np.int64)
+    bounded = np.where(top_k == TOP_K_ALL, vocab_size, np.minimum(top_k, vocab_size))
+    return np.where(params.temperature == 0, 1, bounded)
+
+
+def check_scalar_ranges(params: RowParams) -> np.ndarray:
+    """Per-row Rejection (or None) for parameters outside their documented ranges."""
+    t, k, p, mp = params.temperature, params.top_k, params.top_p, params.min_p
+    with np.errstate(invalid="ignore"):
+        rules = [
+            ("temperature", ~np.isfinite(t) | (t < 0), lambda i: f"temperature must be a finite number >= 0 (0 means greedy), got {t[i]}"),
+            ("top_k", (k == 0) | (k < TOP_K_ALL), lambda i: f"top_k must be -1 (whole vocabulary) or >= 1, got {k[i]}"),
+            ("top_p", ~(p > 0) | ~(p <= 1), lambda i: f"top_p must be in (0, 1], got {p[i]}"),
+            ("min_p", ~(mp >= 0) | ~(mp < 1), lambda i: f"min_p must be in [0, 1), got {mp[i]}"),
+        ]
+    return _first_failure(params.rows, rules)
+
+
+def check_mask_admission(params: RowParams, vocab_size: int, policy: MaskPolicy) -> np.ndarray:
+    """Per-row Rejection (or None) for mask requests this deployment must refuse (SGLang #35205)."""
+    wants = params.return_sampling_mask.astype(bool)
+    greedy = params.temperature == 0
+    k_eff = effective_top_k(params, vocab_size)
+    rules = [
+        # Greedy rows have a one-token support, so they are bounded whatever top_k says.
+        ("mask_unbounded", wants & ~greedy & (params.top_k == TOP_K_ALL), lambda i: UNBOUNDED_MASK_MESSAGE),
+        (
+            "mask_over_width",
+            wants & (k_eff > policy.mask_width),
+            lambda i: (
+                f"return_sampling_mask with top_k={params.top_k[i]} can return up to {k_eff[i]} ids, "
+                f"more than the sampling-mask width W={policy.mask_width}; lower top_k to at most "
+                f"{policy.mask_width} or raise W ({policy.width_source})"
+            ),
+        ),
+        ("mask_speculative", wants & policy.speculative, lambda i: SPECULATIVE_MASK_MESSAGE),
+        ("mask_backend", wants & (not policy.backend_builds_support), lambda i: backend_mask_message(policy.backend_name)),
+    ]
+    return _first_failure(params.rows, rules)
+
+
+def check_logit_rows(row_max: np.ndarray) -> np.ndarray:
+    """Per-row Rejection (or None) from each row's maximum logit (NaN propagates through max)."""
+    rules = [
+        ("logits_nan", np.isnan(row_max), lambda i: "logits must not contain NaN"),
+        ("logits_inf", row_max == np.inf, lambda i: "logits must not contain +inf"),
+        ("logits_all_neg_inf", row_max == -np.inf, lambda i: "logits must have at least one finite value (every entry is -inf)"),
+    ]
+    return _first_failure(len(row_max), rules)
+
+
+def check_rows(params: RowParams, row_max: np.ndarray, vocab_size: int, policy: MaskPolicy) -> np.ndarray:
+    """All row rules in order (ranges, mask admission, logits); per-row Rejection or None."""
+    errors = check_scalar_ranges(params)
+    ok = _is_none(errors)
+    if ok.any():
+        # Admission assumes sane ranges, so only rows that passed them are checked further.
+        errors[ok] = check_mask_admission(params.take(ok), vocab_size, policy)
+    ok = _is_none(errors)
+    if ok.any():
+        errors[ok] = check_logit_rows(row_max[ok])
+    return errors
+
+
+def check_vocab_size(vocab_size: int, max_vocab_size: int) -> None:
+    """Raise for an empty vocabulary or one above the deployment's `max_vocab_size`."""
+    if vocab_size < 1:
+        raise SamplingRequestError("logits", "logits must have a non-empty vocabulary dimension, got 0 entries")
+    if vocab_size > max_vocab_size:
+        raise SamplingRequestError(
+            "logits", f"logits vocabulary size {vocab_size} exceeds max_vocab_size={max_vocab_size}"
+        )
+
+
+def _first_failure(rows: int, rules) -> np.ndarray:
+    """Apply (reason, bad_mask, message_fn) rules in order; a row keeps its first Rejection."""
+    errors = np.full(rows, None, dtype=object)
+    for reason, bad, message in rules:
+        fresh = np.flatnonzero(np.broadcast_to(bad, (rows,)) & _is_none(errors))
+        for i in fresh:  # error path only: valid rows never enter this loop
+            errors[i] = Rejection(reason, message(i))
+    return errors
+
+
+def _is_none(errors: np.ndarray) -> np.ndarray:
+    return np.equal(errors, None).astype(bool)

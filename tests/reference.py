@@ -1,0 +1,56 @@
+"""Independent float64 numpy brute force of the sampling semantics, for tests only.
+
+It sorts the whole vocabulary with numpy (lexsort on (-logit, id)) and applies each rule to the
+float64 probabilities, sharing no code with the torch sampler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class ReferenceRow:
+    order: np.ndarray  # every token id, most probable first, ties by lower id
+    logprobs: np.ndarray  # float64 log-probabilities under softmax(logits / T), indexed by token id
+    support_min: int  # support length when every boundary comparison is decided against the token
+    support_max: int  # ... and for the token; equal unless a boundary lies within `tolerance`
+
+    @property
+    def support(self) -> np.ndarray:
+        assert self.support_min == self.support_max, "ambiguous boundary"
+        return self.order[: self.support_min]
+
+    def renormalised_logprob(self, token: int, support_len: int) -> float:
+        """log p(token) - log sum_{support} p."""
+        support = self.order[:support_len]
+        return float(self.logprobs[token] - np.logaddexp.reduce(self.logprobs[support]))
+
+
+def reference_row(logits, temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0, tolerance=1e-6) -> ReferenceRow:
+    """The support of one row by the documented rules, computed in float64."""
+    logits = np.asarray(logits, dtype=np.float64)
+    vocab = logits.size
+    ids = np.arange(vocab)
+    order = np.lexsort((ids, -logits))
+    if temperature == 0:  # greedy: SGLang's top_k = 1 at temperature 1
+        temperature, top_k = 1.0, 1
+    scaled = logits / temperature
+    finite = np.isfinite(scaled)
+    shifted = np.where(finite, scaled - scaled[finite].max(), -np.inf)
+    logprobs = shifted - np.log(np.exp(shifted).sum())
+    sorted_p = np.exp(logprobs[order])
+    k = vocab if top_k == -1 else min(top_k, vocab)
+    rank = np.arange(vocab)
+
+    def support_len(slack: float) -> int:
+        keep = (rank < k) & np.isfinite(logits[order])
+        if top_p < 1:
+            keep &= (np.cumsum(sorted_p) - sorted_p) <= top_p + slack
+        keep &= sorted_p >= min_p * sorted_p[0] - slack * sorted_p[0]
+        # Every rule keeps a prefix; count the prefix, which also checks that property.
+        return int(np.argmin(keep)) if not keep.all() else vocab
+
+    return ReferenceRow(order, logprobs, support_len(-tolerance), support_len(tolerance))
