@@ -1,0 +1,175 @@
+"""The torch sampler against the independent float64 numpy reference (tests/reference.py)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from scipy import stats
+
+from .reference import reference_row
+from .sampling import run_sampler
+
+TOLERANCE = 1e-6
+
+
+@st.composite
+def sampling_cases(draw):
+    """Random batches: real-valued or tied integer logits (some -inf), mixed per-row parameters."""
+    rows = draw(st.integers(1, 5))
+    vocab = draw(st.integers(1, 80))
+    tied = draw(st.booleans())
+    element = st.integers(-3, 3).map(float) if tied else st.floats(-30, 30, width=32)
+    logits = np.array(draw(st.lists(st.lists(element, min_size=vocab, max_size=vocab), min_size=rows, max_size=rows)), np.float32)
+    banned = np.array(draw(st.lists(st.lists(st.booleans(), min_size=vocab, max_size=vocab), min_size=rows, max_size=rows)))
+    banned[:, 0] = False  # keep at least one finite logit per row
+    logits[banned & draw(st.booleans())] = -np.inf
+    per_row = lambda strategy: draw(st.lists(strategy, min_size=rows, max_size=rows))  # noqa: E731
+    return dict(
+        logits=logits,
+        temperature=np.array(per_row(st.one_of(st.just(0.0), st.floats(0.0625, 4.0, width=32))), np.float32),
+        top_k=np.array(per_row(st.one_of(st.just(-1), st.integers(1, vocab + 3))), np.int64),
+        top_p=np.array(per_row(st.one_of(st.just(1.0), st.floats(0.0078125, 1.0, width=32))), np.float32),
+        min_p=np.array(per_row(st.one_of(st.just(0.0), st.floats(0.0, 0.9375, width=32))), np.float32),
+        seed=np.array(per_row(st.integers(-(2**63), 2**63 - 1)), np.int64),
+        want_mask=np.array(per_row(st.booleans())),
+    )
+
+
+def _reference(case, row):
+    return reference_row(
+        case["logits"][row],
+        float(case["temperature"][row]),
+        int(case["top_k"][row]),
+        float(case["top_p"][row]),
+        float(case["min_p"][row]),
+        tolerance=TOLERANCE,
+    )
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(sampling_cases())
+def test_sampler_matches_float64_reference(case):
+    out = run_sampler(**case, mask_width=100)
+    for row in range(len(case["logits"])):
+        ref = _reference(case, row)
+        token = int(out["ids"][row])
+        assert token in ref.order[: ref.support_max], "sampled id outside the support"
+        assert out["logprobs"][row] == pytest.approx(ref.logprobs[token], rel=1e-5, abs=1e-4)
+        length = int(out["mask_len"][row])
+        if not case["want_mask"][row]:
+            assert length == 0 and (out["mask"][row] == -1).all() and out["mask_logprobs"][row] == 0
+            continue
+        assert ref.support_min <= length <= ref.support_max
+        np.testing.assert_array_equal(out["mask"][row, :length], ref.order[:length])
+        assert (out["mask"][row, length:] == -1).all()
+        assert token in out["mask"][row, :length]
+        renormalised = ref.renormalised_logprob(token, length)
+        assert out["mask_logprobs"][row] == pytest.approx(renormalised, rel=1e-5, abs=1e-5)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(sampling_cases())
+def test_rows_are_independent_of_their_batch_and_of_the_mask_flag(case):
+    together = run_sampler(**case, mask_width=100)
+    for row in range(len(case["logits"])):
+        alone = {k: (v[row : row + 1] if isinstance(v, np.ndarray) else v) for k, v in case.items()}
+        single = run_sampler(**alone, mask_width=100)
+        assert single["ids"][0] == together["ids"][row]
+        np.testing.assert_array_equal(single["mask"][0], together["mask"][row])
+        flipped = run_sampler(**{**alone, "want_mask": ~alone["want_mask"]}, mask_width=100)
+        assert flipped["ids"][0] == together["ids"][row], "asking for the mask changed the token"
+
+
+def test_issue_examples():
+    logits = np.log(np.array([[0.4, 0.3, 0.2, 0.1]] * 2))
+    out = run_sampler(logits, top_k=[3, 2], top_p=[1.0, 0.55], min_p=[0.6, 0.0], seed=[1, 2])
+    for row in range(2):
+        assert out["mask_len"][row] == 2
+        np.testing.assert_array_equal(out["mask"][row, :2], [0, 1])
+    token = out["ids"][0]
+    assert out["mask_logprobs"][0] == pytest.approx(math.log([0.4, 0.3][token] / 0.7), abs=1e-6)
+
+
+def test_ties_are_ranked_by_lower_id():
+    out = run_sampler(np.zeros((1, 10)), top_k=4)
+    np.testing.assert_array_equal(out["mask"][0, :4], [0, 1, 2, 3])
+
+
+def test_boundary_ties_keep_the_lowest_ids_when_topk_would_not():
+    # Many rows, each with a different number of candidates strictly above a tied boundary value.
+    rng = np.random.default_rng(3)
+    logits = rng.integers(0, 4, size=(6, 3000)).astype(np.float32)
+    logits[np.arange(6), rng.integers(0, 3000, 6)] = 9.0
+    out = run_sampler(logits, top_k=[1, 5, 17, 40, 64, 7], seed=np.arange(6), mask_width=64)
+    for row, k in enumerate([1, 5, 17, 40, 64, 7]):
+        expected = reference_row(logits[row], top_k=k).support
+        np.testing.assert_array_equal(out["mask"][row, :k], expected)
+
+
+def test_greedy_takes_the_lowest_argmax_with_a_singleton_mask():
+    logits = np.array([[1.0, 5.0, 5.0, 2.0]])
+    out = run_sampler(logits, temperature=0.0, top_k=-1, top_p=0.3, seed=7)
+    assert out["ids"][0] == 1 and out["mask_len"][0] == 1 and out["mask"][0, 0] == 1
+    assert out["mask_logprobs"][0] == 0.0
+    ref = reference_row(logits[0], temperature=1.0)
+    assert out["logprobs"][0] == pytest.approx(ref.logprobs[1], abs=1e-6)
+
+
+def test_banned_tokens_never_enter_the_support():
+    logits = np.array([[0.0, -np.inf, -np.inf, 1.0, -np.inf]])
+    out = run_sampler(logits, top_k=5)
+    assert out["mask_len"][0] == 2
+    np.testing.assert_array_equal(out["mask"][0, :2], [3, 0])
+
+
+def test_top_p_one_keeps_the_whole_tail():
+    # With top_p == 1 no float round-off may drop tokens whose cumulative mass reaches 1.
+    logits = np.concatenate([[40.0], np.full(30, -40.0)])[None]
+    out = run_sampler(logits, top_k=31, top_p=1.0)
+    assert out["mask_len"][0] == 31
+
+
+def test_same_seed_same_token_and_different_seeds_differ():
+    logits = np.random.default_rng(0).standard_normal((1, 500))
+    first = [run_sampler(logits, top_k=200, seed=42)["ids"][0] for _ in range(3)]
+    assert len(set(first)) == 1
+    many = run_sampler(np.repeat(logits, 64, axis=0), top_k=200, seed=np.arange(64))["ids"]
+    assert len(set(many.tolist())) > 20
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        dict(top_k=4, top_p=0.9, temperature=0.7),  # top-k selection path
+        dict(top_k=-1, top_p=0.8, temperature=1.3),  # full-sort path
+        dict(top_k=-1, top_p=1.0, min_p=0.05, temperature=1.0),  # no-ranking path
+    ],
+)
+def test_draws_follow_the_renormalised_distribution(params):
+    logits = np.array([[2.0, 1.5, 1.5, 0.3, -0.5, -1.0, -2.0, -np.inf]], np.float32)
+    draws = 40000
+    out = run_sampler(np.repeat(logits, draws, axis=0), seed=np.arange(draws) * 7919 + 11, want_mask=False, **params)
+    ref = reference_row(logits[0], **params)
+    support = ref.support
+    probs = np.exp(ref.logprobs[support] - np.logaddexp.reduce(ref.logprobs[support]))
+    counts = np.array([(out["ids"] == token).sum() for token in support])
+    assert counts.sum() == draws, "a draw fell outside the support"
+    _, p_value = stats.chisquare(counts, probs * draws)
+    assert p_value > 1e-4, (counts, probs * draws)
+
+
+@pytest.mark.parametrize("top_p, expected", [(0.3001, 4), (0.2999, 3), (0.1001, 2), (0.0999, 1)])
+def test_top_p_counts_the_mass_strictly_before_each_token(top_p, expected):
+    out = run_sampler(np.zeros((1, 10)), top_k=10, top_p=top_p)
+    assert out["mask_len"][0] == expected
+
+
+@pytest.mark.parametrize("min_p, expected", [(0.4999, 2), (0.5001, 1)])
+def test_min_p_is_relative_to_the_top_probability(min_p, expected):
+    logits = np.log(np.array([[0.4, 0.2, 0.1, 0.05]]))  # p / p_max = 1, 0.5, 0.25, 0.125
+    out = run_sampler(logits, top_k=4, min_p=min_p)
+    assert out["mask_len"][0] == expected
