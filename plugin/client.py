@@ -123,7 +123,8 @@ def _wire_arrays(logits: np.ndarray, params: RowParams) -> dict[str, tuple[np.nd
 
 
 def _parse(result) -> SampleResult:
-    out = {name: result.as_numpy(name) for name in OUTPUT_NAMES}
+    # tritonclient may hand read-only views of its buffers; own copies are safe to use with torch.
+    out = {name: np.array(result.as_numpy(name)) for name in OUTPUT_NAMES}
     return SampleResult(
         token_ids=out["output_ids"].reshape(-1),
         logprobs=out["output_logprobs"].reshape(-1),

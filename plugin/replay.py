@@ -18,7 +18,7 @@ import torch
 def _tensor(value, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         return value.to(device=device, dtype=dtype or value.dtype)
-    return torch.as_tensor(np.asarray(value), device=device, dtype=dtype)
+    return torch.tensor(np.asarray(value), device=device, dtype=dtype)  # a copy: inputs may be read-only
 
 
 def replay_logprobs(logits: torch.Tensor, mask, mask_len, temperature, token_ids) -> torch.Tensor:
