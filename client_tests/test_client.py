@@ -95,6 +95,29 @@ def test_every_transport_gives_the_same_seeded_draws(triton_server, logits):
         assert asyncio.run(run_async(protocol, shm)) == expected, (protocol, shm)
 
 
+def test_calls_beyond_max_batch_size_are_split_in_order(triton_server, client):
+    config = text_format.Parse((MODEL_REPOSITORY / "sampler" / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
+    assert client.server_limits().max_batch_size == config.max_batch_size
+    rows = config.max_batch_size + 3
+    logits = np.random.default_rng(9).standard_normal((rows, 50)).astype(np.float32)
+    params = [SamplingParams(temperature=1.0, top_k=8, seed=i, return_sampling_mask=True) for i in range(rows)]
+    whole = client.sample(logits, params)
+    assert whole.token_ids.shape == (rows,) and whole.sampling_mask.shape[0] == rows
+    url = url_for(triton_server, client.protocol)
+    with SamplerClient(url, protocol=client.protocol, max_batch_size=7) as small:
+        pieces = small.sample(logits, params, use_shared_memory=True)
+
+    async def run_async():
+        async with AsyncSamplerClient(url, protocol=client.protocol, max_batch_size=50) as aclient:
+            return await aclient.sample(logits, params)
+
+    for result in (pieces, asyncio.run(run_async())):
+        np.testing.assert_array_equal(result.token_ids, whole.token_ids)
+        np.testing.assert_array_equal(result.sampling_mask, whole.sampling_mask)
+    # Each row is its own seeded draw: the first row alone gives the same token.
+    assert client.sample(logits[:1], params[0]).token_ids[0] == whole.token_ids[0]
+
+
 def test_unseeded_rows_beside_seeded_ones_keep_the_seeded_draws(client, logits):
     seeded = client.sample(logits[:1], ROWS[0])
     mixed = client.sample(logits[:2], [ROWS[0], SamplingParams(temperature=1.0, top_k=30)])
@@ -140,3 +163,18 @@ def test_bad_requests_raise_before_any_network_call(protocol, logits, params, fi
         with pytest.raises(SamplingRequestError) as info:
             client.sample(logits, params)
     assert info.value.field == field
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_an_unreachable_server_raises_sampler_error(protocol):
+    with SamplerClient(f"127.0.0.1:{free_port()}", protocol=protocol) as client:
+        with pytest.raises(SamplerError) as info:
+            client.sample(np.zeros((1, 4), np.float32))
+    assert not info.value.is_invalid_argument
+
+    async def run():
+        async with AsyncSamplerClient(f"127.0.0.1:{free_port()}", protocol=protocol) as client:
+            await client.sample(np.zeros((1, 4), np.float32))
+
+    with pytest.raises(SamplerError):
+        asyncio.run(run())

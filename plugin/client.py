@@ -13,9 +13,9 @@ travel through system shared memory (`use_shared_memory=True`) when client and s
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import os
-import secrets
 import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -36,9 +36,23 @@ _WIRE_TYPES = {TEMPERATURE: "FP32", TOP_K: "INT32", TOP_P: "FP32", MIN_P: "FP32"
 _PROTOCOLS = ("http", "grpc")
 
 
+def _transport_errors() -> tuple[type[BaseException], ...]:
+    """Failures to reach the server that tritonclient lets through untranslated (HTTP clients)."""
+    try:
+        import aiohttp
+
+        return (OSError, aiohttp.ClientError)
+    except ImportError:
+        return (OSError,)
+
+
+_TRANSPORT_ERRORS = _transport_errors()
+
+
 class SamplerError(Exception):
     """The server refused or failed a request: `status` as tritonclient reports it ("400" over
-    HTTP, "StatusCode.INVALID_ARGUMENT" over gRPC, ...) and the server's `message`."""
+    HTTP, "StatusCode.INVALID_ARGUMENT" over gRPC, ...) and the server's `message`. `status` is
+    None when an HTTP client never got an answer (connection refused, reset...)."""
 
     def __init__(self, status: str | None, message: str):
         super().__init__(f"[{status}] {message}")
@@ -51,8 +65,11 @@ class SamplerError(Exception):
         return self.status in ("400", "StatusCode.INVALID_ARGUMENT")
 
     @classmethod
-    def from_triton(cls, exc: InferenceServerException) -> "SamplerError":
-        return cls(exc.status(), exc.message())
+    def from_exception(cls, exc: BaseException) -> "SamplerError":
+        """From tritonclient's InferenceServerException, or a transport error (status None)."""
+        if isinstance(exc, InferenceServerException):
+            return cls(exc.status(), exc.message())
+        return cls(None, f"could not reach the server: {type(exc).__name__}: {exc}")
 
 
 @dataclass
@@ -77,13 +94,14 @@ def _tritonclient_module(protocol: str, asynchronous: bool):
     return base, (importlib.import_module(f"tritonclient.{protocol}.aio") if asynchronous else base)
 
 
-def _row_list(params: SamplingParams | Sequence[SamplingParams], rows: int) -> list[SamplingParams]:
+def _row_params(params: SamplingParams | Sequence[SamplingParams], rows: int) -> RowParams:
+    """RowParams for `rows` rows from one SamplingParams (repeated) or one per row."""
     if isinstance(params, SamplingParams):
-        return [params] * rows
+        return rows_to_params([params]).take(np.zeros(rows, dtype=np.int64))
     params = list(params)
     if len(params) != rows or not all(isinstance(p, SamplingParams) for p in params):
         raise SamplingRequestError("params", f"params must be one SamplingParams or {rows} of them (one per logits row)")
-    return params
+    return rows_to_params(params)
 
 
 def _as_logits(logits) -> np.ndarray:
@@ -98,14 +116,24 @@ def _as_logits(logits) -> np.ndarray:
     return np.ascontiguousarray(array, dtype=np.float32)
 
 
-def _policy_from_config(config: dict) -> MaskPolicy:
-    """The mask rules the client can know from the model config (W and the speculative switch)."""
+@dataclass(frozen=True)
+class ServerLimits:
+    """What the client needs from the model config: the mask rules (W, speculative switch) and
+    the most rows one request may carry (larger calls are split into several requests)."""
+
+    policy: MaskPolicy
+    max_batch_size: int  # 0: the model takes any batch size
+
+
+def _limits_from_config(config: dict, mask_width: int | None, max_batch_size: int | None) -> ServerLimits:
+    """ServerLimits from a model config (HTTP or gRPC JSON), with the caller's overrides."""
     config = config.get("config", config)  # gRPC's JSON wraps the config
-    return MaskPolicy(
-        mask_width=output_width(config, MASK_OUTPUT),
+    policy = MaskPolicy(
+        mask_width=mask_width or output_width(config, MASK_OUTPUT),
         width_source=f"the dims of output '{MASK_OUTPUT}' in the model's config.pbtxt",
         speculative_algorithm=string_parameter(config, "speculative_algorithm", "none"),
     )
+    return ServerLimits(policy, int(max_batch_size if max_batch_size is not None else config.get("max_batch_size", 0)))
 
 
 def _wire_arrays(logits: np.ndarray, params: RowParams) -> dict[str, tuple[np.ndarray, str]]:
@@ -116,7 +144,7 @@ def _wire_arrays(logits: np.ndarray, params: RowParams) -> dict[str, tuple[np.nd
     for spec, datatype in _WIRE_TYPES.items():
         arrays[spec.name] = (getattr(params, spec.name).reshape(rows, 1).astype(spec.dtype), datatype)
     if params.has_seed.any():
-        fresh = np.array([secrets.randbits(64) for _ in range(rows)], dtype=np.uint64)
+        fresh = np.frombuffer(os.urandom(8 * rows), dtype=np.uint64)
         seed = np.where(params.has_seed, params.seed, fresh).astype(SEED.dtype)
         arrays[SEED.name] = (seed.reshape(rows, 1), "UINT64")
     return arrays
@@ -135,19 +163,36 @@ def _parse(result) -> SampleResult:
 
 
 class _Prepared:
-    """A validated request: its inputs, and the shared-memory region holding the logits if any."""
+    """A validated call: its wire arrays, split into requests of at most `chunk` rows, and the
+    shared-memory region holding all the logits when asked for."""
 
-    def __init__(self, base_module, arrays: dict, use_shared_memory: bool):
-        self.inputs = []
-        self.region = None
-        for name, (array, datatype) in arrays.items():
-            infer_input = base_module.InferInput(name, list(array.shape), datatype)
-            if name == LOGITS and use_shared_memory:
-                self.region = _ShmRegion(array)
-                infer_input.set_shared_memory(self.region.name, array.nbytes)
+    def __init__(self, base_module, arrays: dict, chunk: int, use_shared_memory: bool):
+        self._base = base_module
+        self.arrays = arrays
+        rows = arrays[LOGITS][0].shape[0]
+        chunk = chunk if chunk > 0 else rows
+        self.bounds = [(start, min(start + chunk, rows)) for start in range(0, rows, chunk)]
+        self.region = _ShmRegion(arrays[LOGITS][0]) if use_shared_memory else None
+
+    def inputs(self, start: int, stop: int) -> list:
+        """The InferInputs of rows [start, stop)."""
+        inputs = []
+        for name, (array, datatype) in self.arrays.items():
+            part = array[start:stop]
+            infer_input = self._base.InferInput(name, list(part.shape), datatype)
+            if name == LOGITS and self.region is not None:
+                row_bytes = array[0].nbytes
+                infer_input.set_shared_memory(self.region.name, part.nbytes, offset=start * row_bytes)
             else:
-                infer_input.set_data_from_numpy(array)
-            self.inputs.append(infer_input)
+                infer_input.set_data_from_numpy(np.ascontiguousarray(part))
+            inputs.append(infer_input)
+        return inputs
+
+
+def _concatenate(parts: list[SampleResult]) -> SampleResult:
+    if len(parts) == 1:
+        return parts[0]
+    return SampleResult(**{f: np.concatenate([getattr(p, f) for p in parts]) for f in SampleResult.__dataclass_fields__})
 
 
 class _ShmRegion:
@@ -168,53 +213,74 @@ class _ShmRegion:
 
 
 class _SamplerClientBase:
-    def __init__(self, url: str, protocol: str, model_name: str, mask_width: int | None, asynchronous: bool, **kwargs):
+    def __init__(self, url, protocol, model_name, mask_width, max_batch_size, asynchronous, **kwargs):
         self.protocol = protocol
         self.model_name = model_name
         self._base, module = _tritonclient_module(protocol, asynchronous)
-        self._policy = None if mask_width is None else MaskPolicy(mask_width, "the mask_width given to the client")
+        self._mask_width = mask_width
+        self._max_batch_size = max_batch_size
+        self._limits: ServerLimits | None = None
         self._client = module.InferenceServerClient(url, **kwargs)
 
+    def _config_kwargs(self) -> dict:
+        return {"as_json": True} if self.protocol == "grpc" else {}
+
     def _validated(self, logits, params) -> tuple[np.ndarray, RowParams]:
-        """Logits and row parameters checked by every rule that needs no server knowledge."""
+        """Logits and row parameters checked by every rule that needs no server round trip."""
         array = _as_logits(logits)
-        row_params = rows_to_params(_row_list(params, array.shape[0]))
+        row_params = _row_params(params, array.shape[0])
         check_rows_like_server(row_params, array.shape[1])
         rejections = check_logit_rows(array.max(axis=1))  # NaN propagates through max
         failed = np.flatnonzero(~np.equal(rejections, None).astype(bool))
         if failed.size:
             suffix = f" (row {failed[0]})" if len(rejections) > 1 else ""
             raise SamplingRequestError(LOGITS, rejections[failed[0]].message + suffix)
+        if self._mask_width is not None and row_params.return_sampling_mask.any():
+            given = MaskPolicy(self._mask_width, "the mask_width given to the client")
+            check_rows_like_server(row_params, array.shape[1], given)
         return array, row_params
 
-    def _prepare(self, array: np.ndarray, row_params: RowParams, policy: MaskPolicy | None, use_shared_memory: bool) -> _Prepared:
-        """Apply the width rule once the server's W is known, then build the inputs."""
-        if policy is not None:
-            check_rows_like_server(row_params, array.shape[1], policy)
-        return _Prepared(self._base, _wire_arrays(array, row_params), use_shared_memory)
+    def _prepare(self, array: np.ndarray, row_params: RowParams, limits: ServerLimits, use_shared_memory: bool) -> _Prepared:
+        """Apply the deployment's mask rules, then lay out the requests."""
+        if row_params.return_sampling_mask.any():
+            check_rows_like_server(row_params, array.shape[1], limits.policy)
+        return _Prepared(self._base, _wire_arrays(array, row_params), limits.max_batch_size, use_shared_memory)
 
 
 class SamplerClient(_SamplerClientBase):
     """Synchronous client for the sampler model over tritonclient HTTP ("host:8000") or gRPC
-    ("host:8001"). `mask_width` skips reading W from the server's model config."""
+    ("host:8001"). The mask width W and max_batch_size are read once from the model config;
+    passing both `mask_width` and `max_batch_size` skips that call. Extra keyword arguments go
+    to tritonclient's InferenceServerClient."""
 
-    def __init__(self, url: str, protocol: str = "http", model_name: str = DEFAULT_MODEL, mask_width: int | None = None, **kwargs):
-        super().__init__(url, protocol, model_name, mask_width, False, **kwargs)
+    def __init__(self, url: str, protocol: str = "http", model_name: str = DEFAULT_MODEL,
+                 mask_width: int | None = None, max_batch_size: int | None = None, **kwargs):
+        super().__init__(url, protocol, model_name, mask_width, max_batch_size, False, **kwargs)
+
+    def server_limits(self) -> ServerLimits:
+        """The deployment's mask rules and batch limit, read once from the model config."""
+        if self._limits is None:
+            config = {}
+            if self._mask_width is None or self._max_batch_size is None:
+                config = self._call(self._client.get_model_config, self.model_name, **self._config_kwargs())
+            self._limits = _limits_from_config(config, self._mask_width, self._max_batch_size)
+        return self._limits
 
     def mask_policy(self) -> MaskPolicy:
-        """The server's mask width W (and speculative switch), read once from its model config."""
-        if self._policy is None:
-            config = self._call(self._client.get_model_config, self.model_name, **self._json())
-            self._policy = _policy_from_config(config)
-        return self._policy
+        """The server's mask rules: the mask width W and its speculative switch."""
+        return self.server_limits().policy
 
-    def sample(self, logits, params: SamplingParams | Sequence[SamplingParams] = SamplingParams(), *, use_shared_memory: bool = False) -> SampleResult:
-        """Sample one token per row of `logits` [B, V] with one SamplingParams for all rows or one per row."""
+    def sample(self, logits, params: SamplingParams | Sequence[SamplingParams] = SamplingParams(), *,
+               use_shared_memory: bool = False) -> SampleResult:
+        """Sample one token per row of `logits` [B, V] with one SamplingParams for all rows or one
+        per row; more rows than max_batch_size go as several requests, answered in order."""
         array, row_params = self._validated(logits, params)
-        policy = self.mask_policy() if row_params.return_sampling_mask.any() else None
-        prepared = self._prepare(array, row_params, policy, use_shared_memory)
+        prepared = self._prepare(array, row_params, self.server_limits(), use_shared_memory)
         with self._registered(prepared.region):
-            return _parse(self._call(self._client.infer, self.model_name, prepared.inputs))
+            return _concatenate([
+                _parse(self._call(self._client.infer, self.model_name, prepared.inputs(start, stop)))
+                for start, stop in prepared.bounds
+            ])
 
     @contextmanager
     def _registered(self, region: _ShmRegion | None):
@@ -230,15 +296,12 @@ class SamplerClient(_SamplerClientBase):
         finally:
             region.close()
 
-    def _json(self) -> dict:
-        return {"as_json": True} if self.protocol == "grpc" else {}
-
     @staticmethod
     def _call(method, *args, **kwargs):
         try:
             return method(*args, **kwargs)
-        except InferenceServerException as exc:
-            raise SamplerError.from_triton(exc) from None
+        except (InferenceServerException, *_TRANSPORT_ERRORS) as exc:
+            raise SamplerError.from_exception(exc) from None
 
     def close(self) -> None:
         self._client.close()
@@ -251,30 +314,41 @@ class SamplerClient(_SamplerClientBase):
 
 
 class AsyncSamplerClient(_SamplerClientBase):
-    """The asyncio twin of SamplerClient (tritonclient.http.aio / tritonclient.grpc.aio)."""
+    """The asyncio twin of SamplerClient (tritonclient.http.aio / tritonclient.grpc.aio); the
+    requests of a call larger than max_batch_size are sent concurrently."""
 
-    def __init__(self, url: str, protocol: str = "http", model_name: str = DEFAULT_MODEL, mask_width: int | None = None, **kwargs):
-        super().__init__(url, protocol, model_name, mask_width, True, **kwargs)
+    def __init__(self, url: str, protocol: str = "http", model_name: str = DEFAULT_MODEL,
+                 mask_width: int | None = None, max_batch_size: int | None = None, **kwargs):
+        super().__init__(url, protocol, model_name, mask_width, max_batch_size, True, **kwargs)
+
+    async def server_limits(self) -> ServerLimits:
+        """The deployment's mask rules and batch limit, read once from the model config."""
+        if self._limits is None:
+            config = {}
+            if self._mask_width is None or self._max_batch_size is None:
+                config = await self._call(self._client.get_model_config(self.model_name, **self._config_kwargs()))
+            self._limits = _limits_from_config(config, self._mask_width, self._max_batch_size)
+        return self._limits
 
     async def mask_policy(self) -> MaskPolicy:
-        """The server's mask width W (and speculative switch), read once from its model config."""
-        if self._policy is None:
-            extra = {"as_json": True} if self.protocol == "grpc" else {}
-            config = await self._call(self._client.get_model_config(self.model_name, **extra))
-            self._policy = _policy_from_config(config)
-        return self._policy
+        """The server's mask rules: the mask width W and its speculative switch."""
+        return (await self.server_limits()).policy
 
-    async def sample(self, logits, params: SamplingParams | Sequence[SamplingParams] = SamplingParams(), *, use_shared_memory: bool = False) -> SampleResult:
+    async def sample(self, logits, params: SamplingParams | Sequence[SamplingParams] = SamplingParams(), *,
+                     use_shared_memory: bool = False) -> SampleResult:
         """As SamplerClient.sample, awaited."""
         array, row_params = self._validated(logits, params)
-        policy = await self.mask_policy() if row_params.return_sampling_mask.any() else None
-        prepared = self._prepare(array, row_params, policy, use_shared_memory)
+        prepared = self._prepare(array, row_params, await self.server_limits(), use_shared_memory)
         region = prepared.region
         try:
             if region is not None:
                 await self._call(self._client.register_system_shared_memory(region.name, region.key, region.byte_size))
             try:
-                return _parse(await self._call(self._client.infer(self.model_name, prepared.inputs)))
+                results = await asyncio.gather(*(
+                    self._call(self._client.infer(self.model_name, prepared.inputs(start, stop)))
+                    for start, stop in prepared.bounds
+                ))
+                return _concatenate([_parse(r) for r in results])
             finally:
                 if region is not None:
                     await self._call(self._client.unregister_system_shared_memory(region.name))
@@ -286,8 +360,8 @@ class AsyncSamplerClient(_SamplerClientBase):
     async def _call(awaitable):
         try:
             return await awaitable
-        except InferenceServerException as exc:
-            raise SamplerError.from_triton(exc) from None
+        except (InferenceServerException, *_TRANSPORT_ERRORS) as exc:
+            raise SamplerError.from_exception(exc) from None
 
     async def close(self) -> None:
         await self._client.close()

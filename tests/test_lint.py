@@ -31,3 +31,24 @@ def test_dockerfile_passes_hadolint():
 @pytest.mark.parametrize("script", SHELL_SCRIPTS, ids=lambda p: str(p.relative_to(REPO_ROOT)))
 def test_shell_scripts_pass_shellcheck(script):
     run([tool("shellcheck"), str(script)])
+
+
+def test_dockerfile_copies_only_files_that_exist():
+    lines = (REPO_ROOT / "docker" / "Dockerfile").read_text().splitlines()
+    sources = [part for line in lines if line.startswith("COPY ") for part in line.split()[1:-1]]
+    assert sources, "the Dockerfile copies nothing"
+    for source in sources:
+        assert (REPO_ROOT / source).exists(), source
+
+
+def test_compose_reserves_gpus_and_shared_memory():
+    import yaml
+
+    compose = yaml.safe_load((REPO_ROOT / "docker" / "compose.yaml").read_text())
+    service = compose["services"]["sampler"]
+    context = (REPO_ROOT / "docker" / service["build"]["context"]).resolve()
+    assert (context / service["build"]["dockerfile"]).is_file()
+    devices = service["deploy"]["resources"]["reservations"]["devices"]
+    assert any(d["driver"] == "nvidia" and "gpu" in d["capabilities"] for d in devices)
+    assert service["shm_size"]
+    assert {p.split(":")[1] for p in service["ports"]} == {"8000", "8001", "8002"}
