@@ -10,7 +10,7 @@ from tritonclient.grpc import model_config_pb2
 
 from triton_sampling_mask.gpu_repository import build_gpu_repository, gpu_config_text
 from triton_sampling_mask.model_config import instance_device
-from triton_sampling_mask.triton_io import input_to_numpy, input_to_torch
+from triton_sampling_mask.triton_io import input_to_numpy, input_to_torch, read_params
 
 from client_tests.server import MODEL_REPOSITORY
 
@@ -64,10 +64,43 @@ class DeviceTensor:
         return torch.utils.dlpack.to_dlpack(self.tensor)
 
 
-@pytest.mark.parametrize("values", [np.array([[0.5], [2.0]], np.float32), np.array([[7], [-1]], np.int32)])
+@pytest.mark.parametrize(
+    "values",
+    [
+        np.array([[0.5], [2.0]], np.float32),
+        np.array([[7], [-1]], np.int32),
+        np.array([[2**64 - 1], [3]], np.uint64),
+        np.array([[True], [False]]),
+    ],
+    ids=lambda v: v.dtype.name,
+)
 def test_device_inputs_are_read_through_dlpack(values):
     tensor = DeviceTensor(torch.from_numpy(values).to(DEVICE))
     np.testing.assert_array_equal(input_to_numpy(tensor), values)
     moved = input_to_torch(tensor, DEVICE)
     assert moved.device == DEVICE
     np.testing.assert_array_equal(moved.cpu().numpy(), values)
+
+
+class InputsByName:
+    """Stands in for pb_utils' input lookup over a dict request (only what read_params calls)."""
+
+    @staticmethod
+    def get_input_tensor_by_name(request, name):
+        return request.get(name)
+
+
+def test_request_parameters_left_on_the_device_are_parsed():
+    on_device = lambda array: DeviceTensor(torch.from_numpy(array).to(DEVICE))  # noqa: E731
+    request = {
+        "temperature": on_device(np.array([[0.5], [0.0]], np.float32)),
+        "top_k": on_device(np.array([[4], [1]], np.int32)),
+        "seed": on_device(np.array([[2**63 + 5], [1]], np.uint64)),
+        "return_sampling_mask": on_device(np.array([[True], [False]])),
+    }
+    params = read_params(request, InputsByName, 2)
+    assert params.temperature.tolist() == [0.5, 0.0]
+    assert params.top_k.tolist() == [4, 1]
+    assert params.seed.tolist() == [2**63 + 5, 1] and params.has_seed.all()
+    assert params.return_sampling_mask.tolist() == [True, False]
+    assert params.top_p.tolist() == [1.0, 1.0]  # absent inputs keep their defaults
