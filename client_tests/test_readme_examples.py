@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 
 import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
 
 from .server import REPO_ROOT
 
@@ -27,4 +29,11 @@ def test_readme_has_the_documented_examples():
 def test_readme_python_block_runs(index, triton_server):
     code = BLOCKS[index]
     code = code.replace("localhost:8000", triton_server.http_url).replace("localhost:8001", triton_server.grpc_url)
-    exec(compile(code, f"README.md python block {index}", "exec"), {"__name__": "readme_example"})
+    namespace = {"__name__": "readme_example"}
+    try:
+        exec(compile(code, f"README.md python block {index}", "exec"), namespace)
+    finally:
+        # An example may leave its client open; an open HTTP connection delays the server's shutdown.
+        for value in namespace.values():
+            if isinstance(value, (httpclient.InferenceServerClient, grpcclient.InferenceServerClient)):
+                value.close()
