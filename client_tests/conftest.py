@@ -8,11 +8,15 @@ import tritonclient.http as httpclient
 
 from triton_sampling_mask.launcher import TritonServer
 
-from .server import build_test_repository
+from .server import ExternalTritonServer, build_test_repository
 
 
 @pytest.fixture(scope="session")
 def triton_server(tmp_path_factory):
+    external = ExternalTritonServer.from_environment()
+    if external is not None:  # docker/run-gpu-tests.sh serves the same repository in a container
+        yield external
+        return
     repository = build_test_repository(tmp_path_factory.mktemp("models") / "model_repository")
     server = TritonServer(repository, log_path=tmp_path_factory.mktemp("logs") / "tritonserver.log")
     server.start()

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +41,29 @@ def build_test_repository(dest: Path) -> Path:
         (variant / "config.pbtxt").write_text(text)
         shutil.copy(Path(__file__).parent / "no_support_backend.py", variant / "1")
     return dest
+
+
+@dataclass
+class ExternalTritonServer:
+    """A server someone else started (docker/run-gpu-tests.sh): the URLs the tests need."""
+
+    http_url: str
+    grpc_url: str
+    metrics_url: str
+
+    @classmethod
+    def from_environment(cls) -> "ExternalTritonServer | None":
+        """The server named by TRITON_EXTERNAL_{HTTP,GRPC,METRICS}_URL, or None when unset."""
+        if not os.environ.get("TRITON_EXTERNAL_HTTP_URL"):
+            return None
+        return cls(
+            http_url=os.environ["TRITON_EXTERNAL_HTTP_URL"],
+            grpc_url=os.environ["TRITON_EXTERNAL_GRPC_URL"],
+            metrics_url=os.environ.get("TRITON_EXTERNAL_METRICS_URL", ""),
+        )
+
+    def log_tail(self, chars: int = 4000) -> str:
+        return "(external server: see its own log)"
 
 
 INPUT_DTYPES = {

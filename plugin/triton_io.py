@@ -34,6 +34,14 @@ def input_to_torch(tensor, device: torch.device) -> torch.Tensor:
     return torch.from_dlpack(tensor.to_dlpack()).to(device)
 
 
+def input_to_numpy(tensor) -> np.ndarray:
+    """A pb_utils.Tensor as numpy; a GPU-resident one (FORCE_CPU_ONLY_INPUT_TENSORS "no") is
+    copied to the host through DLPack, since `as_numpy` refuses GPU tensors."""
+    if tensor.is_cpu():
+        return tensor.as_numpy()
+    return torch.from_dlpack(tensor.to_dlpack()).cpu().numpy()
+
+
 def read_params(request, pb_utils, rows: int) -> RowParams:
     """The optional per-row scalars of a request, defaults filled in; shapes checked per field."""
     params = RowParams.defaults(rows)
@@ -41,7 +49,7 @@ def read_params(request, pb_utils, rows: int) -> RowParams:
         tensor = pb_utils.get_input_tensor_by_name(request, spec.name)
         if tensor is None:
             continue
-        values = tensor.as_numpy()
+        values = input_to_numpy(tensor)
         if values.dtype != np.dtype(spec.dtype):
             raise SamplingRequestError(spec.name, f"{spec.name} must be {np.dtype(spec.dtype).name}, got {values.dtype}")
         if values.size != rows or values.ndim not in (1, 2):
