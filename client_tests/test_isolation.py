@@ -5,6 +5,7 @@ prove that executions of more than one request happened."""
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -42,6 +43,17 @@ def batched_executions(before: dict, after: dict) -> tuple[int, int, int]:
     return requests, executions, multi
 
 
+def settled_stats(http_url: str, before: dict, expected_requests: int) -> dict:
+    """Stats once they count every request sent: Triton records them just after the responses
+    go out, so a snapshot taken right after the last answer can lag (bounded polling)."""
+    for _ in range(100):
+        after = model_stats(http_url)
+        if batched_executions(before, after)[0] >= expected_requests:
+            break
+        time.sleep(0.05)
+    return after
+
+
 def run_burst(triton_server, burst: int) -> None:
     """Send one burst (half HTTP, half gRPC) and check every answer."""
     rng = np.random.default_rng(burst)
@@ -77,7 +89,8 @@ def test_invalid_requests_in_a_batch_cost_the_valid_ones_nothing(triton_server):
     before = model_stats(triton_server.http_url)
     for burst in range(MAX_BURSTS):
         run_burst(triton_server, burst)
-        requests, executions, multi = batched_executions(before, model_stats(triton_server.http_url))
+        after = settled_stats(triton_server.http_url, before, BURST * (burst + 1))
+        requests, executions, multi = batched_executions(before, after)
         if multi:
             break
     print(f"bursts {burst + 1}: {requests} requests in {executions} executions, {multi} of several requests")
