@@ -52,8 +52,8 @@ class SamplerMetrics:
                 (f"{MASK_LENGTH}_bucket", "Sampling-mask lengths per row: rows with length <= le (cumulative)"),
                 (f"{MASK_LENGTH}_sum", "Sampling-mask lengths per row: sum of lengths"),
                 (f"{MASK_LENGTH}_count", "Sampling-mask lengths per row: number of rows"),
-                (SAMPLER_DURATION, "Microseconds spent in the vectorised sampler call"),
-                (SAMPLER_BATCHES, "Sampler calls (one per execute that had valid rows)"),
+                (SAMPLER_DURATION, "Microseconds spent in the batch sampler (row checks and sampling)"),
+                (SAMPLER_BATCHES, "Batch-sampler calls (one per execute with parsed requests)"),
             )
         }
         self._requests: dict[tuple[str, str], object] = {}  # created on first use of (outcome, reason)
