@@ -13,6 +13,7 @@ import pytest
 from triton_sampling_mask.soak import tensor
 
 from .reliability import INVALID_ARGUMENT, expect_error, valid_request_succeeds
+from .server import infer
 
 ROWS, VOCAB = 2, 16
 MAX_VOCAB_SIZE = 262144  # model_repository/sampler/config.pbtxt, parameter max_vocab_size
@@ -142,3 +143,16 @@ def test_bad_input_is_a_400_naming_the_field(case, protocol):
     message = expect_error(lambda: client.infer(case.model, inputs), INVALID_ARGUMENT)
     assert case.field in message
     valid_request_succeeds(client, module, case.model, want_mask=case.model == "sampler")
+
+
+def test_limits_at_their_edges_are_served(protocol):
+    """The largest batch and the widest mask a request may ask for are answered in full: the
+    worst-case response is max_batch_size rows of W mask ids."""
+    client, module = protocol
+    flat = np.zeros((MAX_BATCH_SIZE, 2 * MASK_WIDTH), np.float32)  # every token ties: the mask fills W
+    outputs = infer(client, module, "sampler", flat, top_k=MASK_WIDTH, return_sampling_mask=True)
+    assert outputs["sampling_mask"].shape == (MAX_BATCH_SIZE, MASK_WIDTH)
+    assert (outputs["sampling_mask_len"] == MASK_WIDTH).all()
+    # Ties are broken by lower id, so the support is ids 0..W-1 in order, for every row.
+    assert (outputs["sampling_mask"] == np.arange(MASK_WIDTH, dtype=np.int32)).all()
+    np.testing.assert_allclose(outputs["sampling_logprobs"], np.log(1 / MASK_WIDTH), rtol=1e-5)
