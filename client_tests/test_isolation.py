@@ -46,7 +46,7 @@ def batched_executions(before: dict, after: dict) -> tuple[int, int, int]:
 def settled_stats(http_url: str, before: dict, expected_requests: int) -> dict:
     """Stats once they count every request sent: Triton records them just after the responses
     go out, so a snapshot taken right after the last answer can lag (bounded polling)."""
-    for _ in range(100):
+    for _ in range(400):
         after = model_stats(http_url)
         if batched_executions(before, after)[0] >= expected_requests:
             break

@@ -22,8 +22,9 @@ from .server import MODEL_REPOSITORY, build_test_repository, infer, set_paramete
 
 FAULTY = "sampler_faulty"
 TEMPERATURE, TOP_K, VOCAB = 0.9, 16, 256
+MASK_PARAMS = dict(temperature=TEMPERATURE, top_k=TOP_K, return_sampling_mask=True)
 RELOAD_CYCLES = 2
-WAIT_STEPS = 400  # bounded waits: at most WAIT_STEPS polls of 50 ms
+WAIT_STEPS = 1200  # bounded waits (at most 60 s); each ends as soon as its condition holds
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +36,11 @@ def explicit_server(tmp_path_factory):
     text = (MODEL_REPOSITORY / "sampler" / "config.pbtxt").read_text().replace('name: "sampler"', f'name: "{FAULTY}"')
     (faulty / "config.pbtxt").write_text(set_parameter(text, "sampling_backend", "faulty_backend:FaultyBackend"))
     shutil.copy(MODEL_REPOSITORY.parent / "client_tests" / "faulty_backend.py", faulty / "1")
-    server = TritonServer(repository, extra_args=["--model-control-mode=explicit", "--load-model=sampler"],
-                          log_path=tmp_path_factory.mktemp("reload-logs") / "tritonserver.log")
+    server = TritonServer(
+        repository,
+        extra_args=["--model-control-mode=explicit", "--load-model=sampler"],
+        log_path=tmp_path_factory.mktemp("reload-logs") / "tritonserver.log",
+    )
     server.start()
     yield server
     server.stop()
@@ -69,7 +73,7 @@ class Traffic(threading.Thread):
             while not self.stop.is_set():
                 logits = self.rng.standard_normal((2, VOCAB)).astype(np.float32)
                 try:
-                    outputs = infer(client, self.module, "sampler", logits, temperature=TEMPERATURE, top_k=TOP_K, return_sampling_mask=True)
+                    outputs = infer(client, self.module, "sampler", logits, **MASK_PARAMS)
                 except InferenceServerException as exc:
                     self.errors[(exc.status(), exc.message()[:60])] += 1
                     time.sleep(0.01)
@@ -88,8 +92,12 @@ class Traffic(threading.Thread):
 
 def test_unload_and_load_under_load(explicit_server):
     control = httpclient.InferenceServerClient(explicit_server.http_url)
-    clients = [Traffic(httpclient, explicit_server.http_url, 1), Traffic(httpclient, explicit_server.http_url, 2),
-               Traffic(grpcclient, explicit_server.grpc_url, 3), Traffic(grpcclient, explicit_server.grpc_url, 4)]
+    clients = [
+        Traffic(httpclient, explicit_server.http_url, seed=1),
+        Traffic(httpclient, explicit_server.http_url, seed=2),
+        Traffic(grpcclient, explicit_server.grpc_url, seed=3),
+        Traffic(grpcclient, explicit_server.grpc_url, seed=4),
+    ]
     answered = lambda: sum(c.ok for c in clients)  # noqa: E731
     for client in clients:
         client.start()
@@ -145,7 +153,7 @@ def test_internal_fault_is_a_per_request_500_and_the_stub_survives(explicit_serv
         assert "sampler internal error: RuntimeError: injected sampler fault" in log
         assert "Traceback" in log
         # The sampler beside it never noticed.
-        outputs = infer(client, httpclient, "sampler", logits, temperature=TEMPERATURE, top_k=TOP_K, return_sampling_mask=True)
+        outputs = infer(client, httpclient, "sampler", logits, **MASK_PARAMS)
         check_against_reference(outputs, logits, TEMPERATURE, TOP_K, want_mask=True)
     finally:
         client.unload_model(FAULTY)
