@@ -4,11 +4,15 @@ does (values, mask admission); right after each, a valid request is answered cor
 
 from __future__ import annotations
 
+import json
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 import pytest
+import tritonclient.http as httpclient
 
 from triton_sampling_mask.soak import tensor
 
@@ -156,3 +160,45 @@ def test_limits_at_their_edges_are_served(protocol):
     # Ties are broken by lower id, so the support is ids 0..W-1 in order, for every row.
     assert (outputs["sampling_mask"] == np.arange(MASK_WIDTH, dtype=np.int32)).all()
     np.testing.assert_allclose(outputs["sampling_logprobs"], np.log(1 / MASK_WIDTH), rtol=1e-5)
+
+
+def json_logits(shape, data, datatype="FP32") -> bytes:
+    return json.dumps({"inputs": [{"name": "logits", "shape": shape, "datatype": datatype, "data": data}]}).encode()
+
+
+BINARY_HEADER = json.dumps(
+    {"inputs": [{"name": "logits", "shape": [1, 4], "datatype": "FP32", "parameters": {"binary_data_size": 16}}]}
+).encode()
+# Raw HTTP bodies tritonclient would never build: (id, body, extra headers, text the error names).
+RAW_BODIES = [
+    ("not-json", b"{nope", {}, "JSON"),
+    ("no-inputs", b"{}", {}, "inputs"),
+    ("data-count-mismatch", json_logits([1, 4], [1.0, 2.0]), {}, "data"),
+    ("string-data", json_logits([1, 2], ["a", "b"]), {}, "data"),
+    ("negative-dim", json_logits([1, -2], [1.0, 2.0]), {}, "shape"),
+    (
+        "binary-size-lie",
+        BINARY_HEADER + b"\0" * 8,
+        {"Inference-Header-Content-Length": str(len(BINARY_HEADER)), "Content-Type": "application/octet-stream"},
+        "logits",
+    ),
+]
+
+
+@pytest.mark.parametrize("body, headers, names", [r[1:] for r in RAW_BODIES], ids=[r[0] for r in RAW_BODIES])
+def test_malformed_http_body_is_refused_and_the_server_serves_on(body, headers, names, triton_server, http_client):
+    """Triton's HTTP frontend refuses these before the model. Triton 2.51 answers JSON it cannot
+    parse with 500, not 400 (the same INTERNAL-for-parse-error mapping as upstream
+    triton-inference-server/server#8762 / open PR #8773), which no model can change; what must
+    hold is a clean error naming the part, a live server, then normal service."""
+    request = urllib.request.Request(
+        f"http://{triton_server.http_url}/v2/models/sampler/infer",
+        data=body,
+        headers={"Content-Type": "application/json", **headers},
+    )
+    with pytest.raises(urllib.error.HTTPError) as caught:
+        urllib.request.urlopen(request, timeout=30)
+    assert caught.value.code in (400, 500)
+    assert names in json.loads(caught.value.read())["error"]
+    assert triton_server.process.poll() is None
+    valid_request_succeeds(http_client, httpclient)
