@@ -12,6 +12,7 @@ from typing import Callable
 
 import numpy as np
 import pytest
+import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
 from triton_sampling_mask.soak import tensor
@@ -202,3 +203,33 @@ def test_malformed_http_body_is_refused_and_the_server_serves_on(body, headers, 
     assert names in json.loads(caught.value.read())["error"]
     assert triton_server.process.poll() is None
     valid_request_succeeds(http_client, httpclient)
+
+
+def grpc_request(raw_contents: list[bytes], datatype: str = "FP32"):
+    """A ModelInferRequest for `sampler` with logits [1, 4] built by hand, as tritonclient never would."""
+    from tritonclient.grpc import service_pb2
+
+    request = service_pb2.ModelInferRequest(model_name="sampler")
+    request.inputs.add(name="logits", datatype=datatype).shape.extend([1, 4])
+    request.raw_input_contents.extend(raw_contents)
+    return request
+
+
+RAW_GRPC = [
+    ("raw-size-lie", lambda: grpc_request([b"\0" * 8]), "logits"),
+    ("raw-contents-missing", lambda: grpc_request([]), "logits"),
+    ("unknown-datatype", lambda: grpc_request([b"\0" * 16], datatype="FP99"), "logits"),
+]
+
+
+@pytest.mark.parametrize("build, names", [r[1:] for r in RAW_GRPC], ids=[r[0] for r in RAW_GRPC])
+def test_malformed_grpc_message_is_invalid_argument(build, names, triton_server, grpc_client):
+    import grpc
+    from tritonclient.grpc import service_pb2_grpc
+
+    with grpc.insecure_channel(triton_server.grpc_url) as channel:
+        with pytest.raises(grpc.RpcError) as caught:
+            service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer(build(), timeout=30)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value.details()
+    assert names in caught.value.details()
+    valid_request_succeeds(grpc_client, grpcclient)
