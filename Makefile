@@ -6,7 +6,7 @@ PYTHON := $(VENV)/bin/python
 MODEL_REPOSITORY ?= model_repository
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test clean
+.PHONY: setup serve test soak clean
 
 setup: $(VENV)/.installed
 
@@ -23,6 +23,11 @@ serve: setup
 
 test: setup
 	$(PYTHON) -m pytest $(PYTEST_ARGS)
+
+# 32 clients (HTTP and gRPC) for 60 s against a fresh server; prints the report, fails on loss/5xx/RSS growth.
+SOAK_ARGS ?= --clients 32 --duration 60
+soak: setup
+	$(PYTHON) -m triton_sampling_mask.soak --model-repository $(MODEL_REPOSITORY) $(SOAK_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

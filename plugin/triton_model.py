@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import threading
+import time
+import traceback
+
+import numpy as np
 import torch
 
+from . import metrics
 from .backends import load_backend
 from .batching import BatchSampler
 from .model_config import (
@@ -18,6 +24,8 @@ from .triton_io import error_response, parse_request, sampler_response
 from .validation import MaskPolicy, SamplingRequestError
 
 MASK_OUTPUT = "sampling_mask"
+MASK_LENGTH_OUTPUT = "sampling_mask_len"
+FINALIZE_DRAIN_TIMEOUT_S = 30.0
 DEFAULT_MAX_VOCAB_SIZE = 262144
 
 
@@ -46,6 +54,8 @@ class SamplerModel:
         backend = load_backend(string_parameter(model_config, "sampling_backend", "torch"))
         self.policy = mask_policy(args, model_config, backend)
         self.sampler = BatchSampler(backend, self.policy, self.device)
+        self.metrics = metrics.SamplerMetrics(pb_utils, args["model_name"], args["model_version"], self.policy.mask_width)
+        self.in_flight = InFlight()
         self.logger.log_info(
             f"sampler ready on {self.device}: backend={backend.name}, mask width={self.policy.mask_width}, "
             f"speculative_algorithm={self.policy.speculative_algorithm}"
@@ -53,7 +63,19 @@ class SamplerModel:
 
     def execute(self, requests) -> list:
         """One response per request; nothing escapes (a raise here would fail the whole batch)."""
+        with self.in_flight:
+            responses, outcomes, mask_lengths, sampler_seconds = self._answer(requests)
+        try:
+            self.metrics.record(outcomes, mask_lengths, sampler_seconds)
+        except Exception as exc:  # metrics must never cost a request its answer
+            self.logger.log_error(f"sampler metrics update failed: {type(exc).__name__}: {exc}")
+        return responses
+
+    def _answer(self, requests):
+        """Responses, (outcome, reason) per request, mask lengths of mask rows, sampler seconds."""
         responses: list = [None] * len(requests)
+        outcomes: list = [(metrics.INTERNAL, metrics.INTERNAL)] * len(requests)
+        mask_lengths, sampler_seconds = np.zeros(0, np.int32), None
         try:
             parsed, positions = [], []
             for position, request in enumerate(requests):
@@ -61,20 +83,58 @@ class SamplerModel:
                     item = parse_request(request, self.pb_utils, self.device, self.max_vocab_size)
                 except SamplingRequestError as exc:
                     responses[position] = error_response(self.pb_utils, exc.message)
+                    outcomes[position] = (metrics.REJECTED, f"invalid_{exc.field}")
                     continue
                 parsed.append((item.logits, item.params))
                 positions.append(position)
-            for position, outcome in zip(positions, self.sampler.run(parsed)):
+            start = time.perf_counter()
+            results = self.sampler.run(parsed)
+            sampler_seconds = time.perf_counter() - start if parsed else None
+            answered = []
+            for position, outcome in zip(positions, results):
                 if outcome.error is not None:
                     responses[position] = error_response(self.pb_utils, outcome.error)
+                    outcomes[position] = (metrics.REJECTED, outcome.reason)
                 else:
                     responses[position] = sampler_response(self.pb_utils, outcome.outputs)
+                    outcomes[position] = (metrics.OK, metrics.OK)
+                    answered.append(outcome.outputs[MASK_LENGTH_OUTPUT])
+            if answered:
+                lengths = np.concatenate(answered).reshape(-1)
+                mask_lengths = lengths[lengths > 0]  # rows that asked always have a non-empty support
         except Exception as exc:  # a genuine internal fault: fail only the unanswered requests
-            self.logger.log_error(f"sampler internal error: {type(exc).__name__}: {exc}")
+            self.logger.log_error(
+                f"sampler internal error: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+            )
             message = f"internal sampler error ({type(exc).__name__}); see the server log"
             responses = [r if r is not None else error_response(self.pb_utils, message, "INTERNAL") for r in responses]
-        return responses
+        return responses, outcomes, mask_lengths, sampler_seconds
 
     def finalize(self) -> None:
-        """Nothing runs in the background: execute returns only when its batch is answered."""
-        self.logger.log_info("sampler finalized")
+        """Wait (bounded) for executes still running, then log the unload."""
+        drained = self.in_flight.wait_idle(FINALIZE_DRAIN_TIMEOUT_S)
+        state = "drained" if drained else f"gave up after {FINALIZE_DRAIN_TIMEOUT_S}s with work still running"
+        self.logger.log_info(f"sampler finalized ({state})")
+
+
+class InFlight:
+    """Counts executes in progress so finalize can wait for them (a context manager per execute)."""
+
+    def __init__(self):
+        self._count = 0
+        self._idle = threading.Condition()
+
+    def __enter__(self):
+        with self._idle:
+            self._count += 1
+
+    def __exit__(self, *exc):
+        with self._idle:
+            self._count -= 1
+            if self._count == 0:
+                self._idle.notify_all()
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """True once nothing is in flight; False if `timeout_s` passed first."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._count == 0, timeout=timeout_s)

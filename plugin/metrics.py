@@ -1,0 +1,91 @@
+"""Prometheus custom metrics of a sampler model (pb_utils.MetricFamily), labelled {model, version}.
+
+Triton serves them on its metrics port beside its own `nv_*` metrics. A metric update is an IPC
+round trip from the stub to the server (about 20 us here), so each execute records one aggregated
+update per series it touched: never one per request or per row.
+
+The mask-length histogram is therefore kept as Prometheus' histogram series (`_bucket{le=...}`,
+`_sum`, `_count`, cumulative) built from counters: a native HISTOGRAM only takes one observation
+per call. `histogram_quantile()` works on these series as on any histogram.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Iterable
+
+import numpy as np
+
+PREFIX = "sampler"
+REQUESTS = f"{PREFIX}_requests_total"
+MASK_ROWS = f"{PREFIX}_mask_rows_total"
+MASK_LENGTH = f"{PREFIX}_mask_length"  # _bucket / _sum / _count
+SAMPLER_DURATION = f"{PREFIX}_compute_duration_us"
+SAMPLER_BATCHES = f"{PREFIX}_batches_total"
+
+OK = "ok"
+REJECTED = "rejected"
+INTERNAL = "internal"
+
+
+def mask_length_buckets(mask_width: int) -> list[int]:
+    """Upper bounds of the mask-length buckets: powers of two below the width W, then W itself."""
+    bounds, bound = [], 1
+    while bound < mask_width:
+        bounds.append(bound)
+        bound *= 2
+    return bounds + [mask_width]
+
+
+class SamplerMetrics:
+    """The sampler's counters for one model version; `record` takes one execute's aggregates."""
+
+    def __init__(self, pb_utils, model: str, version: str, mask_width: int):
+        kind = pb_utils.MetricFamily.COUNTER
+        self._labels = {"model": model, "version": str(version)}
+        # The families must outlive their metrics: the stub refuses updates once a family is gone.
+        self._families = {
+            name: pb_utils.MetricFamily(name=name, description=description, kind=kind)
+            for name, description in (
+                (REQUESTS, "Sampler requests by outcome (ok, rejected, internal) and reason"),
+                (MASK_ROWS, "Rows answered with a sampling mask"),
+                (f"{MASK_LENGTH}_bucket", "Sampling-mask lengths per row: rows with length <= le (cumulative)"),
+                (f"{MASK_LENGTH}_sum", "Sampling-mask lengths per row: sum of lengths"),
+                (f"{MASK_LENGTH}_count", "Sampling-mask lengths per row: number of rows"),
+                (SAMPLER_DURATION, "Microseconds spent in the batch sampler (row checks and sampling)"),
+                (SAMPLER_BATCHES, "Batch-sampler calls (one per execute with parsed requests)"),
+            )
+        }
+        self._requests: dict[tuple[str, str], object] = {}  # created on first use of (outcome, reason)
+        self._mask_rows = self._metric(MASK_ROWS)
+        self._bounds = np.array(mask_length_buckets(mask_width))
+        self._buckets = [self._metric(f"{MASK_LENGTH}_bucket", le=str(b)) for b in self._bounds]
+        self._buckets.append(self._metric(f"{MASK_LENGTH}_bucket", le="+Inf"))
+        self._length_sum = self._metric(f"{MASK_LENGTH}_sum")
+        self._length_count = self._metric(f"{MASK_LENGTH}_count")
+        self._duration = self._metric(SAMPLER_DURATION)
+        self._batches = self._metric(SAMPLER_BATCHES)
+
+    def _metric(self, family: str, **labels):
+        return self._families[family].Metric(labels={**self._labels, **labels})
+
+    def record(self, outcomes: Iterable[tuple[str, str]], mask_lengths: np.ndarray, sampler_seconds: float | None) -> None:
+        """Count one execute: (outcome, reason) per request, the mask length of every mask row,
+        and the sampler call's duration (None when nothing was sampled)."""
+        for key, count in Counter(outcomes).items():
+            if key not in self._requests:
+                outcome, reason = key
+                self._requests[key] = self._metric(REQUESTS, outcome=outcome, reason=reason)
+            self._requests[key].increment(count)
+        if mask_lengths.size:
+            self._mask_rows.increment(mask_lengths.size)
+            # Cumulative bucket counts, one vectorised pass; untouched buckets cost no IPC.
+            below = np.searchsorted(np.sort(mask_lengths), self._bounds, side="right")
+            for metric, count in zip(self._buckets, [*below.tolist(), mask_lengths.size]):
+                if count:
+                    metric.increment(count)
+            self._length_sum.increment(float(mask_lengths.sum()))
+            self._length_count.increment(mask_lengths.size)
+        if sampler_seconds is not None:
+            self._duration.increment(sampler_seconds * 1e6)
+            self._batches.increment(1)
