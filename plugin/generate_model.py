@@ -96,8 +96,14 @@ class _TritonSink:
     def cancelled(self, position: int, tokens: int) -> None:
         self.model.cancelled_counter.increment(1)
         self.model.logger.log_info(f"generate: request cancelled by the client after {tokens} tokens; stopped")
-        self.senders[position].send(flags=self.final)
         self.done[position] = True
+        try:  # the final flag releases the request; the client may already be gone
+            self.senders[position].send(flags=self.final)
+        except Exception as exc:
+            self.model.logger.log_verbose(f"generate: final flag after cancellation not sent: {exc}")
+
+    def generated(self, tokens: int) -> None:
+        self.model.tokens_counter.increment(tokens)
 
     def fail(self, position: int, message: str, code_name: str = "INTERNAL") -> None:
         self.senders[position].send(error_response(self.model.pb_utils, message, code_name), flags=self.final)
@@ -126,6 +132,8 @@ class GenerateModel:
         cancelled = pb_utils.MetricFamily(
             name="generate_cancelled_total", description="Generate requests stopped by client cancellation", kind=pb_utils.MetricFamily.COUNTER
         )
+        # The families must outlive their metrics, so the model holds both.
+        self.metric_families = (tokens, cancelled)
         self.tokens_counter = tokens.Metric(labels=labels)
         self.cancelled_counter = cancelled.Metric(labels=labels)
         self.logger.log_info(
@@ -154,7 +162,7 @@ class GenerateModel:
                     admitted_positions.append(position)
             if admitted:
                 batch_sink = _PositionMap(sink, admitted_positions)
-                self.tokens_counter.increment(self.generator.run(admitted, batch_sink))
+                self.generator.run(admitted, batch_sink)
         except Exception as exc:  # an internal fault: end every unanswered request, never raise
             self.logger.log_error(f"generate internal error: {type(exc).__name__}: {exc}")
             message = f"internal generate error ({type(exc).__name__}); see the server log"
@@ -188,3 +196,6 @@ class _PositionMap:
 
     def fail(self, i: int, message: str) -> None:
         self.sink.fail(self.positions[i], message)
+
+    def generated(self, tokens: int) -> None:
+        self.sink.generated(tokens)

@@ -65,6 +65,9 @@ class GenerationSink(Protocol):
 
     def cancelled(self, position: int, tokens: int) -> None: ...
 
+    def generated(self, tokens: int) -> None:
+        """Called once per step, before that step's results are sent (for counters)."""
+
     def fail(self, position: int, message: str) -> None: ...
 
 
@@ -136,6 +139,7 @@ class Generator:
 
             result = self.sampler.sample(logits, _step_params(params, step))
             generated += rows.size
+            sink.generated(rows.size)
             tokens = result.token_ids.cpu()
             step_arrays = buffers.write(rows, step, result)
             token_np = tokens.numpy()
