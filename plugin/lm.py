@@ -129,11 +129,12 @@ def build_default_model(config_path: Path = DEFAULT_LM_CONFIG):
     settings = json.loads(Path(config_path).read_text())
     seed = int(settings.pop("init_seed"))
     settings.pop("_comment", None)
+    attention = settings.pop("attn_implementation", None)
     config = AutoConfig.for_model(**settings)
     # A private RNG scope: the weights depend on the seed only, and global RNG state is untouched.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config)
+        model = AutoModelForCausalLM.from_config(config, **({"attn_implementation": attention} if attention else {}))
     return model
 
 
