@@ -233,3 +233,36 @@ def test_cancellation_stops_generation(triton_server):
     assert "request cancelled by the client" in triton_server.log_tail(20_000)
     # The instance is free again: a new request is answered.
     assert len(grpc_generate(triton_server.grpc_url, PROMPT, 2, ignore_eos=True).output_ids) == 2
+
+
+def test_a_request_with_two_prompts_is_rejected(triton_server):
+    import tritonclient.grpc as grpcclient
+
+    with GenerateStream(triton_server.grpc_url) as stream:
+        inputs = []
+        for name, array, datatype in (
+            ("input_ids", np.array([[5, 6], [7, 8]], np.int32), "INT32"),
+            ("max_new_tokens", np.array([[4], [4]], np.int32), "INT32"),
+        ):
+            inputs.append(grpcclient.InferInput(name, list(array.shape), datatype))
+            inputs[-1].set_data_from_numpy(array)
+        stream.client.async_stream_infer("generate", inputs, enable_empty_final_response=True)
+        _, _, final, error = stream.next()
+    assert final and error is not None and "batch size 1" in error.message() and "input_ids" in error.message()
+
+
+def test_http_generate_stream_sends_one_event_per_token(triton_server):
+    import json
+    import urllib.request
+
+    body = {"input_ids": PROMPT, "max_new_tokens": 5, "stream": True, "ignore_eos": True, **SAMPLED}
+    request = urllib.request.Request(
+        f"http://{triton_server.http_url}/v2/models/generate/generate_stream",
+        data=json.dumps(body).encode(), headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=120) as response:
+        events = [json.loads(line[5:]) for line in response.read().decode().splitlines() if line.startswith("data:")]
+    whole = grpc_generate(triton_server.grpc_url, PROMPT, 5, ignore_eos=True, **SAMPLED)
+    # JSON renders a one-element tensor as a scalar: one token per event.
+    assert [e["output_ids"] for e in events] == whole.output_ids.tolist()
+    assert [e["finish_reason"] for e in events][-1] == "length"

@@ -208,3 +208,17 @@ def test_padded_batch_with_cache_matches_full_forward():
     for history, row_logits in zip(histories, logits):
         expected = replica()(input_ids=torch.tensor([history])).logits[0, -1]
         torch.testing.assert_close(row_logits.double(), expected, atol=1e-4, rtol=1e-4)
+
+
+@torch.inference_mode()
+def test_a_local_hugging_face_directory_loads_through_model_path(tmp_path):
+    from triton_sampling_mask.lm import build_default_model
+
+    build_default_model().save_pretrained(tmp_path)
+    lm = load_lm(model_path=str(tmp_path))
+    assert (lm.vocab_size, lm.context_length, lm.eos_token_ids) == (1024, 512, (2,))
+    logits, _ = lm.prefill([torch.tensor([5, 6, 7])])
+    expected = replica()(input_ids=torch.tensor([[5, 6, 7]])).logits[0, -1]
+    torch.testing.assert_close(logits[0].double(), expected, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="model_path"):
+        load_lm(model_path=str(tmp_path / "missing"))
