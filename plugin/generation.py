@@ -116,51 +116,68 @@ class Generator:
         if rows.size == 0:
             return 0
         buffers = _Buffers(requests, rows, int(max_new.max()), self.width)
-        stops = _stop_matrix([requests[r] for r in rows], self.lm.eos_token_ids)
-        params = RowParams.concatenate([requests[r].params for r in rows])
-        stream = np.array([requests[r].stream for r in rows])
         logits, state = self.lm.prefill([torch.from_numpy(requests[r].prompt) for r in rows])
+        active = _ActiveRows(
+            rows=rows,
+            params=RowParams.concatenate([requests[r].params for r in rows]),
+            stops=_stop_matrix([requests[r] for r in rows], self.lm.eos_token_ids),
+            stream=np.array([requests[r].stream for r in rows]),
+            state=state,
+        )
         generated = 0
         for step in range(int(max_new.max())):
-            cancelled = np.array([sink.is_cancelled(int(r)) for r in rows])  # a cheap flag per request
-            row_max = logits.amax(dim=-1).cpu().numpy()
-            broken = ~np.equal(check_logit_rows(row_max), None).astype(bool)
+            cancelled = np.array([sink.is_cancelled(int(r)) for r in active.rows])  # a cheap flag per request
+            broken = ~np.equal(check_logit_rows(logits.amax(dim=-1).cpu().numpy()), None).astype(bool)
             for i in np.flatnonzero(cancelled):
-                sink.cancelled(int(rows[i]), step)
+                sink.cancelled(int(active.rows[i]), step)
             for i in np.flatnonzero(broken & ~cancelled):
-                sink.fail(int(rows[i]), f"the language model produced unusable logits at step {step}")
-            live = ~cancelled & ~broken
-            if not live.all():
-                rows, params, stops, stream = rows[live], params.take(live), stops[live], stream[live]
-                if rows.size == 0:
+                sink.fail(int(active.rows[i]), f"the language model produced unusable logits at step {step}")
+            if (cancelled | broken).any():
+                logits = active.narrow(self.lm, ~cancelled & ~broken, logits)
+                if active.rows.size == 0:
                     break
-                keep = torch.from_numpy(np.flatnonzero(live))
-                state, logits = self.lm.keep(state, keep), logits.index_select(0, keep.to(logits.device))
 
-            result = self.sampler.sample(logits, _step_params(params, step))
-            generated += rows.size
-            sink.generated(rows.size)
+            result = self.sampler.sample(logits, _step_params(active.params, step))
+            generated += active.rows.size
+            sink.generated(active.rows.size)
+            step_arrays = buffers.write(active.rows, step, result)
             tokens = result.token_ids.cpu()
-            step_arrays = buffers.write(rows, step, result)
-            token_np = tokens.numpy()
-            stopped = (stops == token_np[:, None]).any(axis=1)
-            finished = stopped | (step + 1 >= max_new[rows])
+            stopped = (active.stops == tokens.numpy()[:, None]).any(axis=1)
+            finished = stopped | (step + 1 >= max_new[active.rows])
             reasons = np.where(stopped, FINISH_STOP, FINISH_LENGTH)
-            for i in np.flatnonzero(stream):  # streaming rows: this step's token now
+            for i in np.flatnonzero(active.stream):  # streaming rows: this step's token now
                 reason = str(reasons[i]) if finished[i] else ""
-                sink.send(int(rows[i]), _chunk_of(step_arrays, i, reason), final=bool(finished[i]))
-            for i in np.flatnonzero(finished & ~stream):  # the rest: everything at the end
-                sink.send(int(rows[i]), buffers.chunk(int(rows[i]), step + 1, str(reasons[i])), final=True)
-
+                sink.send(int(active.rows[i]), _chunk_of(step_arrays, i, reason), final=bool(finished[i]))
+            for i in np.flatnonzero(finished & ~active.stream):  # the rest: everything at the end
+                row = int(active.rows[i])
+                sink.send(row, buffers.chunk(row, step + 1, str(reasons[i])), final=True)
             if finished.any():
-                carry_on = ~finished
-                rows, params, stops, stream = rows[carry_on], params.take(carry_on), stops[carry_on], stream[carry_on]
-                if rows.size == 0:
+                tokens = active.narrow(self.lm, ~finished, tokens)
+                if active.rows.size == 0:
                     break
-                keep = torch.from_numpy(np.flatnonzero(carry_on))
-                state, tokens = self.lm.keep(state, keep), tokens.index_select(0, keep)
-            logits = self.lm.decode(state, tokens)
+            logits = self.lm.decode(active.state, tokens)
         return generated
+
+
+@dataclass
+class _ActiveRows:
+    """The requests still generating: batch positions, parameters, stop ids, stream flags, LM state."""
+
+    rows: np.ndarray
+    params: RowParams
+    stops: np.ndarray
+    stream: np.ndarray
+    state: object
+
+    def narrow(self, lm: CausalLM, keep: np.ndarray, per_row: torch.Tensor) -> torch.Tensor:
+        """Keep only the rows where `keep` is true (the LM frees the others' cache); narrows `per_row` too."""
+        self.rows, self.params, self.stops, self.stream = (
+            self.rows[keep], self.params.take(keep), self.stops[keep], self.stream[keep],
+        )
+        index = torch.from_numpy(np.flatnonzero(keep))
+        if self.rows.size:
+            self.state = lm.keep(self.state, index)
+        return per_row.index_select(0, index.to(per_row.device))
 
 
 def _step_params(params: RowParams, step: int) -> RowParams:
