@@ -15,7 +15,7 @@ from .backends import load_backend
 from .batching import BatchSampler
 from .generation import GenerationChunk, GenerationRequest, Generator, check_generation_request
 from .lm import load_lm
-from .model_config import instance_device, load_model_config, string_parameter
+from .model_config import instance_device, int_parameter, load_model_config, string_parameter
 from .triton_io import error_response, read_params
 from .triton_model import mask_policy
 from .validation import SamplingRequestError
@@ -120,6 +120,9 @@ class GenerateModel:
         device = instance_device(args)
         if device.type == "cuda":
             torch.cuda.set_device(device)
+        threads = int_parameter(model_config, "cpu_threads", 0)
+        if threads > 0:  # this stub process runs only this instance, so the setting stays local
+            torch.set_num_threads(threads)
         backend = load_backend(string_parameter(model_config, "sampling_backend", "torch"))
         policy = mask_policy(args, model_config, backend)
         model_path = string_parameter(model_config, "model_path", "")
@@ -138,7 +141,8 @@ class GenerateModel:
         self.cancelled_counter = cancelled.Metric(labels=labels)
         self.logger.log_info(
             f"generate ready on {device}: lm={model_path or 'built-in tiny llama'}, vocab={self.lm.vocab_size}, "
-            f"context={self.lm.context_length}, eos={list(self.lm.eos_token_ids)}, mask width={policy.mask_width}"
+            f"context={self.lm.context_length}, eos={list(self.lm.eos_token_ids)}, mask width={policy.mask_width}, "
+            f"torch threads={torch.get_num_threads()}"
         )
 
     def execute(self, requests) -> None:
