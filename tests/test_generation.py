@@ -9,6 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from triton_sampling_mask import rng
 from triton_sampling_mask.backends import load_backend
@@ -222,3 +224,29 @@ def test_a_local_hugging_face_directory_loads_through_model_path(tmp_path):
     torch.testing.assert_close(logits[0].double(), expected, atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="model_path"):
         load_lm(model_path=str(tmp_path / "missing"))
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 2**64 - 1),
+    temperature=st.sampled_from([0.0, 0.5, 1.0, 1.7]),
+    top_k=st.integers(1, WIDTH),
+    top_p=st.floats(0.05, 1.0),
+    min_p=st.floats(0.0, 0.5),
+    first=st.integers(0, VOCAB - 1),
+    budget=st.integers(1, 12),
+)
+def test_streaming_and_masks_never_change_the_tokens(seed, temperature, top_k, top_p, min_p, first, budget):
+    params = dict(seed=seed, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    sink = RecordingSink()
+    batch = [
+        request([first], budget, ignore_eos=True, return_sampling_mask=True, **params),
+        request([first], budget, ignore_eos=True, stream=True, return_sampling_mask=True, **params),
+        request([first], budget, ignore_eos=True, **params),
+    ]
+    generator(BigramLM()).run(batch, sink)
+    whole, streamed = sink.chunks[0][0], sink.chunks[1]
+    np.testing.assert_array_equal(sink.ids(1), whole.output_ids)
+    np.testing.assert_array_equal(np.concatenate([c.sampling_mask for c in streamed]), whole.sampling_mask)
+    np.testing.assert_array_equal(sink.ids(2), whole.output_ids)
+    assert (sink.chunks[2][0].sampling_mask_len == 0).all()
