@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m pip install --quiet --upgrade pip
 	# torch==2.13.0 pins the CPU wheel kept on these machines; elsewhere any torch>=2.4 will do.
 	$(PYTHON) -m pip install --quiet torch==2.13.0 || $(PYTHON) -m pip install --quiet 'torch>=2.4'
-	$(PYTHON) -m pip install --quiet -e '.[server,client,test,lint]'
+	$(PYTHON) -m pip install --quiet -e '.[server,client,test,lint,generate]'
 	touch $@
 
 serve: setup

@@ -45,3 +45,16 @@ def uniform(state: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
 def gumbel(state: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     """Standard Gumbel noise: argmax(log p + noise) draws from p (the Gumbel-max trick)."""
     return -torch.log(-torch.log(uniform(state, token_ids)))
+
+
+def step_seeds(seeds: torch.Tensor, step: int) -> torch.Tensor:
+    """Per-step seeds (int64, >= 0) for multi-token generation: a fresh noise stream per (seed, step).
+
+    Generation step s of a row seeded with `seed` samples with seed step_seeds(seed, s), so the
+    stream depends only on (seed, s): reproducible, and independent of batching and masks.
+    """
+    state = seed_state(seeds)
+    step_key = _mix32(torch.full_like(state, step & _MASK32) ^ _SEED_SALT)
+    high = _mix32(state ^ step_key)
+    low = _mix32(high ^ state ^ 0x85EBCA6B)
+    return ((high & 0x7FFFFFFF) << 32) | low

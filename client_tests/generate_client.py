@@ -1,0 +1,143 @@
+"""Client helpers for the `generate` model: gRPC streams, HTTP /generate, the server's counters."""
+
+from __future__ import annotations
+
+import json
+import queue
+import re
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+
+from .server import INPUT_DTYPES, NUMPY_DTYPES
+
+GENERATE_DTYPES = {
+    "input_ids": "INT32",
+    "max_new_tokens": "INT32",
+    "stop_token_ids": "INT32",
+    "ignore_eos": "BOOL",
+    "stream": "BOOL",
+    **{name: dtype for name, dtype in INPUT_DTYPES.items() if name != "logits"},
+}
+ARRAY_OUTPUTS = ("output_ids", "output_logprobs", "sampling_mask", "sampling_mask_len", "sampling_logprobs")
+
+
+@dataclass
+class Generation:
+    """A request's outputs, concatenated over its responses (n tokens, W mask columns)."""
+
+    output_ids: np.ndarray
+    output_logprobs: np.ndarray
+    sampling_mask: np.ndarray
+    sampling_mask_len: np.ndarray
+    sampling_logprobs: np.ndarray
+    finish_reason: str
+    responses: list  # per response: dict of numpy outputs (batch dimension dropped)
+
+    def mask_row(self, i: int) -> np.ndarray:
+        return self.sampling_mask[i, : self.sampling_mask_len[i]]
+
+
+def generate_inputs(prompt, max_new_tokens: int, **params) -> list:
+    """gRPC InferInputs for one request: every tensor gets the leading batch dimension 1."""
+    values = {"input_ids": np.asarray(prompt), "max_new_tokens": max_new_tokens, **params}
+    inputs = []
+    for name, value in values.items():
+        datatype = GENERATE_DTYPES[name]
+        array = np.asarray(value, dtype=NUMPY_DTYPES[datatype]).reshape(1, -1)
+        infer_input = grpcclient.InferInput(name, list(array.shape), datatype)
+        infer_input.set_data_from_numpy(array)
+        inputs.append(infer_input)
+    return inputs
+
+
+class GenerateStream:
+    """One gRPC stream to the server (a context manager); requests go out, responses queue up."""
+
+    def __init__(self, url: str):
+        self.client = grpcclient.InferenceServerClient(url)
+        self.responses: queue.Queue = queue.Queue()
+        self.client.start_stream(callback=lambda result, error: self.responses.put((result, error)))
+
+    def send(self, prompt, max_new_tokens: int, request_id: str = "", **params) -> None:
+        self.client.async_stream_infer(
+            "generate", generate_inputs(prompt, max_new_tokens, **params), request_id=request_id,
+            enable_empty_final_response=True,
+        )
+
+    def next(self, timeout_s: float = 120.0):
+        """(request id, outputs dict or None, final flag, error or None) of the next response."""
+        result, error = self.responses.get(timeout=timeout_s)
+        if error is not None:
+            return None, None, True, error
+        response = result.get_response()
+        final = response.parameters["triton_final_response"].bool_param
+        outputs = {name: result.as_numpy(name) for name in (*ARRAY_OUTPUTS, "finish_reason")}
+        outputs = None if outputs["output_ids"] is None else {k: v[0] for k, v in outputs.items()}
+        return response.id, outputs, final, None
+
+    def close(self, cancel: bool = False) -> None:
+        self.client.stop_stream(cancel_requests=cancel)
+        self.client.close()
+
+    def __enter__(self) -> "GenerateStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def collect(responses: list[dict]) -> Generation:
+    """Concatenate the responses of one request in arrival order."""
+    parts = {name: np.concatenate([r[name] for r in responses]) for name in ARRAY_OUTPUTS}
+    finish = responses[-1]["finish_reason"][0]
+    return Generation(**parts, finish_reason=finish.decode() if isinstance(finish, bytes) else str(finish), responses=responses)
+
+
+def grpc_generate(url: str, prompt, max_new_tokens: int, **params) -> Generation:
+    """One request over a gRPC stream, read to its final response; raises its error, if any."""
+    with GenerateStream(url) as stream:
+        stream.send(prompt, max_new_tokens, **params)
+        responses = []
+        while True:
+            _, outputs, final, error = stream.next()
+            if error is not None:
+                raise error
+            if outputs is not None:
+                responses.append(outputs)
+            if final:
+                return collect(responses)
+
+
+def http_generate(url: str, prompt, max_new_tokens: int, width: int, **params) -> tuple[int, dict | Generation]:
+    """POST /v2/models/generate/generate: (200, Generation) or (status, error JSON)."""
+    body = {"input_ids": [int(t) for t in prompt], "max_new_tokens": max_new_tokens}
+    body.update({k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in params.items()})
+    request = urllib.request.Request(
+        f"http://{url}/v2/models/generate/generate", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            reply = json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+    arrays = {
+        "output_ids": np.array(reply["output_ids"], np.int32).reshape(-1),
+        "output_logprobs": np.array(reply["output_logprobs"], np.float32).reshape(-1),
+        # JSON carries tensors flat: the mask comes as n*W ids.
+        "sampling_mask": np.array(reply["sampling_mask"], np.int32).reshape(-1, width),
+        "sampling_mask_len": np.array(reply["sampling_mask_len"], np.int32).reshape(-1),
+        "sampling_logprobs": np.array(reply["sampling_logprobs"], np.float32).reshape(-1),
+    }
+    return 200, Generation(**arrays, finish_reason=reply["finish_reason"], responses=[reply])
+
+
+def counter(metrics_url: str, name: str, model: str = "generate") -> float:
+    """The value of a custom counter on the metrics endpoint (0 before its first increment)."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as response:
+        text = response.read().decode()
+    match = re.search(r'^%s\{model="%s"\} (\S+)$' % (re.escape(name), re.escape(model)), text, re.MULTILINE)
+    return float(match.group(1)) if match else 0.0

@@ -1,0 +1,245 @@
+"""Multi-token generation with per-token sampling masks (no Triton here).
+
+The requests of one batch are prefilled together (left-padded) and then advance one token per
+step; every step samples all active rows in one BatchSampler call, with the sampler's semantics
+and a per-step seed derived from (seed, step). A row leaves the batch when it samples an EOS /
+stop token (finish "stop", the token and its mask row are kept), reaches max_new_tokens
+(finish "length") or is cancelled. Results reach the caller through a `GenerationSink`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from . import rng
+from .batching import BatchSampler
+from .lm import CausalLM
+from .params import RowParams
+from .validation import SamplingRequestError, check_logit_rows, check_rows
+
+FINISH_LENGTH = "length"
+FINISH_STOP = "stop"
+
+
+@dataclass
+class GenerationRequest:
+    """One prompt to continue, already checked by `check_generation_request`."""
+
+    prompt: np.ndarray  # int64 [L], L >= 1
+    max_new_tokens: int
+    stop_token_ids: np.ndarray  # int64 [S]
+    ignore_eos: bool
+    stream: bool
+    params: RowParams  # one row
+
+
+@dataclass
+class GenerationChunk:
+    """Tokens of one request with their sampler outputs, aligned 1:1 (n tokens, W mask columns)."""
+
+    output_ids: np.ndarray  # int32 [n]
+    output_logprobs: np.ndarray  # float32 [n]
+    sampling_mask: np.ndarray  # int32 [n, W], -1 padded
+    sampling_mask_len: np.ndarray  # int32 [n]
+    sampling_logprobs: np.ndarray  # float32 [n]
+    finish_reason: str  # "" until the request's last chunk, then "length" or "stop"
+
+    @classmethod
+    def empty(cls, width: int, finish_reason: str) -> "GenerationChunk":
+        return cls(
+            np.zeros(0, np.int32), np.zeros(0, np.float32), np.zeros((0, width), np.int32),
+            np.zeros(0, np.int32), np.zeros(0, np.float32), finish_reason,
+        )
+
+
+class GenerationSink(Protocol):
+    """Where the generator sends results; `position` is the request's index in the batch."""
+
+    def is_cancelled(self, position: int) -> bool: ...
+
+    def send(self, position: int, chunk: GenerationChunk, final: bool) -> None: ...
+
+    def cancelled(self, position: int, tokens: int) -> None: ...
+
+    def generated(self, tokens: int) -> None:
+        """Called once per step, before that step's results are sent (for counters)."""
+
+    def fail(self, position: int, message: str) -> None: ...
+
+
+def check_generation_request(
+    prompt: np.ndarray, max_new_tokens: int, stop_token_ids: np.ndarray, vocab_size: int, context_length: int
+) -> None:
+    """Raise SamplingRequestError (naming the field) for a prompt or budget the LM cannot serve."""
+    if prompt.size == 0:
+        raise SamplingRequestError("input_ids", "input_ids must hold at least one token id")
+    for field, ids in (("input_ids", prompt), ("stop_token_ids", stop_token_ids)):
+        if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+            bad = int(ids[(ids < 0) | (ids >= vocab_size)][0])
+            raise SamplingRequestError(field, f"{field} must be token ids in [0, {vocab_size}), got {bad}")
+    if max_new_tokens < 0:
+        raise SamplingRequestError("max_new_tokens", f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if prompt.size + max_new_tokens > context_length:
+        raise SamplingRequestError(
+            "max_new_tokens",
+            f"prompt length {prompt.size} + max_new_tokens {max_new_tokens} exceeds the model's context "
+            f"length {context_length}",
+        )
+
+
+class Generator:
+    """Drives a CausalLM with the plugin's sampler, a batch of requests at a time."""
+
+    def __init__(self, lm: CausalLM, sampler: BatchSampler):
+        self.lm = lm
+        self.sampler = sampler
+        self.width = sampler.policy.mask_width
+
+    def admission_errors(self, requests: list[GenerationRequest]) -> list[str | None]:
+        """The sampler's rules (ranges, mask admission) for every request at once, before any token."""
+        if not requests:
+            return []
+        params = RowParams.concatenate([r.params for r in requests])
+        errors = check_rows(params, np.zeros(len(requests), np.float32), self.lm.vocab_size, self.sampler.policy)
+        return [None if e is None else e.message for e in errors]
+
+    def run(self, requests: list[GenerationRequest], sink: GenerationSink) -> int:
+        """Generate every (admitted) request to its end; returns the number of tokens generated."""
+        max_new = np.array([r.max_new_tokens for r in requests], np.int64)
+        for position in np.flatnonzero(max_new == 0):
+            sink.send(int(position), GenerationChunk.empty(self.width, FINISH_LENGTH), final=True)
+        rows = np.flatnonzero(max_new > 0)
+        if rows.size == 0:
+            return 0
+        buffers = _Buffers(requests, rows, int(max_new.max()), self.width)
+        logits, state = self.lm.prefill([torch.from_numpy(requests[r].prompt) for r in rows])
+        active = _ActiveRows(
+            rows=rows,
+            params=RowParams.concatenate([requests[r].params for r in rows]),
+            stops=_stop_matrix([requests[r] for r in rows], self.lm.eos_token_ids),
+            stream=np.array([requests[r].stream for r in rows]),
+            state=state,
+        )
+        generated = 0
+        for step in range(int(max_new.max())):
+            cancelled = np.array([sink.is_cancelled(int(r)) for r in active.rows])  # a cheap flag per request
+            broken = ~np.equal(check_logit_rows(logits.amax(dim=-1).cpu().numpy()), None).astype(bool)
+            for i in np.flatnonzero(cancelled):
+                sink.cancelled(int(active.rows[i]), step)
+            for i in np.flatnonzero(broken & ~cancelled):
+                sink.fail(int(active.rows[i]), f"the language model produced unusable logits at step {step}")
+            if (cancelled | broken).any():
+                logits = active.narrow(self.lm, ~cancelled & ~broken, logits)
+                if active.rows.size == 0:
+                    break
+
+            result = self.sampler.sample(logits, _step_params(active.params, step))
+            generated += active.rows.size
+            sink.generated(active.rows.size)
+            step_arrays = buffers.write(active.rows, step, result)
+            tokens = result.token_ids.cpu()
+            stopped = (active.stops == tokens.numpy()[:, None]).any(axis=1)
+            finished = stopped | (step + 1 >= max_new[active.rows])
+            reasons = np.where(stopped, FINISH_STOP, FINISH_LENGTH)
+            for i in np.flatnonzero(active.stream):  # streaming rows: this step's token now
+                reason = str(reasons[i]) if finished[i] else ""
+                sink.send(int(active.rows[i]), _chunk_of(step_arrays, i, reason), final=bool(finished[i]))
+            for i in np.flatnonzero(finished & ~active.stream):  # the rest: everything at the end
+                row = int(active.rows[i])
+                sink.send(row, buffers.chunk(row, step + 1, str(reasons[i])), final=True)
+            if finished.any():
+                tokens = active.narrow(self.lm, ~finished, tokens)
+                if active.rows.size == 0:
+                    break
+            logits = self.lm.decode(active.state, tokens)
+        return generated
+
+
+@dataclass
+class _ActiveRows:
+    """The requests still generating: batch positions, parameters, stop ids, stream flags, LM state."""
+
+    rows: np.ndarray
+    params: RowParams
+    stops: np.ndarray
+    stream: np.ndarray
+    state: object
+
+    def narrow(self, lm: CausalLM, keep: np.ndarray, per_row: torch.Tensor) -> torch.Tensor:
+        """Keep only the rows where `keep` is true (the LM frees the others' cache); narrows `per_row` too."""
+        self.rows, self.params, self.stops, self.stream = (
+            self.rows[keep], self.params.take(keep), self.stops[keep], self.stream[keep],
+        )
+        index = torch.from_numpy(np.flatnonzero(keep))
+        if self.rows.size:
+            self.state = lm.keep(self.state, index)
+        return per_row.index_select(0, index.to(per_row.device))
+
+
+def _step_params(params: RowParams, step: int) -> RowParams:
+    """The rows' parameters for one step: seeded rows get the step's derived seed."""
+    seeds = rng.step_seeds(torch.from_numpy(params.seed.view(np.int64)), step).numpy()
+    return replace(params, seed=np.where(params.has_seed, seeds.view(np.uint64), params.seed))
+
+
+def _stop_matrix(requests: list[GenerationRequest], eos_ids: tuple[int, ...]) -> np.ndarray:
+    """[rows, S] ids that end each row (its stop ids, plus EOS unless ignored), -1 padded."""
+    lists = [np.concatenate([r.stop_token_ids, [] if r.ignore_eos else list(eos_ids)]) for r in requests]
+    matrix = np.full((len(lists), max(1, max(len(ids) for ids in lists))), -1, np.int64)
+    for i, ids in enumerate(lists):  # once per batch, not per step
+        matrix[i, : len(ids)] = ids
+    return matrix
+
+
+def _chunk_of(arrays: dict[str, np.ndarray], i: int, finish_reason: str) -> GenerationChunk:
+    """Row i of one step's sampler outputs as a one-token chunk."""
+    return GenerationChunk(**{name: value[i : i + 1] for name, value in arrays.items()}, finish_reason=finish_reason)
+
+
+class _Buffers:
+    """Per-request outputs of non-streamed requests, filled one step (column) at a time."""
+
+    def __init__(self, requests, rows: np.ndarray, max_steps: int, width: int):
+        slots = len(requests)
+        self.ids = np.zeros((slots, max_steps), np.int32)
+        self.logprobs = np.zeros((slots, max_steps), np.float32)
+        self.mask_len = np.zeros((slots, max_steps), np.int32)
+        self.mask_logprobs = np.zeros((slots, max_steps), np.float32)
+        # Mask rows are kept only for non-streamed requests that asked (a response carries them anyway).
+        wants = [int(r) for r in rows if requests[r].params.return_sampling_mask[0] and not requests[r].stream]
+        self.mask_slot = np.full(slots, -1, np.int64)
+        self.mask_slot[wants] = np.arange(len(wants))
+        self.masks = np.full((len(wants), max_steps, width), -1, np.int32)
+        self.width = width
+
+    def write(self, rows: np.ndarray, step: int, result) -> dict[str, np.ndarray]:
+        """Store one step's outputs of `rows`; returns them as numpy arrays (row-aligned)."""
+        arrays = {
+            "output_ids": result.token_ids.cpu().numpy().astype(np.int32),
+            "output_logprobs": result.logprobs.cpu().numpy().astype(np.float32),
+            "sampling_mask": result.mask_ids.cpu().numpy().astype(np.int32),
+            "sampling_mask_len": result.mask_len.cpu().numpy().astype(np.int32),
+            "sampling_logprobs": result.mask_logprobs.cpu().numpy().astype(np.float32),
+        }
+        self.ids[rows, step] = arrays["output_ids"]
+        self.logprobs[rows, step] = arrays["output_logprobs"]
+        self.mask_len[rows, step] = arrays["sampling_mask_len"]
+        self.mask_logprobs[rows, step] = arrays["sampling_logprobs"]
+        slots = self.mask_slot[rows]
+        stored = slots >= 0
+        if stored.any():
+            self.masks[slots[stored], step] = arrays["sampling_mask"][stored]
+        return arrays
+
+    def chunk(self, row: int, length: int, finish_reason: str) -> GenerationChunk:
+        """The first `length` tokens of request `row`."""
+        slot = self.mask_slot[row]
+        mask = self.masks[slot, :length] if slot >= 0 else np.full((length, self.width), -1, np.int32)
+        return GenerationChunk(
+            self.ids[row, :length].copy(), self.logprobs[row, :length].copy(), mask.copy(),
+            self.mask_len[row, :length].copy(), self.mask_logprobs[row, :length].copy(), finish_reason,
+        )

@@ -1,0 +1,161 @@
+"""Causal language models for the `generate` model: a small interface and a Hugging Face backend.
+
+An LM turns a batch of prompts into next-token logits and then, one token per row at a time,
+extends every row with a KV cache. Rows of a batch are left-padded to one length with an
+attention mask, and rows that finish leave the batch (`keep`), so the LM never computes for them.
+
+Built in: any `transformers` causal LM in a local directory (`model_path`), or, when no path is
+given, the default tiny Llama built from `lm_configs/tiny_llama.json` with fixed-seed random
+weights (deterministic on a given torch build, no download). A custom LM is named by the
+`lm` config parameter as "package.module:factory"; the factory gets (model_path, device).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+DEFAULT_LM_CONFIG = Path(__file__).with_name("lm_configs") / "tiny_llama.json"
+
+
+@runtime_checkable
+class CausalLM(Protocol):
+    """What the generate model needs of a language model (all logits are float32 [rows, V])."""
+
+    vocab_size: int
+    context_length: int  # prompt + generated tokens must fit in this many positions
+    eos_token_ids: tuple[int, ...]
+
+    def prefill(self, prompts: list[torch.Tensor]) -> tuple[torch.Tensor, Any]:
+        """Logits for the token after each prompt (1-D int64 tensors) and the batch state."""
+        ...
+
+    def decode(self, state: Any, tokens: torch.Tensor) -> torch.Tensor:
+        """Append one token per row (int64 [rows]) to the state; logits for the next token."""
+        ...
+
+    def keep(self, state: Any, rows: torch.Tensor) -> Any:
+        """The state restricted to `rows` (int64 indices into the current rows, in order)."""
+        ...
+
+
+@dataclass
+class PaddedBatchState:
+    """A left-padded batch in flight: the model's KV cache, its attention mask, next positions."""
+
+    cache: Any
+    attention_mask: torch.Tensor  # int64 [rows, cached positions], 0 on left padding
+    next_position: torch.Tensor  # int64 [rows], the position id of each row's next token
+
+
+class HFCausalLM:
+    """A `transformers` causal LM with left padding, position ids and a dynamic KV cache."""
+
+    def __init__(self, model, device: torch.device):
+        self.model = model.to(device).eval()
+        self.device = device
+        config = model.config
+        self.vocab_size = int(config.vocab_size)
+        self.context_length = int(getattr(config, "max_position_embeddings", 0) or 2048)
+        self.eos_token_ids = _eos_ids(model)
+        parameters = inspect.signature(model.forward).parameters
+        # transformers 5 renamed past_key_values to cache; support both.
+        self._cache_kwarg = "cache" if "cache" in parameters else "past_key_values"
+        self._keeps_last = "logits_to_keep" in parameters
+
+    @torch.inference_mode()
+    def prefill(self, prompts: list[torch.Tensor]) -> tuple[torch.Tensor, PaddedBatchState]:
+        lengths = torch.tensor([len(p) for p in prompts], device=self.device)
+        width = int(lengths.max())
+        ids = torch.zeros((len(prompts), width), dtype=torch.int64, device=self.device)
+        position = torch.arange(width, device=self.device).unsqueeze(0)
+        attention_mask = (position >= (width - lengths).unsqueeze(1)).to(torch.int64)
+        ids[attention_mask.bool()] = torch.cat([p.to(self.device, torch.int64) for p in prompts])
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        extra = {"logits_to_keep": 1} if self._keeps_last else {}
+        out = self.model(input_ids=ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True, **extra)
+        state = PaddedBatchState(_cache_of(out), attention_mask, lengths.to(torch.int64))
+        return out.logits[:, -1].float(), state
+
+    @torch.inference_mode()
+    def decode(self, state: PaddedBatchState, tokens: torch.Tensor) -> torch.Tensor:
+        rows = tokens.shape[0]
+        state.attention_mask = torch.cat(
+            [state.attention_mask, torch.ones((rows, 1), dtype=torch.int64, device=self.device)], dim=1
+        )
+        out = self.model(
+            input_ids=tokens.to(self.device, torch.int64).unsqueeze(1),
+            attention_mask=state.attention_mask,
+            position_ids=state.next_position.unsqueeze(1),
+            use_cache=True,
+            **{self._cache_kwarg: state.cache},
+        )
+        state.cache = _cache_of(out)
+        state.next_position = state.next_position + 1
+        return out.logits[:, -1].float()
+
+    def keep(self, state: PaddedBatchState, rows: torch.Tensor) -> PaddedBatchState:
+        rows = rows.to(self.device)
+        state.cache.batch_select_indices(rows)  # in place
+        # Padding columns stay in the cache (masked): caches offer no way to drop left columns.
+        mask = state.attention_mask.index_select(0, rows)
+        return PaddedBatchState(state.cache, mask, state.next_position.index_select(0, rows))
+
+
+def _cache_of(output) -> Any:
+    cache = output.get("cache") if hasattr(output, "get") else None
+    return cache if cache is not None else output.past_key_values
+
+
+def _eos_ids(model) -> tuple[int, ...]:
+    """EOS ids from the generation config, else the model config (an int or a list)."""
+    for source in (getattr(model, "generation_config", None), model.config):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if value is not None:
+            return tuple(int(v) for v in (value if isinstance(value, (list, tuple)) else [value]))
+    return ()
+
+
+def build_default_model(config_path: Path = DEFAULT_LM_CONFIG):
+    """The tiny Llama of `config_path`, its weights drawn with the config's `init_seed`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    settings = json.loads(Path(config_path).read_text())
+    seed = int(settings.pop("init_seed"))
+    settings.pop("_comment", None)
+    attention = settings.pop("attn_implementation", None)
+    config = AutoConfig.for_model(**settings)
+    # A private RNG scope: the weights depend on the seed only, and global RNG state is untouched.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, **({"attn_implementation": attention} if attention else {}))
+    return model
+
+
+def load_lm(model_path: str = "", lm_factory: str = "", device: torch.device = torch.device("cpu")) -> CausalLM:
+    """The LM of a deployment: a custom factory, a local HF directory, or the default tiny Llama."""
+    if lm_factory:
+        module_name, _, attr = lm_factory.partition(":")
+        try:
+            factory = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError, ValueError) as exc:
+            raise ValueError(f"lm {lm_factory!r} could not be imported: {exc}") from exc
+        lm = factory(model_path, device)
+    elif model_path:
+        from transformers import AutoModelForCausalLM
+
+        path = Path(model_path)
+        if not path.is_dir():
+            raise ValueError(f"model_path {model_path!r} is not a directory")
+        lm = HFCausalLM(AutoModelForCausalLM.from_pretrained(path, local_files_only=True), device)
+    else:
+        lm = HFCausalLM(build_default_model(), device)
+    if not isinstance(lm, CausalLM):
+        raise ValueError(f"lm {lm_factory or model_path!r} lacks vocab_size, context_length, eos_token_ids or a method")
+    return lm

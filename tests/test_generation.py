@@ -1,0 +1,252 @@
+"""Generation without Triton: per-step seeds, request checks, the padded LM batch, the loop.
+
+The loop runs on a bigram LM (logits = a fixed row per previous token) plugged in through the
+`lm` factory hook, so every step's support can be recomputed by the float64 numpy reference.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from triton_sampling_mask import rng
+from triton_sampling_mask.backends import load_backend
+from triton_sampling_mask.batching import BatchSampler
+from triton_sampling_mask.generation import GenerationRequest, Generator, check_generation_request
+from triton_sampling_mask.lm import load_lm
+from triton_sampling_mask.params import RowParams
+from triton_sampling_mask.validation import MaskPolicy, SamplingRequestError
+
+from .lm_reference import replica
+from .reference import reference_row
+
+VOCAB = 64
+WIDTH = 16
+EOS = 3
+
+
+class BigramLM:
+    """next-token logits = TABLE[previous token]; the 'cache' is just the last token of each row."""
+
+    TABLE = np.random.default_rng(7).normal(0, 2.5, (VOCAB, VOCAB)).astype(np.float32)
+
+    def __init__(self, nan_after: int | None = None):
+        self.vocab_size, self.context_length, self.eos_token_ids = VOCAB, 100, (EOS,)
+        self.nan_after, self.steps = nan_after, 0
+
+    def _logits(self, last: torch.Tensor) -> torch.Tensor:
+        logits = torch.from_numpy(self.TABLE)[last.long()].clone()
+        if self.nan_after is not None and self.steps >= self.nan_after:
+            logits[0] = float("nan")  # the first row of the batch breaks, once
+            self.nan_after = None
+        return logits
+
+    def prefill(self, prompts):
+        last = torch.stack([p[-1] for p in prompts])
+        return self._logits(last), last
+
+    def decode(self, state, tokens):
+        self.steps += 1
+        return self._logits(tokens)
+
+    def keep(self, state, rows):
+        return state[rows]
+
+
+def bigram_factory(model_path, device):
+    return BigramLM()
+
+
+class RecordingSink:
+    def __init__(self, cancel_after: dict[int, int] | None = None):
+        self.chunks, self.finals, self.cancels, self.failures, self.counted = {}, {}, {}, {}, 0
+        self.cancel_after = cancel_after or {}
+
+    def is_cancelled(self, position):
+        return len(self.chunks.get(position, [])) >= self.cancel_after.get(position, 10**9)
+
+    def send(self, position, chunk, final):
+        self.chunks.setdefault(position, []).append(chunk)
+        if final:
+            self.finals[position] = self.finals.get(position, 0) + 1
+
+    def cancelled(self, position, tokens):
+        self.cancels[position] = tokens
+
+    def fail(self, position, message):
+        self.failures[position] = message
+
+    def generated(self, tokens):
+        self.counted += tokens
+
+    def ids(self, position):
+        return np.concatenate([c.output_ids for c in self.chunks[position]])
+
+
+def request(prompt, max_new_tokens, stream=False, stop=(), ignore_eos=False, **params) -> GenerationRequest:
+    row = RowParams.defaults(1)
+    for name, value in params.items():
+        setattr(row, name, np.array([value], dtype=getattr(row, name).dtype))
+        if name == "seed":
+            row.has_seed = np.ones(1, np.bool_)
+    return GenerationRequest(np.array(prompt, np.int64), max_new_tokens, np.array(stop, np.int64), ignore_eos, stream, row)
+
+
+def generator(lm) -> Generator:
+    return Generator(lm, BatchSampler(load_backend("torch"), MaskPolicy(WIDTH, "test"), torch.device("cpu")))
+
+
+MASKED = dict(temperature=0.9, top_k=12, top_p=0.85, min_p=0.02, seed=5, return_sampling_mask=True)
+
+
+def test_step_seeds_are_deterministic_distinct_and_non_negative():
+    seeds = torch.tensor([0, 1, -1, 2**62, 12345], dtype=torch.int64)
+    per_step = torch.stack([rng.step_seeds(seeds, s) for s in range(50)])
+    assert torch.equal(per_step, torch.stack([rng.step_seeds(seeds, s) for s in range(50)]))
+    assert (per_step >= 0).all()
+    assert len(set(per_step.flatten().tolist())) == per_step.numel()
+
+
+@pytest.mark.parametrize(
+    "prompt, budget, stops, field",
+    [([], 4, [], "input_ids"), ([1, 64], 4, [], "input_ids"), ([-1], 4, [], "input_ids"),
+     ([1], 4, [64], "stop_token_ids"), ([1], -1, [], "max_new_tokens"), ([1] * 90, 11, [], "max_new_tokens")],
+)
+def test_generation_request_checks_name_the_field(prompt, budget, stops, field):
+    with pytest.raises(SamplingRequestError) as error:
+        check_generation_request(np.array(prompt, np.int64), budget, np.array(stops, np.int64), VOCAB, 100)
+    assert error.value.field == field and field in error.value.message
+    check_generation_request(np.array([1] * 90, np.int64), 10, np.array([63]), VOCAB, 100)  # the limit itself is fine
+
+
+def test_every_step_matches_the_reference_and_rows_align():
+    lm = load_lm(lm_factory="tests.test_generation:bigram_factory")
+    sink = RecordingSink()
+    generator(lm).run([request([10], 30, ignore_eos=True, **MASKED)], sink)
+    chunk = sink.chunks[0][0]
+    ids = chunk.output_ids
+    assert len(ids) == 30 and chunk.sampling_mask.shape == (30, WIDTH) and chunk.finish_reason == "length"
+    previous = np.concatenate([[10], ids[:-1]])
+    for i, token in enumerate(ids):
+        ref = reference_row(BigramLM.TABLE[previous[i]], 0.9, 12, 0.85, 0.02)
+        np.testing.assert_array_equal(chunk.sampling_mask[i, : chunk.sampling_mask_len[i]], ref.support)
+        assert (chunk.sampling_mask[i, chunk.sampling_mask_len[i] :] == -1).all()
+        assert token in ref.support
+        assert chunk.sampling_logprobs[i] == pytest.approx(ref.renormalised_logprob(token, len(ref.support)), abs=1e-4)
+    assert sink.counted == 30
+
+
+def test_stops_streaming_zero_budget_and_batching():
+    lm = BigramLM()
+    greedy = RecordingSink()
+    generator(lm).run([request([10], 12, ignore_eos=True, temperature=0.0)], greedy)
+    ids = greedy.ids(0)
+    j = next(i for i in range(1, 12) if ids[i] not in ids[:i])
+    sink = RecordingSink()
+    batch = [
+        request([10], 12, stream=True, ignore_eos=True, stop=[ids[j]], temperature=0.0, return_sampling_mask=True),
+        request([10], 0, **MASKED),
+        request([20, 21], 9, ignore_eos=True, **MASKED),
+        request([10], 12, ignore_eos=True, temperature=0.0),
+    ]
+    generator(lm).run(batch, sink)
+    assert sink.finals == {0: 1, 1: 1, 2: 1, 3: 1}  # exactly one final each
+    assert [len(c.output_ids) for c in sink.chunks[0]] == [1] * (j + 1)  # streamed token by token
+    np.testing.assert_array_equal(sink.ids(0), ids[: j + 1])
+    assert sink.chunks[0][-1].finish_reason == "stop" and sink.chunks[0][-1].sampling_mask_len[0] == 1
+    assert len(sink.ids(1)) == 0 and sink.chunks[1][0].sampling_mask.shape == (0, WIDTH)
+    np.testing.assert_array_equal(sink.ids(3), ids)
+    alone = RecordingSink()
+    generator(lm).run([request([20, 21], 9, ignore_eos=True, **MASKED)], alone)
+    np.testing.assert_array_equal(sink.ids(2), alone.ids(0))  # batch-mates change nothing
+
+
+def test_eos_stops_and_keeps_its_row_unless_ignored():
+    table = BigramLM.TABLE.copy()
+    first = int(np.argmax(table[30]))
+    table[first, EOS] = table[first].max() + 10  # greedy from [30]: first, EOS, ...
+    lm = BigramLM()
+    lm.TABLE = table
+    sink = RecordingSink()
+    generator(lm).run([request([30], 5, temperature=0.0, return_sampling_mask=True), request([30], 5, ignore_eos=True, temperature=0.0)], sink)
+    stopped = sink.chunks[0][0]
+    assert stopped.output_ids.tolist() == [first, EOS] and stopped.finish_reason == "stop"
+    assert stopped.sampling_mask[1, : stopped.sampling_mask_len[1]].tolist() == [EOS]
+    assert sink.ids(1)[:2].tolist() == [first, EOS] and len(sink.ids(1)) == 5
+    assert sink.chunks[1][0].finish_reason == "length"
+
+
+def test_cancellation_and_broken_logits_end_only_their_request():
+    sink = RecordingSink(cancel_after={0: 3})
+    generator(BigramLM()).run([request([10], 20, stream=True, ignore_eos=True, **MASKED), request([11], 20, ignore_eos=True, **MASKED)], sink)
+    assert sink.cancels == {0: 3} and len(sink.ids(0)) == 3 and 0 not in sink.finals
+    assert len(sink.ids(1)) == 20 and sink.finals[1] == 1
+    broken = RecordingSink()
+    generator(BigramLM(nan_after=2)).run([request([10], 6, ignore_eos=True, **MASKED), request([11], 6, ignore_eos=True, **MASKED)], broken)
+    assert 0 in broken.failures and 0 not in broken.chunks
+    assert len(broken.ids(1)) == 6
+
+
+@torch.inference_mode()
+def test_padded_batch_with_cache_matches_full_forward():
+    lm = load_lm()
+    prompts = [torch.tensor([5, 6, 7]), torch.tensor([9]), torch.tensor([40, 41, 42, 43, 44])]
+    logits, state = lm.prefill(prompts)
+    steps = [torch.tensor([100, 200, 300]), torch.tensor([101, 201, 301])]
+    histories = [p.tolist() for p in prompts]
+    for step, tokens in enumerate(steps):
+        for history, row_logits in zip(histories, logits):
+            expected = replica()(input_ids=torch.tensor([history])).logits[0, -1]
+            torch.testing.assert_close(row_logits.double(), expected, atol=1e-4, rtol=1e-4)
+        if step == 1:  # drop the middle row, as a finished request leaves the batch
+            state = lm.keep(state, torch.tensor([0, 2]))
+            tokens, histories = tokens[[0, 2]], [histories[0], histories[2]]
+        for history, token in zip(histories, tokens):
+            history.append(int(token))
+        logits = lm.decode(state, tokens)
+    for history, row_logits in zip(histories, logits):
+        expected = replica()(input_ids=torch.tensor([history])).logits[0, -1]
+        torch.testing.assert_close(row_logits.double(), expected, atol=1e-4, rtol=1e-4)
+
+
+@torch.inference_mode()
+def test_a_local_hugging_face_directory_loads_through_model_path(tmp_path):
+    from triton_sampling_mask.lm import build_default_model
+
+    build_default_model().save_pretrained(tmp_path)
+    lm = load_lm(model_path=str(tmp_path))
+    assert (lm.vocab_size, lm.context_length, lm.eos_token_ids) == (1024, 512, (2,))
+    logits, _ = lm.prefill([torch.tensor([5, 6, 7])])
+    expected = replica()(input_ids=torch.tensor([[5, 6, 7]])).logits[0, -1]
+    torch.testing.assert_close(logits[0].double(), expected, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="model_path"):
+        load_lm(model_path=str(tmp_path / "missing"))
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 2**64 - 1),
+    temperature=st.sampled_from([0.0, 0.5, 1.0, 1.7]),
+    top_k=st.integers(1, WIDTH),
+    top_p=st.floats(0.05, 1.0),
+    min_p=st.floats(0.0, 0.5),
+    first=st.integers(0, VOCAB - 1),
+    budget=st.integers(1, 12),
+)
+def test_streaming_and_masks_never_change_the_tokens(seed, temperature, top_k, top_p, min_p, first, budget):
+    params = dict(seed=seed, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    sink = RecordingSink()
+    batch = [
+        request([first], budget, ignore_eos=True, return_sampling_mask=True, **params),
+        request([first], budget, ignore_eos=True, stream=True, return_sampling_mask=True, **params),
+        request([first], budget, ignore_eos=True, **params),
+    ]
+    generator(BigramLM()).run(batch, sink)
+    whole, streamed = sink.chunks[0][0], sink.chunks[1]
+    np.testing.assert_array_equal(sink.ids(1), whole.output_ids)
+    np.testing.assert_array_equal(np.concatenate([c.sampling_mask for c in streamed]), whole.sampling_mask)
+    np.testing.assert_array_equal(sink.ids(2), whole.output_ids)
+    assert (sink.chunks[2][0].sampling_mask_len == 0).all()
