@@ -166,8 +166,11 @@ def test_unknown_backend_fails_model_load_listing_the_choices(tmp_path):
         import tritonclient.http as httpclient
 
         client = httpclient.InferenceServerClient(server.http_url)
-        with pytest.raises(InferenceServerException) as caught:
-            client.load_model("sampler")
-        message = caught.value.message()
-        assert "unknown sampling_backend 'warp-drive'" in message and "choose one of: torch" in message
-        assert client.is_server_live()
+        try:
+            with pytest.raises(InferenceServerException) as caught:
+                client.load_model("sampler")
+            message = caught.value.message()
+            assert "unknown sampling_backend 'warp-drive'" in message and "choose one of: torch" in message
+            assert client.is_server_live()
+        finally:
+            client.close()  # an open connection would hold the server's shutdown for its 30 s timeout
