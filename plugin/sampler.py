@@ -108,11 +108,11 @@ def ranked_candidates(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch
     values, ids = values[:, :k], ids[:, :k]
     if bool(straddles.any()):
         ids = _repair_boundary_ties(logits, values, ids, straddles)
-    # Order equal values by id: sort by id, then stably by value.
-    by_id = torch.argsort(ids, dim=-1)
-    values, ids = values.gather(1, by_id), ids.gather(1, by_id)
-    by_value = torch.sort(values, dim=-1, descending=True, stable=True).indices
-    return values.gather(1, by_value), ids.gather(1, by_value)
+    # topk already ranks by value, so only ids inside runs of equal values may be out of order:
+    # one sort of the key (run index, id), nearly sorted already, replaces two full sorts.
+    run = torch.cumsum(values[:, 1:] != values[:, :-1], dim=-1)
+    run = torch.cat([run.new_zeros(rows, 1), run], dim=-1) * vocab
+    return values, torch.sort(run + ids, dim=-1).values - run
 
 
 def _repair_boundary_ties(logits, values, ids, straddles):
@@ -138,11 +138,29 @@ def _repair_boundary_ties(logits, values, ids, straddles):
     return ids
 
 
+# Rows of logits processed per scratch block in the normaliser: a few MiB keeps the block in
+# cache and under the allocator's mmap threshold, so no page faults on every call.
+_NORMALISER_BLOCK_ELEMENTS = 1 << 20
+
+
 def _log_normaliser(logits: torch.Tensor, row_max: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
-    """log sum exp((logits - max) / T) per row in float64, one pass and one scratch buffer."""
-    scratch = logits - row_max.unsqueeze(1)
-    scratch.div_(temperature.unsqueeze(1)).exp_()
-    return scratch.sum(dim=-1).to(torch.float64).log()
+    """log sum exp((logits - max) / T) per row in float64, one pass over cache-sized row blocks."""
+    rows, vocab = logits.shape
+    if logits.device.type != "cpu":  # one fused-enough pass; GPU memory traffic is not the cost
+        scratch = logits - row_max.unsqueeze(1)
+        scratch.div_(temperature.unsqueeze(1)).exp_()
+        return scratch.sum(dim=-1).to(torch.float64).log()
+    block = max(1, min(rows, _NORMALISER_BLOCK_ELEMENTS // max(vocab, 1)))
+    scratch = torch.empty(block, vocab, dtype=logits.dtype)
+    sums = torch.empty(rows, dtype=logits.dtype)
+    row_max, temperature = row_max.unsqueeze(1), temperature.unsqueeze(1)
+    for start in range(0, rows, block):  # a loop over memory blocks, not over requests
+        stop = min(rows, start + block)
+        part = scratch[: stop - start]
+        torch.sub(logits[start:stop], row_max[start:stop], out=part)
+        part.div_(temperature[start:stop]).exp_()
+        torch.sum(part, dim=-1, out=sums[start:stop])
+    return sums.to(torch.float64).log()
 
 
 def _sample_ranked(part: dict, k: int, mask_width: int, result: SamplingResult, index: torch.Tensor) -> None:
