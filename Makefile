@@ -6,7 +6,7 @@ PYTHON := $(VENV)/bin/python
 MODEL_REPOSITORY ?= model_repository
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test clean
+.PHONY: setup serve test bench clean
 
 setup: $(VENV)/.installed
 
@@ -23,6 +23,12 @@ serve: setup
 
 test: setup
 	$(PYTHON) -m pytest $(PYTEST_ARGS)
+
+# Kernel + served benchmark (not part of the tests): table on stdout, bench/results/latest.json and
+# ratios.png. matplotlib comes from the `bench` extra, installed here only, not by `make setup`.
+bench: setup
+	$(PYTHON) -c "import matplotlib" 2>/dev/null || $(PYTHON) -m pip install --quiet -e '.[bench]'
+	$(PYTHON) -m bench.run $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
