@@ -62,10 +62,18 @@ def run_case(rows: int, vocab: int, top_k: int, width: int, device: torch.device
     logits = make_logits(rows, vocab, device, bf16=bf16)
     medians = timing(case_functions(logits, top_k, width), device)
     ms = {name: m["median_ms"] for name, m in medians.items()}
+    # Best-of-rounds times: a load-robust second view when other processes share the cores.
+    best = {name: m.get("min_ms", m["median_ms"]) for name, m in medians.items()}
     return {
         "rows": rows, "vocab": vocab, "top_k": top_k, "logits": "bf16-rounded" if bf16 else "fp32",
         "ms": ms,
+        "min_ms": best,
         "rounds": min(m["rounds"] for m in medians.values()),
+        "best_of": {
+            "speedup_vs_baseline_mask": best["baseline_mask"] / best["ours_mask"],
+            "ours_over_floor_mask": best["ours_mask"] / best["floor"],
+            "mask_on_over_off": best["ours_mask"] / best["ours_nomask"],
+        },
         "speedup_vs_baseline_mask": ms["baseline_mask"] / ms["ours_mask"],
         "speedup_vs_baseline_nomask": ms["baseline_nomask"] / ms["ours_nomask"],
         "ours_over_floor_mask": ms["ours_mask"] / ms["floor"],

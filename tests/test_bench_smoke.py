@@ -34,7 +34,7 @@ def test_baseline_support_matches_reference():
 
 def test_kernel_case_reports_every_timing():
     case = kernel.run_case(2, 500, 8, 16, torch.device("cpu"),
-                           lambda fns, device: {n: {"median_ms": 1.0 + i, "rounds": 1} for i, n in enumerate(fns)})
+                           lambda fns, device: {n: {"median_ms": 1.0 + i, "min_ms": 1.0 + i, "rounds": 1} for i, n in enumerate(fns)})
     assert set(case["ms"]) == {"ours_mask", "ours_nomask", "baseline_mask", "baseline_nomask", "floor"}
     assert case["speedup_vs_baseline_mask"] == pytest.approx(3.0 / 1.0)
 
