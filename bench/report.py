@@ -127,3 +127,39 @@ def plot(results: dict, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def markdown_summary(results: dict) -> str:
+    """The committed results as markdown tables (pasted into bench/README.md)."""
+    m = results["machine"]
+    lines = [
+        f"Measured {results['timestamp']} on {m['cpu']}, {m['cpu_cores']} cores, torch {m['torch']} "
+        f"with {m['torch_threads']} threads, device `{results['device']}`; 1-min load average "
+        f"{m['load_average_1m']:.1f} before, {m.get('load_average_1m_after', float('nan')):.1f} after. {results.get('note', '')}",
+        "",
+        "| B | V | top_k | logits | ours (mask) ms | ours (no mask) ms | baseline (mask) ms | floor ms "
+        "| baseline/ours | ours/floor | mask on/off | best-of: baseline/ours, ours/floor, on/off |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for c in results["kernel"]:
+        ms, b = c["ms"], c["best_of"]
+        lines.append(
+            f"| {c['rows']} | {c['vocab']} | {c['top_k']} | {c['logits']} | {ms['ours_mask']:.2f} | {ms['ours_nomask']:.2f} "
+            f"| {ms['baseline_mask']:.1f} | {ms['floor']:.2f} | {c['speedup_vs_baseline_mask']:.1f}x "
+            f"| {c['ours_over_floor_mask']:.2f} | {c['mask_on_over_off']:.2f} "
+            f"| {b['speedup_vs_baseline_mask']:.1f}x, {b['ours_over_floor_mask']:.2f}, {b['mask_on_over_off']:.2f} |"
+        )
+    served = results.get("served")
+    if served:
+        lines += ["", f"Served: B=1 rows of V={served['vocab']}, {served['row_params']}, "
+                      f"{served['duration_s']:.0f} s per point, closed loop.", "",
+                  "| path | concurrency / rows per call | rows/s | p50 ms | p99 ms |", "|---|---|---|---|---|"]
+        for e in served["in_process"]:
+            lines.append(f"| in-process | {e['rows_per_call']} rows/call | {e['rows_per_s']:.0f} | {e['p50_ms']:.2f} | {e['p99_ms']:.2f} |")
+        for e in served["served"]:
+            lines.append(f"| {e['protocol']} | {e['concurrency']} | {e['rows_per_s']:.0f} | {e['p50_ms']:.2f} | {e['p99_ms']:.2f} |")
+    lines += ["", "| target | measured (medians) | best-of-rounds | met |", "|---|---|---|---|"]
+    for key, v in results["targets"].items():
+        best = f"{v['best_of_rounds']:.2f}" if "best_of_rounds" in v else "-"
+        lines.append(f"| ({key}) {v['target']} | {v['value']:.2f} | {best} | {'yes' if v['met'] else 'no'} |")
+    return "\n".join(lines) + "\n"

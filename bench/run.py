@@ -65,6 +65,7 @@ def main(argv: list[str] | None = None) -> dict:
     results["wall_s"] = time.perf_counter() - started
     report.print_tables(results)
     report.write_json(results, args.output)
+    args.output.with_suffix(".md").write_text(report.markdown_summary(results))
     if not args.no_plot:
         report.plot(results, args.plot)
     print(f"\nwrote {args.output}{'' if args.no_plot else ' and ' + str(args.plot)} in {results['wall_s']:.0f} s")
