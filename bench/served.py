@@ -149,6 +149,28 @@ def in_process_load(rows: np.ndarray, rows_per_call: int, width: int, duration_s
     return {"protocol": "in_process", "rows_per_call": rows_per_call, **_summary(latencies, n, time.perf_counter() - start)}
 
 
+def model_statistics(server: TritonServer) -> dict:
+    """The sampler's cumulative server-side statistics (counts and nanoseconds per phase)."""
+    client = httpclient.InferenceServerClient(server.http_url)
+    try:
+        return client.get_inference_statistics(MODEL)["model_stats"][0]
+    finally:
+        client.close()
+
+
+def server_breakdown(before: dict, after: dict) -> dict:
+    """Where a point's time went inside the server: mean rows per execute and mean ms per
+    request spent queued, copying inputs in, inside execute, and copying outputs out."""
+    executions = int(after["execution_count"]) - int(before["execution_count"])
+    inferences = int(after["inference_count"]) - int(before["inference_count"])
+    out = {"mean_rows_per_execute": inferences / executions if executions else 0.0}
+    for phase in ("queue", "compute_input", "compute_infer", "compute_output"):
+        count = int(after["inference_stats"][phase]["count"]) - int(before["inference_stats"][phase]["count"])
+        ns = int(after["inference_stats"][phase]["ns"]) - int(before["inference_stats"][phase]["ns"])
+        out[f"{phase}_ms"] = ns / count / 1e6 if count else 0.0
+    return out
+
+
 def run_served_benchmark(width: int, vocab: int, concurrencies, duration_s: float, warmup_s: float,
                          progress=print) -> dict:
     """In-process first (server not yet up), then every protocol x concurrency on one server."""
@@ -163,8 +185,10 @@ def run_served_benchmark(width: int, vocab: int, concurrencies, duration_s: floa
         with TritonServer(repository, log_path=Path(tmp) / "tritonserver.log") as server:
             for protocol in PROTOCOLS:
                 for concurrency in concurrencies:
-                    served.append(served_load(server, protocol, concurrency, rows, duration_s, warmup_s))
-                    entry = served[-1]
+                    before = model_statistics(server)
+                    entry = served_load(server, protocol, concurrency, rows, duration_s, warmup_s)
+                    entry["server"] = server_breakdown(before, model_statistics(server))
+                    served.append(entry)
                     progress(f"  {protocol} c={concurrency}: {entry['rows_per_s']:.1f} rows/s, "
-                             f"p50 {entry['p50_ms']:.2f} ms, p99 {entry['p99_ms']:.2f} ms")
+                             f"p50 {entry['p50_ms']:.2f} ms, p99 {entry['p99_ms']:.2f} ms, server {entry['server']}")
     return {"vocab": vocab, "row_params": ROW_PARAMS, "duration_s": duration_s, "in_process": in_process, "served": served}
