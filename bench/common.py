@@ -48,7 +48,14 @@ def interleaved_medians(functions: dict, device: torch.device, min_rounds: int, 
             synchronize(device)
             samples[name].append((time.perf_counter() - t0) * 1e3)
         rounds += 1
-    return {name: {"median_ms": statistics.median(v), "min_ms": min(v), "rounds": len(v)} for name, v in samples.items()}
+    return {name: {"median_ms": statistics.median(v), "min_ms": min(v), "rounds": len(v), "samples_ms": v}
+            for name, v in samples.items()}
+
+
+def paired_median_ratio(numerator: list[float], denominator: list[float]) -> float:
+    """Median over rounds of numerator/denominator timed in the same round: load that lasts
+    longer than a round slows both sides alike and cancels."""
+    return statistics.median(n / d for n, d in zip(numerator, denominator))
 
 
 def machine_facts() -> dict:

@@ -11,6 +11,7 @@ import torch
 from triton_sampling_mask.sampler import SamplingBatch, sample
 
 from .baseline import floor, full_sort_sample
+from .common import paired_median_ratio
 
 TEMPERATURE, TOP_P = 0.8, 0.95
 FULL_GRID = {"rows": (1, 8, 64), "vocab": (32000, 151936), "top_k": (50, 512)}
@@ -69,6 +70,7 @@ def run_case(rows: int, vocab: int, top_k: int, width: int, device: torch.device
         "ms": ms,
         "min_ms": best,
         "rounds": min(m["rounds"] for m in medians.values()),
+        "paired": _paired_ratios(medians),
         "best_of": {
             "speedup_vs_baseline_mask": best["baseline_mask"] / best["ours_mask"],
             "ours_over_floor_mask": best["ours_mask"] / best["floor"],
@@ -79,6 +81,18 @@ def run_case(rows: int, vocab: int, top_k: int, width: int, device: torch.device
         "ours_over_floor_mask": ms["ours_mask"] / ms["floor"],
         "ours_over_floor_nomask": ms["ours_nomask"] / ms["floor"],
         "mask_on_over_off": ms["ours_mask"] / ms["ours_nomask"],
+    }
+
+
+def _paired_ratios(medians: dict) -> dict:
+    """The target ratios as medians of per-round ratios (None when no raw samples were kept)."""
+    if any("samples_ms" not in m for m in medians.values()):
+        return {}
+    t = {name: m["samples_ms"] for name, m in medians.items()}
+    return {
+        "speedup_vs_baseline_mask": paired_median_ratio(t["baseline_mask"], t["ours_mask"]),
+        "ours_over_floor_mask": paired_median_ratio(t["ours_mask"], t["floor"]),
+        "mask_on_over_off": paired_median_ratio(t["ours_mask"], t["ours_nomask"]),
     }
 
 
