@@ -78,10 +78,26 @@ class _Worker:
         self.client.infer(MODEL, [logits, *self.param_inputs])
 
     def close(self) -> None:
-        if self.region is not None:
-            self.client.unregister_system_shared_memory(self.region)
-            shm.destroy_shared_memory_region(self.handle)
-        self.client.close()
+        try:
+            if self.region is not None:
+                self._unregister()
+        finally:
+            if self.region is not None:
+                shm.destroy_shared_memory_region(self.handle)
+            self.client.close()
+
+    def _unregister(self, timeout_s: float = 5.0) -> None:
+        """Unregister the region; the server may still hold the last request's input for a moment
+        after answering ("currently in use"), so retry briefly before giving up."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self.client.unregister_system_shared_memory(self.region)
+                return
+            except Exception as exc:  # tritonclient raises InferenceServerException
+                if "in use" not in str(exc) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.01)
 
 
 def served_load(server: TritonServer, protocol: str, concurrency: int, rows: np.ndarray,
