@@ -34,15 +34,20 @@ def synchronize(device: torch.device) -> None:
 def interleaved_medians(functions: dict, device: torch.device, min_rounds: int, budget_s: float,
                         max_rounds: int = 50) -> dict[str, dict]:
     """Median milliseconds of each function, timed in interleaved rounds (one call of each per
-    round) so load from other processes lands on all of them alike; one warm-up call each."""
+    round, order rotated) so load from other processes lands on all of them alike; one warm-up
+    call each."""
     for fn in functions.values():
         fn()
     synchronize(device)
     samples: dict[str, list[float]] = {name: [] for name in functions}
     start = time.perf_counter()
     rounds = 0
+    names = list(functions)
     while rounds < min_rounds or (time.perf_counter() - start < budget_s and rounds < max_rounds):
-        for name, fn in functions.items():
+        # Rotate the order each round: the first call after another function's large frees pays
+        # for the allocator and the cache, and no function should always be the one that pays.
+        for name in names[rounds % len(names):] + names[: rounds % len(names)]:
+            fn = functions[name]
             t0 = time.perf_counter()
             fn()
             synchronize(device)

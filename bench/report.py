@@ -36,7 +36,7 @@ def verdicts(kernel: list[dict], served: dict | None) -> dict:
     for key, ratio in (("a", "speedup_vs_baseline_mask"), ("b", "ours_over_floor_mask"), ("c", "mask_on_over_off")):
         out[key]["target"], out[key]["case"] = TARGETS[key], _case_name(head)
         out[key]["best_of_rounds"] = head["best_of"][ratio]
-        out[key]["paired_median"] = head["paired"].get(ratio)
+        out[key]["paired_median"] = head.get("paired", {}).get(ratio)
     if served:
         top = max(e["concurrency"] for e in served["served"])
         shm_rate = next(e["rows_per_s"] for e in served["served"] if e["protocol"] == "grpc_shm" and e["concurrency"] == top)

@@ -33,10 +33,13 @@ def test_baseline_support_matches_reference():
 
 
 def test_kernel_case_reports_every_timing():
+    fake_ms = {"ours_mask": 2.0, "ours_nomask": 1.6, "baseline_mask": 30.0, "baseline_nomask": 29.0, "floor": 4.0}
     case = kernel.run_case(2, 500, 8, 16, torch.device("cpu"),
-                           lambda fns, device: {n: {"median_ms": 1.0 + i, "min_ms": 1.0 + i, "rounds": 1} for i, n in enumerate(fns)})
-    assert set(case["ms"]) == {"ours_mask", "ours_nomask", "baseline_mask", "baseline_nomask", "floor"}
-    assert case["speedup_vs_baseline_mask"] == pytest.approx(3.0 / 1.0)
+                           lambda fns, device: {n: {"median_ms": fake_ms[n], "min_ms": fake_ms[n], "rounds": 1} for n in fns})
+    assert case["ms"] == fake_ms
+    assert case["speedup_vs_baseline_mask"] == pytest.approx(15.0)
+    assert case["ours_over_floor_mask"] == pytest.approx(0.5)
+    assert case["mask_on_over_off"] == pytest.approx(1.25)
 
 
 @pytest.mark.timeout(240)
