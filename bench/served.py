@@ -105,6 +105,7 @@ def served_load(server: TritonServer, protocol: str, concurrency: int, rows: np.
     """Closed-loop load: `concurrency` threads send B=1 requests back to back for `duration_s`."""
     workers = [_Worker(protocol, server, i, rows.shape[-1]) for i in range(concurrency)]
     latencies: list[list[float]] = [[] for _ in workers]
+    sent = [0] * concurrency
     errors: list[BaseException] = []
     start_gate = threading.Barrier(concurrency + 1)
     phase = {"record_from": 0.0, "stop_at": 0.0}
@@ -119,6 +120,7 @@ def served_load(server: TritonServer, protocol: str, concurrency: int, rows: np.
                     return
                 worker.send(rows[(i * 7 + n) % len(rows)])
                 n += 1
+                sent[i] = n
                 if t0 >= phase["record_from"]:
                     latencies[i].append(time.perf_counter() - t0)
         except BaseException as exc:  # reported after the run; a failed run must not look fast
@@ -137,7 +139,7 @@ def served_load(server: TritonServer, protocol: str, concurrency: int, rows: np.
     if errors:
         raise RuntimeError(f"{protocol} load failed: {errors[0]!r}")
     done = [lat for per_worker in latencies for lat in per_worker]
-    return {"protocol": protocol, "concurrency": concurrency, **_summary(done, len(done), duration_s)}
+    return {"protocol": protocol, "concurrency": concurrency, "sent": sum(sent), **_summary(done, len(done), duration_s)}
 
 
 def in_process_load(rows: np.ndarray, rows_per_call: int, width: int, duration_s: float) -> dict:
@@ -163,6 +165,22 @@ def in_process_load(rows: np.ndarray, rows_per_call: int, width: int, duration_s
         assert all(o.error is None for o in outcomes), outcomes[0].error
         n += rows_per_call
     return {"protocol": "in_process", "rows_per_call": rows_per_call, **_summary(latencies, n, time.perf_counter() - start)}
+
+
+def cpu_seconds(pid: int, descendants: bool = True) -> float:
+    """User + system CPU seconds of a process, with its descendants unless told not to (/proc)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total, stack = 0.0, [pid]
+    while stack:
+        current = stack.pop()
+        try:
+            fields = Path(f"/proc/{current}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
+            children = Path(f"/proc/{current}/task/{current}/children").read_text().split()
+        except (OSError, IndexError):
+            continue
+        stack.extend(int(c) for c in children if descendants)
+    return total
 
 
 def model_statistics(server: TritonServer) -> dict:
@@ -202,8 +220,16 @@ def run_served_benchmark(width: int, vocab: int, concurrencies, duration_s: floa
             for protocol in PROTOCOLS:
                 for concurrency in concurrencies:
                     before = model_statistics(server)
+                    cpu_before = (cpu_seconds(server.process.pid), cpu_seconds(os.getpid(), descendants=False))
                     entry = served_load(server, protocol, concurrency, rows, duration_s, warmup_s)
                     entry["server"] = server_breakdown(before, model_statistics(server))
+                    # CPU milliseconds per row (warm-up included) on each side of the wire:
+                    # client and server share the 2 cores, so this shows what the client costs.
+                    done = max(entry["sent"], 1)
+                    entry["cpu_ms_per_row"] = {
+                        "server": (cpu_seconds(server.process.pid) - cpu_before[0]) * 1e3 / done,
+                        "client": (cpu_seconds(os.getpid(), descendants=False) - cpu_before[1]) * 1e3 / done,
+                    }
                     served.append(entry)
                     progress(f"  {protocol} c={concurrency}: {entry['rows_per_s']:.1f} rows/s, "
                              f"p50 {entry['p50_ms']:.2f} ms, p99 {entry['p99_ms']:.2f} ms, server {entry['server']}")
