@@ -119,8 +119,8 @@ def ranked_candidates(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch
     return values[:, :k], ids[:, :k]
 
 
-def _repair_boundary_ties(logits, values, ids, straddles):
-    """Give the places holding the last fetched value, in `straddles` rows, to the lowest tied ids.
+def _repair_boundary_ties(logits, values, ids, overflows):
+    """Give the places holding the last fetched value, in `overflows` rows, to the lowest tied ids.
 
     `values` is sorted descending (topk's order), so each row holds `above` candidates strictly
     above its last value, then ones equal to it; those places go to the lowest ids whose
@@ -128,8 +128,8 @@ def _repair_boundary_ties(logits, values, ids, straddles):
     ascending order per row), without copying or re-ranking the logits.
     """
     rows, k = values.shape
-    boundary = torch.where(straddles, values[:, -1], torch.tensor(float("nan"), device=values.device))
-    above = (values > boundary.unsqueeze(1)).sum(dim=-1)  # NaN rows: 0, but they get no ties
+    boundary = torch.where(overflows, values[:, -1], torch.tensor(float("nan"), device=values.device))
+    above = (values > boundary.unsqueeze(1)).sum(dim=-1)  # other rows: NaN boundary, no ties found
     row_of, tied_ids = torch.nonzero(logits == boundary.unsqueeze(1), as_tuple=True)
     counts = torch.bincount(row_of, minlength=rows)
     first = torch.cumsum(counts, dim=0) - counts
