@@ -6,7 +6,7 @@ PYTHON := $(VENV)/bin/python
 MODEL_REPOSITORY ?= model_repository
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test soak clean
+.PHONY: setup serve test soak bench clean
 
 setup: $(VENV)/.installed
 
@@ -28,6 +28,12 @@ test: setup
 SOAK_ARGS ?= --clients 32 --duration 60
 soak: setup
 	$(PYTHON) -m triton_sampling_mask.soak --model-repository $(MODEL_REPOSITORY) $(SOAK_ARGS)
+
+# Kernel + served benchmark (not part of the tests): table on stdout, bench/results/latest.json and
+# ratios.png. matplotlib comes from the `bench` extra, installed here only, not by `make setup`.
+bench: setup
+	$(PYTHON) -c "import matplotlib" 2>/dev/null || $(PYTHON) -m pip install --quiet -e '.[bench]'
+	$(PYTHON) -m bench.run $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

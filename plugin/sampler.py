@@ -102,47 +102,67 @@ def ranked_candidates(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch
     if k >= vocab:
         # A stable descending sort keeps equal logits in ascending id order.
         return torch.sort(logits, dim=-1, descending=True, stable=True)
-    values, ids = torch.topk(logits, k + 1, dim=-1, sorted=True)
-    # A tie straddling the k-th place means topk may have kept a higher id than the order wants.
-    straddles = (values[:, k] == values[:, k - 1]) & (values[:, k - 1] > float("-inf"))
-    values, ids = values[:, :k], ids[:, :k]
-    if bool(straddles.any()):
-        ids = _repair_boundary_ties(logits, values, ids, straddles)
-    # Order equal values by id: sort by id, then stably by value.
-    by_id = torch.argsort(ids, dim=-1)
-    values, ids = values.gather(1, by_id), ids.gather(1, by_id)
-    by_value = torch.sort(values, dim=-1, descending=True, stable=True).indices
-    return values.gather(1, by_value), ids.gather(1, by_value)
+    # Fetch a few candidates past k: a run of equal logits at the k-th place (common with bf16
+    # logits) then usually ends inside the fetched set, and ranking the set by (logit, id) is
+    # exact without another pass over the vocabulary.
+    fetched = k + min(vocab - k, 16 + k // 4)
+    values, ids = torch.topk(logits, fetched, dim=-1, sorted=True)
+    boundary = values[:, k - 1]
+    overflows = (values[:, -1] == boundary) & (boundary > float("-inf"))
+    if bool(overflows.any()):  # the run reaches past the fetched set: find its lowest ids
+        ids = _repair_boundary_ties(logits, values, ids, overflows)
+    # topk already ranks by value, so only ids inside runs of equal values may be out of order:
+    # one sort of the key (run index, id), nearly sorted already, replaces two full sorts.
+    run = torch.cumsum(values[:, 1:] != values[:, :-1], dim=-1)
+    run = torch.cat([run.new_zeros(rows, 1), run], dim=-1) * vocab
+    ids = torch.sort(run + ids, dim=-1).values - run
+    return values[:, :k], ids[:, :k]
 
 
-def _repair_boundary_ties(logits, values, ids, straddles):
-    """Replace the boundary-valued candidates of straddling rows by the lowest tied ids."""
-    rows_idx = torch.nonzero(straddles).flatten()
-    k = values.shape[1]
-    sub = logits.index_select(0, rows_idx)
-    boundary = values[rows_idx, k - 1 :]  # [r, 1]
-    above = (values[rows_idx] > boundary).sum(dim=-1, keepdim=True)  # candidates strictly above
-    need = k - int(above.min())
-    vocab_ids = torch.arange(sub.shape[1], device=sub.device, dtype=torch.float32)
-    # Lowest ids among the tied entries: top-k of -id over the tied positions.
-    tie_key = torch.where(sub == boundary, -vocab_ids, torch.tensor(float("-inf"), device=sub.device))
-    tied_ids = torch.topk(tie_key, need, dim=-1, sorted=True).indices  # ascending id
-    # Sort each row's candidates so the ones above the boundary come first, then fill the rest.
-    sub_values, sub_ids = values[rows_idx], ids[rows_idx]
-    order = torch.sort(sub_values, dim=-1, descending=True, stable=True).indices
-    sub_ids = sub_ids.gather(1, order)
-    position = torch.arange(k, device=sub.device).unsqueeze(0)
-    fill = tied_ids.gather(1, (position - above).clamp(min=0, max=need - 1))
+def _repair_boundary_ties(logits, values, ids, overflows):
+    """Give the places holding the last fetched value, in `overflows` rows, to the lowest tied ids.
+
+    `values` is sorted descending (topk's order), so each row holds `above` candidates strictly
+    above its last value, then ones equal to it; those places go to the lowest ids whose
+    logit equals the boundary. One comparison pass plus nonzero finds them (nonzero lists ids in
+    ascending order per row), without copying or re-ranking the logits.
+    """
+    rows, k = values.shape
+    boundary = torch.where(overflows, values[:, -1], torch.tensor(float("nan"), device=values.device))
+    above = (values > boundary.unsqueeze(1)).sum(dim=-1)  # other rows: NaN boundary, no ties found
+    row_of, tied_ids = torch.nonzero(logits == boundary.unsqueeze(1), as_tuple=True)
+    counts = torch.bincount(row_of, minlength=rows)
+    first = torch.cumsum(counts, dim=0) - counts
+    place = above[row_of] + torch.arange(row_of.numel(), device=row_of.device) - first[row_of]
+    take = place < k
     ids = ids.clone()
-    ids[rows_idx] = torch.where(position < above, sub_ids, fill)
+    ids[row_of[take], place[take]] = tied_ids[take]
     return ids
 
 
+# Rows of logits processed per scratch block in the normaliser: a few MiB keeps the block in
+# cache and under the allocator's mmap threshold, so no page faults on every call.
+_NORMALISER_BLOCK_ELEMENTS = 1 << 20
+
+
 def _log_normaliser(logits: torch.Tensor, row_max: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
-    """log sum exp((logits - max) / T) per row in float64, one pass and one scratch buffer."""
-    scratch = logits - row_max.unsqueeze(1)
-    scratch.div_(temperature.unsqueeze(1)).exp_()
-    return scratch.sum(dim=-1).to(torch.float64).log()
+    """log sum exp((logits - max) / T) per row in float64, one pass over cache-sized row blocks."""
+    rows, vocab = logits.shape
+    if logits.device.type != "cpu":  # one fused-enough pass; GPU memory traffic is not the cost
+        scratch = logits - row_max.unsqueeze(1)
+        scratch.div_(temperature.unsqueeze(1)).exp_()
+        return scratch.sum(dim=-1).to(torch.float64).log()
+    block = max(1, min(rows, _NORMALISER_BLOCK_ELEMENTS // max(vocab, 1)))
+    scratch = torch.empty(block, vocab, dtype=logits.dtype)
+    sums = torch.empty(rows, dtype=logits.dtype)
+    row_max, temperature = row_max.unsqueeze(1), temperature.unsqueeze(1)
+    for start in range(0, rows, block):  # a loop over memory blocks, not over requests
+        stop = min(rows, start + block)
+        part = scratch[: stop - start]
+        torch.sub(logits[start:stop], row_max[start:stop], out=part)
+        part.div_(temperature[start:stop]).exp_()
+        torch.sum(part, dim=-1, out=sums[start:stop])
+    return sums.to(torch.float64).log()
 
 
 def _sample_ranked(part: dict, k: int, mask_width: int, result: SamplingResult, index: torch.Tensor) -> None:
