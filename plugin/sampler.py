@@ -11,7 +11,8 @@ and the token is drawn from p restricted to it. top_p >= 1 disables the top-p ru
 T == 0 is greedy (SGLang's convention: top_k = 1 and T = 1 for the log-probabilities).
 Because every rule keeps a prefix of the ranking, the support is the first `support_len` ranked
 ids. With a finite top_k only a top-k selection and one exp-sum pass over the vocabulary are
-needed; a full sort happens only for rows with top_k = -1 and top_p < 1.
+needed; a full sort happens only for rows with top_k = -1 and top_p < 1 or a top_k above
+1024, and those rows are ranked apart from the others, in row blocks of bounded memory.
 """
 
 from __future__ import annotations
@@ -21,8 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from . import rng
-
-TOP_K_ALL = -1
+from .params import TOP_K_ALL
 
 
 @dataclass
@@ -49,6 +49,12 @@ class SamplingResult:
     mask_logprobs: torch.Tensor  # float32 [B], renormalised over the support (0 when not asked)
 
 
+# Rows whose effective top_k is above this are ranked apart from the rest (see sample()).
+_SMALL_TOP_K = 1024
+# Entries per row block on the full-vocabulary paths (float64 scores and sort indices per entry).
+_FULL_VOCAB_BLOCK_ELEMENTS = 1 << 21
+
+
 def sample(batch: SamplingBatch, mask_width: int) -> SamplingResult:
     """Draw one token per row and, for rows that ask, its support (at most `mask_width` ids)."""
     rows, vocab = batch.logits.shape
@@ -66,18 +72,24 @@ def sample(batch: SamplingBatch, mask_width: int) -> SamplingResult:
         mask_len=torch.zeros(rows, dtype=torch.int32, device=device),
         mask_logprobs=torch.zeros(rows, dtype=torch.float32, device=device),
     )
-    unbounded = top_k == TOP_K_ALL
     # Plain temperature/min_p sampling over the whole vocabulary needs no ranking at all.
-    no_ranking = unbounded & (batch.top_p >= 1) & ~batch.want_mask
-    for rows_mask, ranked in ((~unbounded, True), (unbounded & ~no_ranking, True), (no_ranking, False)):
-        index = torch.nonzero(rows_mask).flatten()
-        if index.numel() == 0:
+    no_ranking = (top_k == TOP_K_ALL) & (batch.top_p >= 1) & ~batch.want_mask
+    # A group is ranked to its largest k, so rows with a large k get a group of their own: one
+    # request's huge top_k must not make its batch-mates pay for a full sort.
+    small_k = ~no_ranking & (k_eff <= _SMALL_TOP_K)
+    full_vocab_rows = max(1, _FULL_VOCAB_BLOCK_ELEMENTS // max(vocab, 1))
+    groups = ((small_k, rows, True), (~no_ranking & ~small_k, full_vocab_rows, True), (no_ranking, full_vocab_rows, False))
+    for rows_mask, block_rows, ranked in groups:
+        group = torch.nonzero(rows_mask).flatten()
+        if group.numel() == 0:
             continue
-        part = _select(batch, index, temperature, k_eff, state)
-        if ranked:
-            _sample_ranked(part, int(part["k_eff"].max()), mask_width, result, index)
-        else:
-            _sample_unranked(part, result, index)
+        # Full-vocabulary groups run in row blocks: their [rows, V] temporaries stay bounded.
+        for index in torch.split(group, block_rows):
+            part = _select(batch, index, temperature, k_eff, state)
+            if ranked:
+                _sample_ranked(part, int(part["k_eff"].max()), mask_width, result, index)
+            else:
+                _sample_unranked(part, result, index)
     return result
 
 

@@ -173,3 +173,24 @@ def test_min_p_is_relative_to_the_top_probability(min_p, expected):
     logits = np.log(np.array([[0.4, 0.2, 0.1, 0.05]]))  # p / p_max = 1, 0.5, 0.25, 0.125
     out = run_sampler(logits, top_k=4, min_p=min_p)
     assert out["mask_len"][0] == expected
+
+
+def test_large_top_k_rows_are_ranked_apart_in_row_blocks():
+    # 25 rows of V=100000 exceed one full-vocabulary row block (2**21 entries), and the batch
+    # mixes small-k rows with rows whose top_k is above the small-k bound or unbounded.
+    rng = np.random.default_rng(5)
+    rows, vocab = 25, 100_000
+    logits = (rng.standard_normal((rows, vocab)) * 2).astype(np.float32)
+    top_k = np.where(np.arange(rows) % 3 == 0, 20, np.where(np.arange(rows) % 3 == 1, 5000, -1))
+    top_p = np.full(rows, 0.3)
+    out = run_sampler(logits, top_k=top_k, top_p=top_p, seed=np.arange(rows), want_mask=top_k == 20, mask_width=20)
+    for row in range(rows):
+        ref = reference_row(logits[row], top_k=int(top_k[row]), top_p=0.3, tolerance=TOLERANCE)
+        assert int(out["ids"][row]) in ref.order[: ref.support_max]
+        assert out["logprobs"][row] == pytest.approx(ref.logprobs[out["ids"][row]], abs=1e-4)
+        if top_k[row] == 20:
+            length = int(out["mask_len"][row])
+            assert ref.support_min <= length <= ref.support_max
+            np.testing.assert_array_equal(out["mask"][row, :length], ref.order[:length])
+        alone = run_sampler(logits[row : row + 1], top_k=int(top_k[row]), top_p=0.3, seed=row, want_mask=False, mask_width=20)
+        assert alone["ids"][0] == out["ids"][row], "a row's token depends on its batch-mates"
