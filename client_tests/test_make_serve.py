@@ -20,14 +20,17 @@ def test_make_serve_honours_the_environment_and_stops_on_sigterm(tmp_path):
     ports = {"TRITON_HTTP_PORT": free_port(), "TRITON_GRPC_PORT": free_port(), "TRITON_METRICS_PORT": free_port()}
     env = {**os.environ, "MODEL_REPOSITORY": str(repository), **{k: str(v) for k, v in ports.items()}}
     log = open(tmp_path / "serve.log", "w")
-    make = subprocess.Popen(["make", "-s", "serve"], cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    # A session of its own, so cleanup can reach the exec'd tritonserver whatever happens to make.
+    make = subprocess.Popen(["make", "-s", "serve"], cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
     try:
         url = f"http://127.0.0.1:{ports['TRITON_HTTP_PORT']}/v2/models/sampler/ready"
         deadline = time.monotonic() + 120
         ready = False
         while time.monotonic() < deadline and make.poll() is None and not ready:
             try:
-                ready = urllib.request.urlopen(url, timeout=2).status == 200
+                with urllib.request.urlopen(url, timeout=2) as response:
+                    ready = response.status == 200
             except OSError:
                 time.sleep(0.5)
         assert ready, (tmp_path / "serve.log").read_text()[-3000:]
@@ -42,5 +45,6 @@ def test_make_serve_honours_the_environment_and_stops_on_sigterm(tmp_path):
             pass
     finally:
         if make.poll() is None:
-            make.kill()
+            os.killpg(make.pid, signal.SIGKILL)
+            make.wait()
         log.close()

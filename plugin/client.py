@@ -16,7 +16,9 @@ from __future__ import annotations
 import asyncio
 import importlib
 import os
+import time
 import uuid
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Sequence
@@ -107,7 +109,10 @@ def _row_params(params: SamplingParams | Sequence[SamplingParams], rows: int) ->
 def _as_logits(logits) -> np.ndarray:
     """Logits as a C-contiguous float32 [B, V] numpy array (torch tensors are moved to the CPU)."""
     if hasattr(logits, "detach"):
-        logits = logits.detach().cpu().numpy()
+        logits = logits.detach()
+        if logits.is_floating_point():  # bf16 / fp16 have no numpy dtype; float32 holds them exactly
+            logits = logits.float()
+        logits = logits.cpu().numpy()
     array = np.asarray(logits)
     if array.ndim != 2 or array.shape[0] < 1 or array.shape[1] < 1:
         raise SamplingRequestError(LOGITS, f"logits must have shape [rows, vocab] with both > 0, got {list(array.shape)}")
@@ -193,6 +198,20 @@ def _concatenate(parts: list[SampleResult]) -> SampleResult:
     if len(parts) == 1:
         return parts[0]
     return SampleResult(**{f: np.concatenate([getattr(p, f) for p in parts]) for f in SampleResult.__dataclass_fields__})
+
+
+# Triton may still hold a region for a moment after answering the last request that used it
+# ("currently in use"), so unregistering retries for up to this long.
+_UNREGISTER_RETRY_S = 5.0
+
+
+def _unregister_failed(exc: BaseException, deadline: float) -> bool:
+    """True when an unregister error is final: not "in use", or the retry time is over."""
+    if "in use" in str(exc) and time.monotonic() < deadline:
+        return False
+    # A cleanup failure must not replace the call's result (or its real error): warn instead.
+    warnings.warn(f"could not unregister a shared-memory region from the server: {exc}", RuntimeWarning, stacklevel=3)
+    return True
 
 
 class _ShmRegion:
@@ -292,7 +311,15 @@ class SamplerClient(_SamplerClientBase):
             try:
                 yield
             finally:
-                self._call(self._client.unregister_system_shared_memory, region.name)
+                deadline = time.monotonic() + _UNREGISTER_RETRY_S
+                while True:
+                    try:
+                        self._client.unregister_system_shared_memory(region.name)
+                        break
+                    except Exception as exc:  # tritonclient raises InferenceServerException
+                        if _unregister_failed(exc, deadline):
+                            break
+                        time.sleep(0.01)
         finally:
             region.close()
 
@@ -344,14 +371,26 @@ class AsyncSamplerClient(_SamplerClientBase):
             if region is not None:
                 await self._call(self._client.register_system_shared_memory(region.name, region.key, region.byte_size))
             try:
+                # Every chunk finishes before the region is torn down, even when one fails.
                 results = await asyncio.gather(*(
                     self._call(self._client.infer(self.model_name, prepared.inputs(start, stop)))
                     for start, stop in prepared.bounds
-                ))
+                ), return_exceptions=True)
+                failures = [r for r in results if isinstance(r, BaseException)]
+                if failures:
+                    raise failures[0]
                 return _concatenate([_parse(r) for r in results])
             finally:
                 if region is not None:
-                    await self._call(self._client.unregister_system_shared_memory(region.name))
+                    deadline = time.monotonic() + _UNREGISTER_RETRY_S
+                    while True:
+                        try:
+                            await self._client.unregister_system_shared_memory(region.name)
+                            break
+                        except Exception as exc:
+                            if _unregister_failed(exc, deadline):
+                                break
+                            await asyncio.sleep(0.01)
         finally:
             if region is not None:
                 region.close()

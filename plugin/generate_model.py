@@ -8,6 +8,8 @@ batch. Every request ends with exactly one response flagged COMPLETE_FINAL: its 
 
 from __future__ import annotations
 
+import traceback
+
 import numpy as np
 import torch
 
@@ -16,21 +18,16 @@ from .batching import BatchSampler
 from .generation import GenerationChunk, GenerationRequest, Generator, check_generation_request
 from .lm import load_lm
 from .model_config import instance_device, int_parameter, load_model_config, string_parameter
-from .triton_io import error_response, read_params
+from .triton_io import error_response, read_input, read_params
 from .triton_model import mask_policy
 from .validation import SamplingRequestError
 
 
 def _input(request, pb_utils, name: str, dtype, required: bool = False) -> np.ndarray | None:
     """A request input as a flat numpy array of `dtype`, one per request (batch size 1)."""
-    tensor = pb_utils.get_input_tensor_by_name(request, name)
-    if tensor is None:
-        if required:
-            raise SamplingRequestError(name, f"missing required input '{name}'")
+    values = read_input(request, pb_utils, name, dtype, required)
+    if values is None:
         return None
-    values = tensor.as_numpy()
-    if values.dtype != np.dtype(dtype):
-        raise SamplingRequestError(name, f"{name} must be {np.dtype(dtype).name}, got {values.dtype}")
     if values.ndim < 1 or values.shape[0] != 1:
         raise SamplingRequestError(name, f"{name}: generate takes one prompt per request (batch size 1), got shape {list(values.shape)}")
     return values.reshape(-1)
@@ -85,15 +82,25 @@ class _TritonSink:
         self.model, self.requests, self.senders = model, requests, senders
         self.final = model.pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         self.done = [False] * len(requests)
+        self.broken: set[int] = set()
 
     def is_cancelled(self, position: int) -> bool:
-        return self.requests[position].is_cancelled()
+        # A request whose sender failed is dropped like a cancelled one, so its batch-mates go on.
+        return position in self.broken or self.requests[position].is_cancelled()
 
     def send(self, position: int, chunk: GenerationChunk, final: bool) -> None:
-        self.senders[position].send(chunk_response(self.model.pb_utils, chunk), flags=self.final if final else 0)
+        try:
+            self.senders[position].send(chunk_response(self.model.pb_utils, chunk), flags=self.final if final else 0)
+        except Exception as exc:  # e.g. the client went away: fail this request only
+            self.model.logger.log_error(f"generate: response for one request not sent ({type(exc).__name__}: {exc}); dropping it")
+            self.broken.add(position)
+            self.done[position] = True
+            return
         self.done[position] = final
 
     def cancelled(self, position: int, tokens: int) -> None:
+        if position in self.broken:
+            return
         self.model.cancelled_counter.increment(1)
         self.model.logger.log_info(f"generate: request cancelled by the client after {tokens} tokens; stopped")
         self.done[position] = True
@@ -168,7 +175,7 @@ class GenerateModel:
                 batch_sink = _PositionMap(sink, admitted_positions)
                 self.generator.run(admitted, batch_sink)
         except Exception as exc:  # an internal fault: end every unanswered request, never raise
-            self.logger.log_error(f"generate internal error: {type(exc).__name__}: {exc}")
+            self.logger.log_error(f"generate internal error: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
             message = f"internal generate error ({type(exc).__name__}); see the server log"
             for position, done in enumerate(sink.done):
                 if not done:

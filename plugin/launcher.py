@@ -120,6 +120,7 @@ class TritonServer:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
+                self._log.close()
                 raise RuntimeError(f"tritonserver exited with {self.process.returncode}:\n{self.log_tail()}")
             if self.is_ready():
                 return self

@@ -41,16 +41,6 @@ def int_parameter(model_config: dict, key: str, default: int) -> int:
         raise ValueError(f"config parameter {key!r} must be an integer, got {raw!r}") from exc
 
 
-def bool_parameter(model_config: dict, key: str, default: bool) -> bool:
-    """A yes/no config parameter ("true"/"false", "yes"/"no", "1"/"0")."""
-    raw = string_parameter(model_config, key, "true" if default else "false").lower()
-    if raw in ("true", "yes", "1", "on"):
-        return True
-    if raw in ("false", "no", "0", "off"):
-        return False
-    raise ValueError(f"config parameter {key!r} must be true or false, got {raw!r}")
-
-
 def instance_device(args: dict) -> torch.device:
     """cuda:<model_instance_device_id> for KIND_GPU instances, else the CPU (Triton pins nothing)."""
     if args.get("model_instance_kind") == "GPU":

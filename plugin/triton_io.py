@@ -42,16 +42,26 @@ def input_to_numpy(tensor) -> np.ndarray:
     return torch.from_dlpack(tensor.to_dlpack()).cpu().numpy()
 
 
+def read_input(request, pb_utils, name: str, dtype, required: bool = False) -> np.ndarray | None:
+    """A request input as host numpy of `dtype` (None when absent and optional); the error names it."""
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    if tensor is None:
+        if required:
+            raise SamplingRequestError(name, f"missing required input '{name}'")
+        return None
+    values = input_to_numpy(tensor)
+    if values.dtype != np.dtype(dtype):
+        raise SamplingRequestError(name, f"{name} must be {np.dtype(dtype).name}, got {values.dtype}")
+    return values
+
+
 def read_params(request, pb_utils, rows: int) -> RowParams:
     """The optional per-row scalars of a request, defaults filled in; shapes checked per field."""
     params = RowParams.defaults(rows)
     for spec in PARAM_SPECS:
-        tensor = pb_utils.get_input_tensor_by_name(request, spec.name)
-        if tensor is None:
+        values = read_input(request, pb_utils, spec.name, spec.dtype)
+        if values is None:
             continue
-        values = input_to_numpy(tensor)
-        if values.dtype != np.dtype(spec.dtype):
-            raise SamplingRequestError(spec.name, f"{spec.name} must be {np.dtype(spec.dtype).name}, got {values.dtype}")
         if values.size != rows or values.ndim not in (1, 2):
             raise SamplingRequestError(
                 spec.name,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 import time
 import traceback
 
@@ -25,7 +24,6 @@ from .validation import MaskPolicy, SamplingRequestError
 
 MASK_OUTPUT = "sampling_mask"
 MASK_LENGTH_OUTPUT = "sampling_mask_len"
-FINALIZE_DRAIN_TIMEOUT_S = 30.0
 DEFAULT_MAX_VOCAB_SIZE = 262144
 
 
@@ -55,7 +53,6 @@ class SamplerModel:
         self.policy = mask_policy(args, model_config, backend)
         self.sampler = BatchSampler(backend, self.policy, self.device)
         self.metrics = metrics.SamplerMetrics(pb_utils, args["model_name"], args["model_version"], self.policy.mask_width)
-        self.in_flight = InFlight()
         self.logger.log_info(
             f"sampler ready on {self.device}: backend={backend.name}, mask width={self.policy.mask_width}, "
             f"speculative_algorithm={self.policy.speculative_algorithm}"
@@ -63,8 +60,7 @@ class SamplerModel:
 
     def execute(self, requests) -> list:
         """One response per request; nothing escapes (a raise here would fail the whole batch)."""
-        with self.in_flight:
-            responses, outcomes, mask_lengths, sampler_seconds = self._answer(requests)
+        responses, outcomes, mask_lengths, sampler_seconds = self._answer(requests)
         try:
             self.metrics.record(outcomes, mask_lengths, sampler_seconds)
         except Exception as exc:  # metrics must never cost a request its answer
@@ -111,30 +107,6 @@ class SamplerModel:
         return responses, outcomes, mask_lengths, sampler_seconds
 
     def finalize(self) -> None:
-        """Wait (bounded) for executes still running, then log the unload."""
-        drained = self.in_flight.wait_idle(FINALIZE_DRAIN_TIMEOUT_S)
-        state = "drained" if drained else f"gave up after {FINALIZE_DRAIN_TIMEOUT_S}s with work still running"
-        self.logger.log_info(f"sampler finalized ({state})")
-
-
-class InFlight:
-    """Counts executes in progress so finalize can wait for them (a context manager per execute)."""
-
-    def __init__(self):
-        self._count = 0
-        self._idle = threading.Condition()
-
-    def __enter__(self):
-        with self._idle:
-            self._count += 1
-
-    def __exit__(self, *exc):
-        with self._idle:
-            self._count -= 1
-            if self._count == 0:
-                self._idle.notify_all()
-
-    def wait_idle(self, timeout_s: float) -> bool:
-        """True once nothing is in flight; False if `timeout_s` passed first."""
-        with self._idle:
-            return self._idle.wait_for(lambda: self._count == 0, timeout=timeout_s)
+        """Nothing to drain: the stub runs execute and finalize on one thread, and execute returns
+        only once its batch is answered (Triton itself waits for in-flight requests on unload)."""
+        self.logger.log_info("sampler finalized")
