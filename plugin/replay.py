@@ -36,7 +36,10 @@ def replay_logprobs(logits: torch.Tensor, mask, mask_len, temperature, token_ids
     mask = _tensor(mask, device, torch.int64)
     mask_len = _tensor(mask_len, device, torch.int64).reshape(-1)
     token_ids = _tensor(token_ids, device, torch.int64).reshape(-1)
-    temperature = _tensor(temperature, device, logits.dtype).reshape(-1).expand(rows)
+    # bf16/fp16 logits are scored in float32: a bf16 temperature would already differ from the
+    # server's float32 one (0.8 -> 0.80078125).
+    compute_dtype = torch.promote_types(logits.dtype, torch.float32)
+    temperature = _tensor(temperature, device, compute_dtype).reshape(-1).expand(rows)
     if mask.ndim != 2 or mask.shape[0] != rows or mask_len.shape[0] != rows or token_ids.shape[0] != rows:
         raise ValueError("mask must be [T, W] and mask_len, token_ids [T], with T = logits.shape[0]")
 
@@ -50,8 +53,8 @@ def replay_logprobs(logits: torch.Tensor, mask, mask_len, temperature, token_ids
 
     # Greedy rows are scored at temperature 1 (the sampler's convention, SGLang's too).
     temperature = torch.where(temperature == 0, torch.ones_like(temperature), temperature)
-    scaled = logits / temperature.unsqueeze(1)
+    scaled = logits.to(compute_dtype) / temperature.unsqueeze(1)
     in_mask = scaled.gather(1, torch.where(valid, mask, torch.zeros_like(mask)))
     neg_inf = torch.tensor(float("-inf"), dtype=scaled.dtype, device=device)
     log_mass = torch.logsumexp(torch.where(valid, in_mask, neg_inf), dim=1)
-    return scaled.gather(1, token_ids.unsqueeze(1)).squeeze(1) - log_mass
+    return (scaled.gather(1, token_ids.unsqueeze(1)).squeeze(1) - log_mass).to(logits.dtype)
