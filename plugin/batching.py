@@ -15,7 +15,7 @@ import torch
 from .backends import SamplingBackend
 from .params import RowParams
 from .sampler import SamplingBatch, SamplingResult
-from .validation import MaskPolicy, check_rows
+from .validation import MaskPolicy, check_rows, first_error
 
 OUTPUT_NAMES = ("output_ids", "output_logprobs", "sampling_mask", "sampling_mask_len", "sampling_logprobs")
 
@@ -64,10 +64,8 @@ class BatchSampler:
         outcomes = [RequestOutcome() for _ in group]
         for r in np.flatnonzero(request_failed):  # error path only
             start = rows_per_request[:r].sum()
-            local = int(np.flatnonzero(row_failed[start : start + rows_per_request[r]])[0])
-            rejection = errors[start + local]
-            message = rejection.message if rows_per_request[r] == 1 else f"{rejection.message} (row {local})"
-            outcomes[r] = RequestOutcome(error=message, reason=rejection.reason)
+            error = first_error(errors[start : start + rows_per_request[r]])
+            outcomes[r] = RequestOutcome(error=error.message, reason=error.reason)
 
         valid_rows = ~request_failed[owner]
         if valid_rows.any():

@@ -30,7 +30,7 @@ from .batching import OUTPUT_NAMES
 from .model_config import output_width, string_parameter
 from .params import LOGITS, MIN_P, RETURN_SAMPLING_MASK, SEED, TEMPERATURE, TOP_K, TOP_P, RowParams
 from .sampling_params import SamplingParams, check_rows_like_server, rows_to_params
-from .validation import MaskPolicy, SamplingRequestError, check_logit_rows
+from .validation import MaskPolicy, SamplingRequestError, check_logit_rows, first_error
 
 DEFAULT_MODEL = "sampler"
 MASK_OUTPUT = "sampling_mask"
@@ -249,11 +249,9 @@ class _SamplerClientBase:
         array = _as_logits(logits)
         row_params = _row_params(params, array.shape[0])
         check_rows_like_server(row_params, array.shape[1])
-        rejections = check_logit_rows(array.max(axis=1))  # NaN propagates through max
-        failed = np.flatnonzero(~np.equal(rejections, None).astype(bool))
-        if failed.size:
-            suffix = f" (row {failed[0]})" if len(rejections) > 1 else ""
-            raise SamplingRequestError(LOGITS, rejections[failed[0]].message + suffix)
+        error = first_error(check_logit_rows(array.max(axis=1)))  # NaN propagates through max
+        if error is not None:
+            raise error
         if self._mask_width is not None and row_params.return_sampling_mask.any():
             given = MaskPolicy(self._mask_width, "the mask_width given to the client")
             check_rows_like_server(row_params, array.shape[1], given)

@@ -104,7 +104,7 @@ class Generator:
         if not requests:
             return []
         params = RowParams.concatenate([r.params for r in requests])
-        errors = check_rows(params, np.zeros(len(requests), np.float32), self.lm.vocab_size, self.sampler.policy)
+        errors = check_rows(params, None, self.lm.vocab_size, self.sampler.policy)
         return [None if e is None else e.message for e in errors]
 
     def run(self, requests: list[GenerationRequest], sink: GenerationSink) -> int:

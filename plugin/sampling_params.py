@@ -7,16 +7,14 @@ functions the model runs), so a request the server would refuse for its paramete
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 
 from .params import MIN_P, RETURN_SAMPLING_MASK, SEED, TEMPERATURE, TOP_K, TOP_P, RowParams
-from .validation import MaskPolicy, SamplingRequestError, check_mask_admission, check_scalar_ranges
+from .validation import MaskPolicy, SamplingRequestError, check_rows, first_error
 
-# Rejection reasons map to the field the user should fix (the message names it too).
-_REASON_FIELDS = {"mask_unbounded": "top_k", "mask_over_width": "top_k"}
 # Admission rules that need no server knowledge: an "infinite" width leaves only mask_unbounded.
 _UNKNOWN_WIDTH = np.iinfo(np.int64).max
 _UNKNOWN_VOCAB = np.iinfo(np.int32).max
@@ -61,18 +59,7 @@ def check_rows_like_server(params: RowParams, vocab_size: int | None = None, pol
     Without `policy` (the server's mask width and switches) only the rules that need no server
     knowledge run; with it and `vocab_size`, the over-width and deployment rules run too.
     """
-    errors = check_scalar_ranges(params)
-    ok = np.equal(errors, None).astype(bool)
-    if ok.any():
-        policy = policy or MaskPolicy(mask_width=_UNKNOWN_WIDTH, width_source="the server's config.pbtxt")
-        errors[ok] = check_mask_admission(params.take(ok), vocab_size or _UNKNOWN_VOCAB, policy)
-    failed = np.flatnonzero(~np.equal(errors, None).astype(bool))
-    if failed.size:
-        row = int(failed[0])
-        reason, message = errors[row]
-        field = _REASON_FIELDS.get(reason, reason if reason in _FIELD_NAMES else "return_sampling_mask")
-        suffix = f" (row {row})" if params.rows > 1 else ""
-        raise SamplingRequestError(field, message + suffix)
-
-
-_FIELD_NAMES = {f.name for f in fields(SamplingParams)}
+    policy = policy or MaskPolicy(mask_width=_UNKNOWN_WIDTH, width_source="the server's config.pbtxt")
+    error = first_error(check_rows(params, None, vocab_size or _UNKNOWN_VOCAB, policy))
+    if error is not None:
+        raise error

@@ -79,7 +79,7 @@ class SamplerModel:
                     item = parse_request(request, self.pb_utils, self.device, self.max_vocab_size)
                 except SamplingRequestError as exc:
                     responses[position] = error_response(self.pb_utils, exc.message)
-                    outcomes[position] = (metrics.REJECTED, f"invalid_{exc.field}")
+                    outcomes[position] = (metrics.REJECTED, exc.reason)
                     continue
                 parsed.append((item.logits, item.params))
                 positions.append(position)

@@ -29,16 +29,18 @@ def backend_mask_message(backend_name: str) -> str:
 class SamplingRequestError(ValueError):
     """A user error in a request: the model answers it with INVALID_ARG, naming `field`."""
 
-    def __init__(self, field: str, message: str):
+    def __init__(self, field: str, message: str, reason: str | None = None):
         super().__init__(message)
         self.field = field
         self.message = message
+        self.reason = reason or f"invalid_{field}"  # the metrics label
 
 
 class Rejection(NamedTuple):
-    """Why a row is refused: a short `reason` label (for metrics) and the user-facing message."""
+    """Why a row is refused: a short `reason` label (for metrics), the field to fix, the message."""
 
     reason: str
+    field: str
     message: str
 
 
@@ -110,17 +112,32 @@ def check_logit_rows(row_max: np.ndarray) -> np.ndarray:
     return _first_failure(len(row_max), rules)
 
 
-def check_rows(params: RowParams, row_max: np.ndarray, vocab_size: int, policy: MaskPolicy) -> np.ndarray:
-    """All row rules in order (ranges, mask admission, logits); per-row Rejection or None."""
+def check_rows(params: RowParams, row_max: np.ndarray | None, vocab_size: int, policy: MaskPolicy) -> np.ndarray:
+    """All row rules in order (ranges, mask admission, logits); per-row Rejection or None.
+
+    `row_max` is each row's largest logit; None skips the logit rules (no logits known yet).
+    """
     errors = check_scalar_ranges(params)
     ok = _is_none(errors)
     if ok.any():
         # Admission assumes sane ranges, so only rows that passed them are checked further.
         errors[ok] = check_mask_admission(params.take(ok), vocab_size, policy)
     ok = _is_none(errors)
-    if ok.any():
+    if row_max is not None and ok.any():
         errors[ok] = check_logit_rows(row_max[ok])
     return errors
+
+
+def first_error(errors: np.ndarray) -> SamplingRequestError | None:
+    """One request's per-row Rejections as the error it is answered with: its first refused row,
+    named "(row N)" when the request has several rows; None when every row passed."""
+    failed = np.flatnonzero(~_is_none(errors))
+    if failed.size == 0:
+        return None
+    row = int(failed[0])
+    rejection = errors[row]
+    message = rejection.message if len(errors) == 1 else f"{rejection.message} (row {row})"
+    return SamplingRequestError(rejection.field, message, reason=rejection.reason)
 
 
 def check_vocab_size(vocab_size: int, max_vocab_size: int) -> None:
@@ -139,8 +156,20 @@ def _first_failure(rows: int, rules) -> np.ndarray:
     for reason, bad, message in rules:
         fresh = np.flatnonzero(np.broadcast_to(bad, (rows,)) & _is_none(errors))
         for i in fresh:  # error path only: valid rows never enter this loop
-            errors[i] = Rejection(reason, message(i))
+            errors[i] = Rejection(reason, _REASON_FIELDS.get(reason, reason), message(i))
     return errors
+
+
+# The field each rule's user must change (rules named after their field map to themselves).
+_REASON_FIELDS = {
+    "mask_unbounded": "top_k",
+    "mask_over_width": "top_k",
+    "mask_speculative": "return_sampling_mask",
+    "mask_backend": "return_sampling_mask",
+    "logits_nan": "logits",
+    "logits_inf": "logits",
+    "logits_all_neg_inf": "logits",
+}
 
 
 def _is_none(errors: np.ndarray) -> np.ndarray:
