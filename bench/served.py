@@ -25,6 +25,7 @@ import tritonclient.utils.shared_memory as shm
 from client_tests.server import sampler_inputs
 from triton_sampling_mask.backends import TorchSamplingBackend
 from triton_sampling_mask.batching import BatchSampler
+from triton_sampling_mask.client import unregister_shared_memory
 from triton_sampling_mask.launcher import TritonServer
 from triton_sampling_mask.params import RowParams
 
@@ -80,24 +81,11 @@ class _Worker:
     def close(self) -> None:
         try:
             if self.region is not None:
-                self._unregister()
+                unregister_shared_memory(self.client, self.region)
         finally:
             if self.region is not None:
                 shm.destroy_shared_memory_region(self.handle)
             self.client.close()
-
-    def _unregister(self, timeout_s: float = 5.0) -> None:
-        """Unregister the region; the server may still hold the last request's input for a moment
-        after answering ("currently in use"), so retry briefly before giving up."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                self.client.unregister_system_shared_memory(self.region)
-                return
-            except Exception as exc:  # tritonclient raises InferenceServerException
-                if "in use" not in str(exc) or time.monotonic() > deadline:
-                    raise
-                time.sleep(0.01)
 
 
 def served_load(server: TritonServer, protocol: str, concurrency: int, rows: np.ndarray,

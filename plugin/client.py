@@ -214,6 +214,20 @@ def _unregister_failed(exc: BaseException, deadline: float) -> bool:
     return True
 
 
+def unregister_shared_memory(client, name: str, timeout_s: float = _UNREGISTER_RETRY_S) -> bool:
+    """Unregister a system shared-memory region from a sync tritonclient, retrying while the server
+    still holds it; warns (never raises) on a final failure, so it cannot mask a call's result."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            client.unregister_system_shared_memory(name)
+            return True
+        except Exception as exc:  # tritonclient raises InferenceServerException
+            if _unregister_failed(exc, deadline):
+                return False
+            time.sleep(0.01)
+
+
 class _ShmRegion:
     """A system shared-memory region holding one array (created here, destroyed by `close`)."""
 
@@ -309,15 +323,7 @@ class SamplerClient(_SamplerClientBase):
             try:
                 yield
             finally:
-                deadline = time.monotonic() + _UNREGISTER_RETRY_S
-                while True:
-                    try:
-                        self._client.unregister_system_shared_memory(region.name)
-                        break
-                    except Exception as exc:  # tritonclient raises InferenceServerException
-                        if _unregister_failed(exc, deadline):
-                            break
-                        time.sleep(0.01)
+                unregister_shared_memory(self._client, region.name)
         finally:
             region.close()
 
