@@ -9,6 +9,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from tritonclient.utils import np_to_triton_dtype
+
+from triton_sampling_mask.params import LOGITS, PARAM_SPECS
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MODEL_REPOSITORY = REPO_ROOT / "model_repository"
@@ -66,16 +69,9 @@ class ExternalTritonServer:
         return "(external server: see its own log)"
 
 
-INPUT_DTYPES = {
-    "logits": "FP32",
-    "temperature": "FP32",
-    "top_k": "INT32",
-    "top_p": "FP32",
-    "min_p": "FP32",
-    "seed": "UINT64",
-    "return_sampling_mask": "BOOL",
-}
-NUMPY_DTYPES = {"FP32": np.float32, "INT32": np.int32, "UINT64": np.uint64, "BOOL": np.bool_}
+# Wire datatypes derived from the parameter specs (plugin/params.py), the one source of truth.
+INPUT_DTYPES = {LOGITS: "FP32", **{spec.name: np_to_triton_dtype(np.dtype(spec.dtype)) for spec in PARAM_SPECS}}
+NUMPY_DTYPES = {np_to_triton_dtype(np.dtype(dtype)): dtype for dtype in (np.float32, np.int32, np.uint64, np.bool_)}
 OUTPUTS = ("output_ids", "output_logprobs", "sampling_mask", "sampling_mask_len", "sampling_logprobs")
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
-from tritonclient.utils import InferenceServerException
+from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 from .batching import OUTPUT_NAMES
 from .model_config import output_width, string_parameter
@@ -34,7 +34,6 @@ from .validation import MaskPolicy, SamplingRequestError, check_logit_rows, firs
 
 DEFAULT_MODEL = "sampler"
 MASK_OUTPUT = "sampling_mask"
-_WIRE_TYPES = {TEMPERATURE: "FP32", TOP_K: "INT32", TOP_P: "FP32", MIN_P: "FP32", RETURN_SAMPLING_MASK: "BOOL"}
 _PROTOCOLS = ("http", "grpc")
 
 
@@ -146,12 +145,12 @@ def _wire_arrays(logits: np.ndarray, params: RowParams) -> dict[str, tuple[np.nd
     gives the unseeded ones fresh random seeds: the server takes a seed for all rows or none."""
     rows = logits.shape[0]
     arrays = {LOGITS: (logits, "FP32")}
-    for spec, datatype in _WIRE_TYPES.items():
-        arrays[spec.name] = (getattr(params, spec.name).reshape(rows, 1).astype(spec.dtype), datatype)
+    for spec in (TEMPERATURE, TOP_K, TOP_P, MIN_P, RETURN_SAMPLING_MASK):
+        arrays[spec.name] = (getattr(params, spec.name).reshape(rows, 1).astype(spec.dtype), np_to_triton_dtype(np.dtype(spec.dtype)))
     if params.has_seed.any():
         fresh = np.frombuffer(os.urandom(8 * rows), dtype=np.uint64)
         seed = np.where(params.has_seed, params.seed, fresh).astype(SEED.dtype)
-        arrays[SEED.name] = (seed.reshape(rows, 1), "UINT64")
+        arrays[SEED.name] = (seed.reshape(rows, 1), np_to_triton_dtype(np.dtype(SEED.dtype)))
     return arrays
 
 
