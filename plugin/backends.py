@@ -7,9 +7,9 @@ on a backend that builds no support are refused per request; an unknown name fai
 
 from __future__ import annotations
 
-import importlib
 from typing import Callable, Protocol, runtime_checkable
 
+from .model_config import import_object
 from .sampler import SamplingBatch, SamplingResult, sample
 
 
@@ -51,12 +51,7 @@ def load_backend(spec: str) -> SamplingBackend:
     if spec in _REGISTRY:
         backend = _REGISTRY[spec]()
     elif ":" in spec:
-        module_name, _, attr = spec.partition(":")
-        try:
-            factory = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as exc:
-            raise ValueError(f"sampling_backend {spec!r} could not be imported: {exc}") from exc
-        backend = factory()
+        backend = import_object(spec, "sampling_backend")()
     else:
         choices = ", ".join(available_backends())
         raise ValueError(

@@ -12,7 +12,6 @@ weights (deterministic on a given torch build, no download). A custom LM is name
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import json
 from dataclasses import dataclass
@@ -20,6 +19,8 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+
+from .model_config import import_object
 
 DEFAULT_LM_CONFIG = Path(__file__).with_name("lm_configs") / "tiny_llama.json"
 
@@ -141,12 +142,7 @@ def build_default_model(config_path: Path = DEFAULT_LM_CONFIG):
 def load_lm(model_path: str = "", lm_factory: str = "", device: torch.device = torch.device("cpu")) -> CausalLM:
     """The LM of a deployment: a custom factory, a local HF directory, or the default tiny Llama."""
     if lm_factory:
-        module_name, _, attr = lm_factory.partition(":")
-        try:
-            factory = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError, ValueError) as exc:
-            raise ValueError(f"lm {lm_factory!r} could not be imported: {exc}") from exc
-        lm = factory(model_path, device)
+        lm = import_object(lm_factory, "lm")(model_path, device)
     elif model_path:
         from transformers import AutoModelForCausalLM
 
