@@ -71,7 +71,8 @@ class BatchSampler:
         if valid_rows.any():
             subset = slice(None) if valid_rows.all() else torch.from_numpy(np.flatnonzero(valid_rows)).to(logits.device)
             result = self.sample(logits[subset], params.take(valid_rows))
-            arrays = _to_numpy(result)
+            # The sampler's scalar outputs are dims [ 1 ] per row on the wire.
+            arrays = {name: value.reshape(len(value), -1) for name, value in outputs_to_numpy(result).items()}
             splits = np.cumsum(rows_per_request[~request_failed])[:-1]
             chunks = {name: np.split(value, splits) for name, value in arrays.items()}
             for i, r in enumerate(np.flatnonzero(~request_failed)):
@@ -96,13 +97,13 @@ class BatchSampler:
         return self.backend.sample(batch, self.policy.mask_width)
 
 
-def _to_numpy(result: SamplingResult) -> dict[str, np.ndarray]:
-    """Sampler outputs in the wire dtypes and shapes ([rows, 1] scalars, [rows, W] mask)."""
-    column = lambda t, dtype: t.cpu().numpy().astype(dtype).reshape(-1, 1)  # noqa: E731
+def outputs_to_numpy(result: SamplingResult) -> dict[str, np.ndarray]:
+    """Sampler outputs by output name in the wire dtypes: [rows] scalars, [rows, W] mask."""
+    host = lambda t, dtype: t.cpu().numpy().astype(dtype)  # noqa: E731
     return {
-        "output_ids": column(result.token_ids, np.int32),
-        "output_logprobs": column(result.logprobs, np.float32),
-        "sampling_mask": result.mask_ids.cpu().numpy().astype(np.int32),
-        "sampling_mask_len": column(result.mask_len, np.int32),
-        "sampling_logprobs": column(result.mask_logprobs, np.float32),
+        "output_ids": host(result.token_ids, np.int32),
+        "output_logprobs": host(result.logprobs, np.float32),
+        "sampling_mask": host(result.mask_ids, np.int32),
+        "sampling_mask_len": host(result.mask_len, np.int32),
+        "sampling_logprobs": host(result.mask_logprobs, np.float32),
     }

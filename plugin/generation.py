@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from . import rng
-from .batching import BatchSampler
+from .batching import BatchSampler, outputs_to_numpy
 from .lm import CausalLM
 from .params import RowParams
 from .validation import SamplingRequestError, check_logit_rows, check_rows
@@ -218,13 +218,7 @@ class _Buffers:
 
     def write(self, rows: np.ndarray, step: int, result) -> dict[str, np.ndarray]:
         """Store one step's outputs of `rows`; returns them as numpy arrays (row-aligned)."""
-        arrays = {
-            "output_ids": result.token_ids.cpu().numpy().astype(np.int32),
-            "output_logprobs": result.logprobs.cpu().numpy().astype(np.float32),
-            "sampling_mask": result.mask_ids.cpu().numpy().astype(np.int32),
-            "sampling_mask_len": result.mask_len.cpu().numpy().astype(np.int32),
-            "sampling_logprobs": result.mask_logprobs.cpu().numpy().astype(np.float32),
-        }
+        arrays = outputs_to_numpy(result)
         self.ids[rows, step] = arrays["output_ids"]
         self.logprobs[rows, step] = arrays["output_logprobs"]
         self.mask_len[rows, step] = arrays["sampling_mask_len"]
