@@ -30,7 +30,7 @@ from .batching import OUTPUT_NAMES
 from .model_config import output_width, string_parameter
 from .params import LOGITS, MIN_P, RETURN_SAMPLING_MASK, SEED, TEMPERATURE, TOP_K, TOP_P, RowParams
 from .sampling_params import SamplingParams, check_rows_like_server, rows_to_params
-from .validation import MaskPolicy, SamplingRequestError, check_logit_rows, first_error
+from .validation import MaskPolicy, SamplingRequestError
 
 DEFAULT_MODEL = "sampler"
 MASK_OUTPUT = "sampling_mask"
@@ -261,13 +261,10 @@ class _SamplerClientBase:
         """Logits and row parameters checked by every rule that needs no server round trip."""
         array = _as_logits(logits)
         row_params = _row_params(params, array.shape[0])
-        check_rows_like_server(row_params, array.shape[1])
-        error = first_error(check_logit_rows(array.max(axis=1)))  # NaN propagates through max
-        if error is not None:
-            raise error
-        if self._mask_width is not None and row_params.return_sampling_mask.any():
-            given = MaskPolicy(self._mask_width, "the mask_width given to the client")
-            check_rows_like_server(row_params, array.shape[1], given)
+        # One pass of the server's row rules; the deployment's mask rules need its config, so
+        # they run here only when the caller gave the mask width (else in _prepare).
+        given = MaskPolicy(self._mask_width, "the mask_width given to the client") if self._mask_width is not None else None
+        check_rows_like_server(row_params, array.shape[1], given, row_max=array.max(axis=1))  # NaN propagates through max
         return array, row_params
 
     def _prepare(self, array: np.ndarray, row_params: RowParams, limits: ServerLimits, use_shared_memory: bool) -> _Prepared:

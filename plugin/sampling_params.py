@@ -53,13 +53,15 @@ def rows_to_params(rows: Sequence[SamplingParams]) -> RowParams:
     return params
 
 
-def check_rows_like_server(params: RowParams, vocab_size: int | None = None, policy: MaskPolicy | None = None) -> None:
-    """Raise SamplingRequestError for the first row the server would refuse for its parameters.
+def check_rows_like_server(params: RowParams, vocab_size: int | None = None, policy: MaskPolicy | None = None,
+                           row_max: np.ndarray | None = None) -> None:
+    """Raise SamplingRequestError for the first row the server would refuse, in the server's order.
 
     Without `policy` (the server's mask width and switches) only the rules that need no server
-    knowledge run; with it and `vocab_size`, the over-width and deployment rules run too.
+    knowledge run; with it and `vocab_size`, the over-width and deployment rules run too; with
+    `row_max` (each row's largest logit) the logit rules as well.
     """
     policy = policy or MaskPolicy(mask_width=_UNKNOWN_WIDTH, width_source="the server's config.pbtxt")
-    error = first_error(check_rows(params, None, vocab_size or _UNKNOWN_VOCAB, policy))
+    error = first_error(check_rows(params, row_max, vocab_size or _UNKNOWN_VOCAB, policy))
     if error is not None:
         raise error
