@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 serve: setup
-	exec $(PYTHON) -m triton_sampling_mask.launcher --model-repository $(MODEL_REPOSITORY)
+	exec $(PYTHON) -m triton_sampling_mask.ops.launcher --model-repository $(MODEL_REPOSITORY)
 
 test: setup
 	$(PYTHON) -m pytest $(PYTEST_ARGS)
@@ -27,7 +27,7 @@ test: setup
 # 32 clients (HTTP and gRPC) for 60 s against a fresh server; prints the report, fails on loss/5xx/RSS growth.
 SOAK_ARGS ?= --clients 32 --duration 60
 soak: setup
-	$(PYTHON) -m triton_sampling_mask.soak --model-repository $(MODEL_REPOSITORY) $(SOAK_ARGS)
+	$(PYTHON) -m triton_sampling_mask.ops.soak --model-repository $(MODEL_REPOSITORY) $(SOAK_ARGS)
 
 # Kernel + served benchmark (not part of the tests): table on stdout, bench/results/latest.json and
 # ratios.png. matplotlib comes from the `bench` extra, installed here only, not by `make setup`.

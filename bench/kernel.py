@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from triton_sampling_mask.sampler import SamplingBatch, sample
+from triton_sampling_mask.sampling.sampler import SamplingBatch, sample
 
 from .baseline import floor, full_sort_sample
 from .common import paired_median_ratio

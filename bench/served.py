@@ -23,11 +23,11 @@ import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
 
 from client_tests.server import sampler_inputs
-from triton_sampling_mask.backends import TorchSamplingBackend
-from triton_sampling_mask.batching import BatchSampler
-from triton_sampling_mask.client import unregister_shared_memory
-from triton_sampling_mask.launcher import TritonServer
-from triton_sampling_mask.params import RowParams
+from triton_sampling_mask.sampling.backends import TorchSamplingBackend
+from triton_sampling_mask.sampling.batching import BatchSampler
+from triton_sampling_mask.client.sampler_client import unregister_shared_memory
+from triton_sampling_mask.ops.launcher import TritonServer
+from triton_sampling_mask.sampling.params import RowParams
 
 from .common import MODEL_REPOSITORY
 
@@ -133,7 +133,7 @@ def served_load(server: TritonServer, protocol: str, concurrency: int, rows: np.
 def in_process_load(rows: np.ndarray, rows_per_call: int, width: int, duration_s: float) -> dict:
     """The same rows through BatchSampler.run (validation + sampling), `rows_per_call` B=1 requests
     per call, as the model's execute gets them from the dynamic batcher."""
-    from triton_sampling_mask.validation import MaskPolicy
+    from triton_sampling_mask.sampling.validation import MaskPolicy
 
     sampler = BatchSampler(TorchSamplingBackend(), MaskPolicy(width, "config.pbtxt"), torch.device("cpu"))
     params = RowParams.defaults(1)

@@ -15,7 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from triton_sampling_mask.launcher import TritonServer
+from triton_sampling_mask.ops.launcher import TritonServer
 
 from .generate_client import GenerateStream
 from .server import MODEL_REPOSITORY

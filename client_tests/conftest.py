@@ -6,7 +6,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
-from triton_sampling_mask.launcher import TritonServer
+from triton_sampling_mask.ops.launcher import TritonServer
 
 from .server import ExternalTritonServer, build_test_repository
 

@@ -4,7 +4,7 @@ The conftest copies this file into a test model's version folder (on the stub's 
 names it in that model's config as sampling_backend "no_support_backend:NoSupportBackend".
 """
 
-from triton_sampling_mask.sampler import sample
+from triton_sampling_mask.sampling.sampler import sample
 
 
 class NoSupportBackend:

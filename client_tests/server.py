@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 from tritonclient.utils import np_to_triton_dtype
 
-from triton_sampling_mask.params import LOGITS, PARAM_SPECS
+from triton_sampling_mask.sampling.params import LOGITS, PARAM_SPECS
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MODEL_REPOSITORY = REPO_ROOT / "model_repository"

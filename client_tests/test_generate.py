@@ -14,7 +14,7 @@ from tritonclient.utils import InferenceServerException
 
 from tests.lm_reference import greedy_continuations, step_logits
 from tests.reference import reference_row
-from triton_sampling_mask.validation import UNBOUNDED_MASK_MESSAGE
+from triton_sampling_mask.sampling.validation import UNBOUNDED_MASK_MESSAGE
 
 from .generate_client import GenerateStream, collect, counter, grpc_generate, http_generate
 

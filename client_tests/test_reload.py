@@ -15,7 +15,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from triton_sampling_mask.launcher import TritonServer
+from triton_sampling_mask.ops.launcher import TritonServer
 
 from .reliability import INTERNAL, INVALID_ARGUMENT, check_against_reference, expect_error, scrape
 from .server import MODEL_REPOSITORY, build_test_repository, infer, set_parameter

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from tritonclient.utils import InferenceServerException
 
-from triton_sampling_mask.launcher import TritonServer
-from triton_sampling_mask.validation import SPECULATIVE_MASK_MESSAGE, UNBOUNDED_MASK_MESSAGE
+from triton_sampling_mask.ops.launcher import TritonServer
+from triton_sampling_mask.sampling.validation import SPECULATIVE_MASK_MESSAGE, UNBOUNDED_MASK_MESSAGE
 
 from .server import MODEL_REPOSITORY, OUTPUTS, infer, sampler_inputs, set_parameter
 

@@ -29,7 +29,7 @@ trap cleanup EXIT
 
 # The same repository the local tests serve (sampler plus its variants), rewritten for GPUs.
 .venv/bin/python -c 'import sys; from client_tests.server import build_test_repository; build_test_repository(__import__("pathlib").Path(sys.argv[1]))' "$workdir/cpu"
-.venv/bin/python -m triton_sampling_mask.gpu_repository "$workdir/cpu" "$workdir/models"
+.venv/bin/python -m triton_sampling_mask.ops.gpu_repository "$workdir/cpu" "$workdir/models"
 
 # --ipc=host: the client's system shared-memory regions must be visible to the server.
 container="$(docker run -d --gpus all --ipc=host \

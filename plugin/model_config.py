@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 
@@ -52,13 +51,3 @@ def instance_device(args: dict) -> torch.device:
 def config_path(args: dict) -> str:
     """Where this model's config.pbtxt lives, for messages that tell users what to edit."""
     return os.path.join(args.get("model_repository", "<model directory>"), "config.pbtxt")
-
-
-def import_object(spec: str, parameter: str):
-    """The object a config parameter names as "package.module:attr" (a custom backend or LM);
-    a bad spec fails model load with a message naming the parameter."""
-    module_name, _, attr = spec.partition(":")
-    try:
-        return getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError, ValueError) as exc:
-        raise ValueError(f"{parameter} {spec!r} could not be imported: {exc}") from exc

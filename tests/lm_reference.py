@@ -11,7 +11,7 @@ import functools
 import numpy as np
 import torch
 
-from triton_sampling_mask.lm import build_default_model
+from triton_sampling_mask.generation.lm import build_default_model
 
 
 @functools.lru_cache(maxsize=1)

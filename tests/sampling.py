@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from triton_sampling_mask.sampler import SamplingBatch, sample
+from triton_sampling_mask.sampling.sampler import SamplingBatch, sample
 
 
 def run_sampler(logits, temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0, seed=0, want_mask=True, mask_width=64):

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from triton_sampling_mask import converters
+from triton_sampling_mask.client import converters
 
 VOCAB = 40
 WIDTH = 12

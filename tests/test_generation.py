@@ -12,13 +12,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from triton_sampling_mask import rng
-from triton_sampling_mask.backends import load_backend
-from triton_sampling_mask.batching import BatchSampler
-from triton_sampling_mask.generation import GenerationRequest, Generator, check_generation_request
-from triton_sampling_mask.lm import load_lm
-from triton_sampling_mask.params import RowParams
-from triton_sampling_mask.validation import MaskPolicy, SamplingRequestError
+from triton_sampling_mask.sampling import rng
+from triton_sampling_mask.sampling.backends import load_backend
+from triton_sampling_mask.sampling.batching import BatchSampler
+from triton_sampling_mask.generation.generator import GenerationRequest, Generator, check_generation_request
+from triton_sampling_mask.generation.lm import load_lm
+from triton_sampling_mask.sampling.params import RowParams
+from triton_sampling_mask.sampling.validation import MaskPolicy, SamplingRequestError
 
 from .lm_reference import replica
 from .reference import reference_row
@@ -214,7 +214,7 @@ def test_padded_batch_with_cache_matches_full_forward():
 
 @torch.inference_mode()
 def test_a_local_hugging_face_directory_loads_through_model_path(tmp_path):
-    from triton_sampling_mask.lm import build_default_model
+    from triton_sampling_mask.generation.lm import build_default_model
 
     build_default_model().save_pretrained(tmp_path)
     lm = load_lm(model_path=str(tmp_path))

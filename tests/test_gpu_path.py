@@ -8,9 +8,9 @@ import torch
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
-from triton_sampling_mask.gpu_repository import build_gpu_repository, gpu_config_text
+from triton_sampling_mask.ops.gpu_repository import build_gpu_repository, gpu_config_text
 from triton_sampling_mask.model_config import instance_device
-from triton_sampling_mask.triton_io import input_to_numpy, input_to_torch, read_params
+from triton_sampling_mask.serving.triton_io import input_to_numpy, input_to_torch, read_params
 
 from client_tests.server import MODEL_REPOSITORY
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from triton_sampling_mask.sampler import SamplingBatch, ranked_candidates, sample
+from triton_sampling_mask.sampling.sampler import SamplingBatch, ranked_candidates, sample
 from tests.reference import reference_row
 
 

@@ -8,8 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from triton_sampling_mask.replay import replay_logprobs
-from triton_sampling_mask.sampler import SamplingBatch, sample
+from triton_sampling_mask.client.replay import replay_logprobs
+from triton_sampling_mask.sampling.sampler import SamplingBatch, sample
 
 from .reference import reference_row
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from triton_sampling_mask.sampling_params import SamplingParams, check_rows_like_server, rows_to_params
-from triton_sampling_mask.validation import UNBOUNDED_MASK_MESSAGE, MaskPolicy, SamplingRequestError
+from triton_sampling_mask.client.sampling_params import SamplingParams, check_rows_like_server, rows_to_params
+from triton_sampling_mask.sampling.validation import UNBOUNDED_MASK_MESSAGE, MaskPolicy, SamplingRequestError
 
 
 @pytest.mark.parametrize(

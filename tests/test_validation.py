@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from triton_sampling_mask.params import RowParams
-from triton_sampling_mask.validation import (
+from triton_sampling_mask.sampling.params import RowParams
+from triton_sampling_mask.sampling.validation import (
     SPECULATIVE_MASK_MESSAGE,
     UNBOUNDED_MASK_MESSAGE,
     MaskPolicy,

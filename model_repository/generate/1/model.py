@@ -2,7 +2,7 @@
 
 import triton_python_backend_utils as pb_utils
 
-from triton_sampling_mask.generate_model import GenerateModel
+from triton_sampling_mask.serving.generate_model import GenerateModel
 
 
 class TritonPythonModel:

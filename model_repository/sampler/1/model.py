@@ -2,7 +2,7 @@
 
 import triton_python_backend_utils as pb_utils
 
-from triton_sampling_mask.triton_model import SamplerModel
+from triton_sampling_mask.serving.sampler_model import SamplerModel
 
 
 class TritonPythonModel:

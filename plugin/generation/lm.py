@@ -20,7 +20,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from .model_config import import_object
+from ..sampling.backends import import_object
 
 DEFAULT_LM_CONFIG = Path(__file__).with_name("lm_configs") / "tiny_llama.json"
 

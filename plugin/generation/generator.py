@@ -15,11 +15,11 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from . import rng
-from .batching import BatchSampler, outputs_to_numpy
+from ..sampling import rng
+from ..sampling.batching import BatchSampler, outputs_to_numpy
 from .lm import CausalLM
-from .params import RowParams
-from .validation import SamplingRequestError, check_logit_rows, check_rows
+from ..sampling.params import RowParams
+from ..sampling.validation import SamplingRequestError, check_logit_rows, check_rows
 
 FINISH_LENGTH = "length"
 FINISH_STOP = "stop"

@@ -13,14 +13,14 @@ import traceback
 import numpy as np
 import torch
 
-from .backends import load_backend
-from .batching import BatchSampler
-from .generation import GenerationChunk, GenerationRequest, Generator, check_generation_request
-from .lm import load_lm
-from .model_config import instance_device, int_parameter, load_model_config, string_parameter
+from ..sampling.backends import load_backend
+from ..sampling.batching import BatchSampler
+from ..generation.generator import GenerationChunk, GenerationRequest, Generator, check_generation_request
+from ..generation.lm import load_lm
+from ..model_config import instance_device, int_parameter, load_model_config, string_parameter
 from .triton_io import error_response, read_input, read_params
-from .triton_model import mask_policy
-from .validation import SamplingRequestError
+from .sampler_model import mask_policy
+from ..sampling.validation import SamplingRequestError
 
 
 def _input(request, pb_utils, name: str, dtype, required: bool = False) -> np.ndarray | None:

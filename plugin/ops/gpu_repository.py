@@ -6,7 +6,7 @@ FORCE_CPU_ONLY_INPUT_TENSORS is "no", so Triton hands GPU-resident inputs over w
 the model takes them through DLPack. Everything else (the mask width W included) is unchanged, and
 the version folders (1/model.py) are copied as they are.
 
-    python -m triton_sampling_mask.gpu_repository SOURCE_REPOSITORY DEST_REPOSITORY
+    python -m triton_sampling_mask.ops.gpu_repository SOURCE_REPOSITORY DEST_REPOSITORY
 """
 
 from __future__ import annotations

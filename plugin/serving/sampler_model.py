@@ -9,9 +9,9 @@ import numpy as np
 import torch
 
 from . import metrics
-from .backends import load_backend
-from .batching import BatchSampler
-from .model_config import (
+from ..sampling.backends import load_backend
+from ..sampling.batching import BatchSampler
+from ..model_config import (
     config_path,
     instance_device,
     int_parameter,
@@ -20,7 +20,7 @@ from .model_config import (
     string_parameter,
 )
 from .triton_io import error_response, parse_request, sampler_response
-from .validation import MaskPolicy, SamplingRequestError
+from ..sampling.validation import MaskPolicy, SamplingRequestError
 
 MASK_OUTPUT = "sampling_mask"
 MASK_LENGTH_OUTPUT = "sampling_mask_len"

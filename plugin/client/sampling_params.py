@@ -12,8 +12,8 @@ from typing import Sequence
 
 import numpy as np
 
-from .params import MIN_P, RETURN_SAMPLING_MASK, SEED, TEMPERATURE, TOP_K, TOP_P, RowParams
-from .validation import MaskPolicy, SamplingRequestError, check_rows, first_error
+from ..sampling.params import MIN_P, RETURN_SAMPLING_MASK, SEED, TEMPERATURE, TOP_K, TOP_P, RowParams
+from ..sampling.validation import MaskPolicy, SamplingRequestError, check_rows, first_error
 
 # Admission rules that need no server knowledge: an "infinite" width leaves only mask_unbounded.
 _UNKNOWN_WIDTH = np.iinfo(np.int64).max

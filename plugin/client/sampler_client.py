@@ -1,7 +1,7 @@
 """A typed client for the `sampler` model over tritonclient HTTP or gRPC (sync and asyncio).
 
-    from triton_sampling_mask.client import SamplerClient
-    from triton_sampling_mask.sampling_params import SamplingParams
+    from triton_sampling_mask.client.sampler_client import SamplerClient
+    from triton_sampling_mask.client.sampling_params import SamplingParams
 
     with SamplerClient("localhost:8001", protocol="grpc") as client:
         result = client.sample(logits, SamplingParams(temperature=0.8, top_k=50, return_sampling_mask=True))
@@ -26,11 +26,11 @@ from typing import Sequence
 import numpy as np
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
-from .batching import OUTPUT_NAMES
-from .model_config import output_width, string_parameter
-from .params import LOGITS, MIN_P, RETURN_SAMPLING_MASK, SEED, TEMPERATURE, TOP_K, TOP_P, RowParams
+from ..sampling.batching import OUTPUT_NAMES
+from ..model_config import output_width, string_parameter
+from ..sampling.params import LOGITS, MIN_P, RETURN_SAMPLING_MASK, SEED, TEMPERATURE, TOP_K, TOP_P, RowParams
 from .sampling_params import SamplingParams, check_rows_like_server, rows_to_params
-from .validation import MaskPolicy, SamplingRequestError
+from ..sampling.validation import MaskPolicy, SamplingRequestError
 
 DEFAULT_MODEL = "sampler"
 MASK_OUTPUT = "sampling_mask"

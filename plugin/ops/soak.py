@@ -1,7 +1,7 @@
 """Soak a running sampler: many concurrent HTTP and gRPC clients, mixed valid and invalid requests.
 
-    python -m triton_sampling_mask.soak [--clients 32] [--duration 60]      # starts its own server
-    python -m triton_sampling_mask.soak --http-url H:P --grpc-url H:P --pid PID   # an existing one
+    python -m triton_sampling_mask.ops.soak [--clients 32] [--duration 60]      # starts its own server
+    python -m triton_sampling_mask.ops.soak --http-url H:P --grpc-url H:P --pid PID   # an existing one
 
 Every request's answer is classified against what its kind must get: valid requests an answer
 whose mask is well formed, invalid ones a 4xx. The report counts requests sent, answered, lost (no

@@ -7,9 +7,9 @@ on a backend that builds no support are refused per request; an unknown name fai
 
 from __future__ import annotations
 
+import importlib
 from typing import Callable, Protocol, runtime_checkable
 
-from .model_config import import_object
 from .sampler import SamplingBatch, SamplingResult, sample
 
 
@@ -31,6 +31,16 @@ class TorchSamplingBackend:
 
     def sample(self, batch: SamplingBatch, mask_width: int) -> SamplingResult:
         return sample(batch, mask_width)
+
+
+def import_object(spec: str, parameter: str):
+    """The object a config parameter names as "package.module:attr" (a custom backend or LM);
+    a bad spec fails model load with a message naming the parameter."""
+    module_name, _, attr = spec.partition(":")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise ValueError(f"{parameter} {spec!r} could not be imported: {exc}") from exc
 
 
 _REGISTRY: dict[str, Callable[[], SamplingBackend]] = {"torch": TorchSamplingBackend}

@@ -4,7 +4,7 @@ The wheel carries the server binary, the Python backend and one stub per Python 
 embeds the system libpython, ignores PYTHONPATH and finds packages through the `python3` first on
 PATH, so the server runs with this virtual environment's bin/ first on PATH.
 
-    python -m triton_sampling_mask.launcher [--model-repository DIR] [-- extra tritonserver flags]
+    python -m triton_sampling_mask.ops.launcher [--model-repository DIR] [-- extra tritonserver flags]
 
 Ports come from TRITON_HTTP_PORT / TRITON_GRPC_PORT / TRITON_METRICS_PORT (8000/8001/8002).
 The launcher execs the server, so SIGTERM reaches tritonserver itself and stops it cleanly.

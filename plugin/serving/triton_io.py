@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .params import LOGITS, PARAM_SPECS, SEED, RowParams
-from .validation import SamplingRequestError, check_vocab_size
+from ..sampling.params import LOGITS, PARAM_SPECS, SEED, RowParams
+from ..sampling.validation import SamplingRequestError, check_vocab_size
 
 
 @dataclass

@@ -1,0 +1,12 @@
+"""What a trainer imports: the typed client, `SamplingParams`, mask converters and replay.
+
+Owns `sampler_client` (sync and asyncio clients over tritonclient HTTP/gRPC), `sampling_params`
+(per-row parameters checked with the server's own rules), `converters` (masks in SGLang / vLLM /
+prime-rl / dense form), `replay` (training log-probs renormalised over the same masks) and `wire`
+(tritonclient input tensors for the sampler's inputs). May import `sampling` and `model_config`;
+never `pb_utils`, so it runs in any trainer process.
+"""
+
+from .sampler_client import AsyncSamplerClient, SamplerClient, SampleResult, SamplerError, unregister_shared_memory
+
+__all__ = ["AsyncSamplerClient", "SamplerClient", "SampleResult", "SamplerError", "unregister_shared_memory"]
