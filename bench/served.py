@@ -22,10 +22,10 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
 
-from client_tests.server import sampler_inputs
 from triton_sampling_mask.sampling.backends import TorchSamplingBackend
 from triton_sampling_mask.sampling.batching import BatchSampler
-from triton_sampling_mask.client.sampler_client import unregister_shared_memory
+from triton_sampling_mask.client import unregister_shared_memory
+from triton_sampling_mask.client.wire import sampler_inputs
 from triton_sampling_mask.ops.launcher import TritonServer
 from triton_sampling_mask.sampling.params import RowParams
 

@@ -9,9 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from tritonclient.utils import np_to_triton_dtype
 
-from triton_sampling_mask.sampling.params import LOGITS, PARAM_SPECS
+from triton_sampling_mask.client.wire import INPUT_DTYPES, NUMPY_DTYPES, sampler_inputs  # noqa: F401 (re-exported to tests)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MODEL_REPOSITORY = REPO_ROOT / "model_repository"
@@ -69,31 +68,7 @@ class ExternalTritonServer:
         return "(external server: see its own log)"
 
 
-# Wire datatypes derived from the parameter specs (plugin/params.py), the one source of truth.
-INPUT_DTYPES = {LOGITS: "FP32", **{spec.name: np_to_triton_dtype(np.dtype(spec.dtype)) for spec in PARAM_SPECS}}
-NUMPY_DTYPES = {np_to_triton_dtype(np.dtype(dtype)): dtype for dtype in (np.float32, np.int32, np.uint64, np.bool_)}
 OUTPUTS = ("output_ids", "output_logprobs", "sampling_mask", "sampling_mask_len", "sampling_logprobs")
-
-
-def sampler_inputs(module, logits: np.ndarray, **params) -> list:
-    """tritonclient InferInputs (module: tritonclient.http or .grpc) for logits [B, V] and per-row
-    parameters given as scalars (repeated per row) or length-B sequences."""
-    logits = np.asarray(logits, dtype=np.float32)
-    rows = logits.shape[0]
-    inputs = [_infer_input(module, "logits", logits, "FP32")]
-    for name, value in params.items():
-        datatype = INPUT_DTYPES[name]
-        array = np.asarray(value, dtype=NUMPY_DTYPES[datatype])
-        if array.ndim == 0:
-            array = np.full((rows, 1), array, dtype=array.dtype)
-        inputs.append(_infer_input(module, name, array.reshape(rows, 1), datatype))
-    return inputs
-
-
-def _infer_input(module, name: str, array: np.ndarray, datatype: str):
-    infer_input = module.InferInput(name, list(array.shape), datatype)
-    infer_input.set_data_from_numpy(array)
-    return infer_input
 
 
 def infer(client, module, model: str, logits, **params) -> dict[str, np.ndarray]:

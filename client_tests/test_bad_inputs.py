@@ -15,7 +15,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
-from triton_sampling_mask.ops.soak import tensor
+from triton_sampling_mask.client.wire import infer_input as tensor
 
 from .reliability import INVALID_ARGUMENT, expect_error, valid_request_succeeds
 from .server import infer

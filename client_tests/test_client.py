@@ -12,7 +12,7 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
 from tests.reference import reference_row
-from triton_sampling_mask.client.sampler_client import AsyncSamplerClient, SamplerClient, SamplerError
+from triton_sampling_mask.client import AsyncSamplerClient, SamplerClient, SamplerError
 from triton_sampling_mask.ops.launcher import free_port
 from triton_sampling_mask.client.replay import replay_logprobs
 from triton_sampling_mask.client.sampling_params import SamplingParams

@@ -137,7 +137,7 @@ def _prompt_reaching_eos(eos: int) -> tuple[list[int], int]:
 
 
 def test_eos_ends_generation_and_keeps_its_row(triton_server, width):
-    eos = 2  # eos_token_id of plugin/lm_configs/tiny_llama.json
+    eos = 2  # eos_token_id of plugin/generation/lm_configs/tiny_llama.json
     prompt, j = _prompt_reaching_eos(eos)
     stopped = grpc_generate(triton_server.grpc_url, prompt, 8, temperature=0.0, return_sampling_mask=True)
     assert_aligned(stopped, j + 1, width)

@@ -7,7 +7,7 @@ import tritonclient.http as httpclient
 
 from tests.reference import reference_row
 from triton_sampling_mask.serving.metrics import mask_length_buckets
-from triton_sampling_mask.ops.soak import tensor
+from triton_sampling_mask.client.wire import infer_input as tensor
 
 from .reliability import INVALID_ARGUMENT, expect_error, scrape
 from .server import infer

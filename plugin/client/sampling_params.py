@@ -1,6 +1,6 @@
 """Client-side sampling parameters, checked with the server's own rules before anything is sent.
 
-`SamplingParams` holds one row's knobs. It is validated with plugin/validation.py (the same
+`SamplingParams` holds one row's knobs. It is validated with plugin/sampling/validation.py (the same
 functions the model runs), so a request the server would refuse for its parameters raises
 `SamplingRequestError` here instead, with the server's message, before any network call.
 """

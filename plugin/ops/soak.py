@@ -22,6 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..client.wire import infer_input
+
 MODEL = "sampler"
 # gRPC codes that mean the server never answered (transport trouble), not an error response.
 GRPC_TRANSPORT_CODES = {"StatusCode.UNAVAILABLE", "StatusCode.DEADLINE_EXCEEDED", "StatusCode.CANCELLED"}
@@ -56,13 +58,6 @@ def http_status(exc) -> int | None:
     return GRPC_TO_HTTP.get(status, 500)
 
 
-def tensor(module, name: str, array: np.ndarray, datatype: str):
-    """A tritonclient InferInput holding `array` (module: tritonclient.http or tritonclient.grpc)."""
-    infer_input = module.InferInput(name, list(array.shape), datatype)
-    infer_input.set_data_from_numpy(array)
-    return infer_input
-
-
 @dataclass
 class SoakRequest:
     """One request of the mix: its inputs (as numpy) and the status it must get."""
@@ -78,8 +73,8 @@ class SoakRequest:
         return KINDS[self.kind]
 
     def inputs(self, module) -> list:
-        return [tensor(module, "logits", self.logits, "FP32")] + [
-            tensor(module, name, array, datatype) for name, (array, datatype) in self.params.items()
+        return [infer_input(module, "logits", self.logits, "FP32")] + [
+            infer_input(module, name, array, datatype) for name, (array, datatype) in self.params.items()
         ]
 
 
