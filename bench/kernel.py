@@ -2,20 +2,32 @@
 
 For each (B, V, top_k) the five functions (ours with/without masks, baseline with/without masks,
 floor) are timed in interleaved rounds and reported as medians, with the ratios the targets use.
+The `gpu` grid adds rivals: ours on the plain torch path (`fused=False`), a vLLM-style torch
+sampler and FlashInfer's fused sampler (where it imports). A top-p case without a mask (top_k -1)
+compares ours (candidates first) with the previous path (a full sort) and the baseline.
 """
 
 from __future__ import annotations
 
+import contextlib
+
+import numpy as np
 import torch
 
-from triton_sampling_mask.sampling.sampler import SamplingBatch, sample
+from triton_sampling_mask.sampling import sampler as sampler_module
+from triton_sampling_mask.sampling.sampler import SamplingBatch, plan_rows, sample
 
-from .baseline import floor, full_sort_sample
+from .baseline import floor, full_sort_sample, vllm_style_sample
 from .common import paired_median_ratio
 
 TEMPERATURE, TOP_P = 0.8, 0.95
-FULL_GRID = {"rows": (1, 8, 64), "vocab": (32000, 151936), "top_k": (50, 512)}
-TINY_GRID = {"rows": (1, 4), "vocab": (1000,), "top_k": (8,)}
+# `top_p_case`: (B, V) of the top-p-without-mask case (top_k -1); `rivals`: time the GPU rivals too.
+FULL_GRID = {"rows": (1, 8, 64), "vocab": (32000, 151936), "top_k": (50, 512), "top_p_case": (64, 151936)}
+TINY_GRID = {"rows": (1, 4), "vocab": (1000, 2000), "top_k": (8,), "top_p_case": (4, 6000)}
+GPU_GRID = {"rows": (1, 8, 64, 256), "vocab": (32000, 151936, 262144), "top_k": (50, 512),
+            "top_p_case": (64, 151936), "rivals": True}
+GPU_TINY_GRID = TINY_GRID | {"rivals": True}
+GRIDS = {("cpu", False): FULL_GRID, ("cpu", True): TINY_GRID, ("gpu", False): GPU_GRID, ("gpu", True): GPU_TINY_GRID}
 
 
 def make_logits(rows: int, vocab: int, device: torch.device, bf16: bool = False, seed: int = 0) -> torch.Tensor:
@@ -29,48 +41,79 @@ def make_logits(rows: int, vocab: int, device: torch.device, bf16: bool = False,
 
 
 def make_batch(logits: torch.Tensor, top_k: int, want_mask: bool) -> SamplingBatch:
-    """The sampler's input for every row at the benchmark's parameters (seeded rows)."""
-    rows, device = logits.shape[0], logits.device
+    """The sampler's input for every row at the benchmark's parameters (seeded rows; parameters on
+    the host, where requests arrive)."""
+    rows = logits.shape[0]
     return SamplingBatch(
         logits=logits,
-        temperature=torch.full((rows,), TEMPERATURE, device=device),
-        top_k=torch.full((rows,), top_k, dtype=torch.int64, device=device),
-        top_p=torch.full((rows,), TOP_P, device=device),
-        min_p=torch.zeros(rows, device=device),
-        seed=torch.arange(rows, dtype=torch.int64, device=device),
-        want_mask=torch.full((rows,), want_mask, dtype=torch.bool, device=device),
+        temperature=np.full(rows, TEMPERATURE, np.float32),
+        top_k=np.full(rows, top_k, np.int64),
+        top_p=np.full(rows, TOP_P, np.float32),
+        min_p=np.zeros(rows, np.float32),
+        seed=np.arange(rows, dtype=np.int64),
+        want_mask=np.full(rows, want_mask),
     )
 
 
-def case_functions(logits: torch.Tensor, top_k: int, width: int) -> dict:
-    """The five timed callables of one case, all over the same logits."""
+def _device_params(batch: SamplingBatch, device: torch.device, top_k: int | None = None) -> dict[str, torch.Tensor]:
+    """The batch's parameters as device tensors, for the baselines (built once, outside the timing);
+    `top_k` overrides the batch's (the baselines want V, not -1, for "no top_k")."""
+    k = batch.top_k if top_k is None else np.full(batch.top_k.shape, top_k, np.int64)
+    return {
+        "temperature": torch.from_numpy(batch.temperature).to(device),
+        "top_k": torch.from_numpy(k).to(device),
+        "top_k_i32": torch.from_numpy(k.astype(np.int32)).to(device),
+        "top_p": torch.from_numpy(batch.top_p).to(device),
+        "min_p": torch.from_numpy(batch.min_p).to(device),
+    }
+
+
+def case_functions(logits: torch.Tensor, top_k: int, width: int, rivals: dict | None = None) -> dict:
+    """The timed callables of one case, all over the same logits: the five of every grid, plus,
+    with `rivals` (the gpu grid), ours on the plain torch path, the vLLM-style sampler and
+    FlashInfer (`rivals["flashinfer"]`, None when skipped)."""
     on, off = make_batch(logits, top_k, True), make_batch(logits, top_k, False)
+    p = _device_params(on, logits.device)
 
     def baseline(want: bool):
-        return lambda: full_sort_sample(logits, on.temperature, on.top_k, on.top_p, on.min_p, width, want)
+        return lambda: full_sort_sample(logits, p["temperature"], p["top_k"], p["top_p"], p["min_p"], width, want)
 
-    return {
+    functions = {
         "ours_mask": lambda: sample(on, width),
         "ours_nomask": lambda: sample(off, width),
         "baseline_mask": baseline(True),
         "baseline_nomask": baseline(False),
         "floor": lambda: floor(logits, top_k),
     }
+    if rivals is not None:
+        functions["ours_plain_mask"] = lambda: sample(on, width, fused=False)
+        functions["vllm_nomask"] = lambda: vllm_style_sample(logits, p["temperature"], p["top_k"], p["top_p"])
+        if rivals.get("flashinfer") is not None:
+            flashinfer = rivals["flashinfer"]
+            functions["flashinfer_nomask"] = lambda: flashinfer(logits, p["temperature"], p["top_k_i32"], p["top_p"])
+    return functions
 
 
-def run_case(rows: int, vocab: int, top_k: int, width: int, device: torch.device, timing, bf16: bool = False) -> dict:
+# Functions with full-vocabulary temporaries (sorts): timed in rounds of their own (see run_case).
+_SORTING = ("baseline_mask", "baseline_nomask", "vllm_nomask")
+# Rival -> the function of ours it is compared with (same outputs asked: mask or not).
+_RIVAL_OF = {"ours_plain_mask": "ours_mask", "vllm_nomask": "ours_nomask", "flashinfer_nomask": "ours_nomask",
+             "baseline_nomask": "ours_nomask"}
+
+
+def run_case(rows: int, vocab: int, top_k: int, width: int, device: torch.device, timing, bf16: bool = False,
+             rivals: dict | None = None) -> dict:
     """One row of the results table: medians (ms) and ratios."""
     logits = make_logits(rows, vocab, device, bf16=bf16)
-    functions = case_functions(logits, top_k, width)
+    functions = case_functions(logits, top_k, width, rivals)
     # The baseline's full-vocabulary temporaries evict the cache and churn the allocator, which
     # would slow whatever runs next; it is timed in its own rounds, ours and the floor in theirs.
-    baseline_names = ("baseline_mask", "baseline_nomask")
-    medians = timing({n: f for n, f in functions.items() if n not in baseline_names}, device)
-    medians |= timing({n: functions[n] for n in baseline_names}, device)
+    medians = timing({n: f for n, f in functions.items() if n not in _SORTING}, device)
+    medians |= timing({n: f for n, f in functions.items() if n in _SORTING}, device)
     ms = {name: m["median_ms"] for name, m in medians.items()}
     # Best-of-rounds times: a load-robust second view when other processes share the cores.
     best = {name: m.get("min_ms", m["median_ms"]) for name, m in medians.items()}
-    return {
+    case = {
         "rows": rows, "vocab": vocab, "top_k": top_k, "logits": "bf16-rounded" if bf16 else "fp32",
         "ms": ms,
         "min_ms": best,
@@ -87,6 +130,12 @@ def run_case(rows: int, vocab: int, top_k: int, width: int, device: torch.device
         "ours_over_floor_nomask": ms["ours_nomask"] / ms["floor"],
         "mask_on_over_off": ms["ours_mask"] / ms["ours_nomask"],
     }
+    if rivals is not None:
+        # Each rival's time over ours (> 1: ours is faster), ours taken with the same outputs asked.
+        case["rival_over_ours"] = {name: ms[name] / ms[ours] for name, ours in _RIVAL_OF.items() if name in ms}
+        case["rival_over_ours_best_of"] = {name: best[name] / best[ours] for name, ours in _RIVAL_OF.items()
+                                           if name in best}
+    return case
 
 
 def _paired_ratios(medians: dict) -> dict:
@@ -101,15 +150,99 @@ def _paired_ratios(medians: dict) -> dict:
     }
 
 
-def run_kernel_benchmark(device: torch.device, width: int, grid: dict, timing, progress=print) -> list[dict]:
-    """Every case of the grid, plus the headline case again on bf16-rounded (tied) logits."""
+@contextlib.contextmanager
+def previous_top_p_path(vocab: int):
+    """The sampler as it was before candidates-first top-p: `_TOP_P_CANDIDATES` at least V sends
+    top_k = -1, top_p < 1 rows straight to the full sort in row blocks. Restored on exit, even
+    when the call raises."""
+    saved = sampler_module._TOP_P_CANDIDATES
+    sampler_module._TOP_P_CANDIDATES = max(vocab, saved)
+    try:
+        yield
+    finally:
+        sampler_module._TOP_P_CANDIDATES = saved
+
+
+def make_top_p_batch(logits: torch.Tensor) -> SamplingBatch:
+    """Top-p without a top_k and without a mask (valid; the mask would need a finite top_k)."""
+    return make_batch(logits, -1, False)
+
+
+def run_top_p_case(rows: int, vocab: int, width: int, device: torch.device, timing, rivals: dict | None = None) -> dict:
+    """Top-p only (top_k -1, top_p 0.95, temperature 0.8, no mask): ours (candidates first) vs the
+    previous path (full sort in row blocks) vs the full-sort baseline, plus the vLLM-style sampler
+    and FlashInfer with `rivals`. Each in rounds of its own: the sorts' temporaries would slow
+    whatever followed them."""
+    logits = make_logits(rows, vocab, device)
+    batch = make_top_p_batch(logits)
+    p = _device_params(batch, device, top_k=vocab)  # the baselines' "no top_k" is k = V
+    plan = plan_rows(batch)
+    with previous_top_p_path(vocab):
+        previous_plan = plan_rows(batch)
+    if not (plan.top_p_first.all() and previous_plan.full_sort.all()):
+        raise RuntimeError(f"top-p case B={rows} V={vocab}: the rows do not take the paths it compares "
+                           f"(candidates {sampler_module._TOP_P_CANDIDATES}; V must exceed it)")
+
+    def previous():
+        with previous_top_p_path(vocab):
+            return sample(batch, width)
+
+    groups = [{"ours": lambda: sample(batch, width)}, {"previous": previous},
+              {"baseline": lambda: full_sort_sample(logits, p["temperature"], p["top_k"], p["top_p"], p["min_p"],
+                                                    width, False)}]
+    if rivals is not None:
+        groups[2]["vllm"] = lambda: vllm_style_sample(logits, p["temperature"], None, p["top_p"])
+        if rivals.get("flashinfer") is not None:
+            flashinfer = rivals["flashinfer"]
+            groups[0]["flashinfer"] = lambda: flashinfer(logits, p["temperature"], p["top_k_i32"], p["top_p"])
+    medians = {}
+    for group in groups:
+        medians |= timing(group, device)
+    ms = {name: m["median_ms"] for name, m in medians.items()}
+    best = {name: m.get("min_ms", m["median_ms"]) for name, m in medians.items()}
+    return {
+        "rows": rows, "vocab": vocab, "top_k": -1, "top_p": TOP_P, "temperature": TEMPERATURE, "want_mask": False,
+        "candidates": sampler_module._TOP_P_CANDIDATES,
+        "fallback_rows": _fallback_rows(logits, sampler_module._TOP_P_CANDIDATES),
+        "ms": ms,
+        "min_ms": best,
+        "rounds": min(m["rounds"] for m in medians.values()),
+        "over_ours": {name: ms[name] / ms["ours"] for name in ms if name != "ours"},
+        "over_ours_best_of": {name: best[name] / best["ours"] for name in best if name != "ours"},
+    }
+
+
+def _fallback_rows(logits: torch.Tensor, candidates: int) -> int:
+    """Rows whose first `candidates` ranked tokens hold too little mass to end the support, i.e. that
+    the sampler ranks again with a full sort (its test: the support fills every candidate)."""
+    log_p = torch.log_softmax(logits.double() / TEMPERATURE, dim=-1)
+    head = torch.topk(log_p, min(candidates, logits.shape[1]), dim=-1).values.exp()
+    mass_before_last = head[:, :-1].sum(dim=-1)
+    return int((mass_before_last <= TOP_P).sum())
+
+
+def run_kernel_benchmark(device: torch.device, width: int, grid: dict, timing, progress=print,
+                         rivals: dict | None = None, on_case=None) -> list[dict]:
+    """Every case of the grid, plus the headline case again on bf16-rounded (tied) logits. Rivals
+    are timed only when the grid asks for them; `on_case(results)` runs after every case (the
+    caller writes what finished, so a timeout keeps it)."""
+    rivals = rivals if grid.get("rivals") else None
     results = []
+
+    def done(case: dict, label: str) -> None:
+        results.append(case)
+        extra = ""
+        if case.get("rival_over_ours"):
+            extra = ", " + ", ".join(f"{name} {case['ms'][name]:.3f}" for name in case["rival_over_ours"])
+        progress(f"  kernel {label}: ours {case['ms']['ours_mask']:.3f} ms, floor {case['ms']['floor']:.3f}{extra}")
+        if on_case is not None:
+            on_case(results)
+
     for vocab in grid["vocab"]:
         for rows in grid["rows"]:
             for top_k in grid["top_k"]:
-                results.append(run_case(rows, vocab, top_k, width, device, timing))
-                progress(f"  kernel B={rows} V={vocab} top_k={top_k}: ours {results[-1]['ms']['ours_mask']:.2f} ms")
+                done(run_case(rows, vocab, top_k, width, device, timing, rivals=rivals),
+                     f"B={rows} V={vocab} top_k={top_k}")
     headline = (max(grid["rows"]), max(grid["vocab"]), max(grid["top_k"]))
-    results.append(run_case(*headline, width, device, timing, bf16=True))
-    progress(f"  kernel {headline} bf16-rounded: ours {results[-1]['ms']['ours_mask']:.2f} ms")
+    done(run_case(*headline, width, device, timing, bf16=True, rivals=rivals), f"{headline} bf16-rounded")
     return results

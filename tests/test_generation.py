@@ -102,11 +102,10 @@ def generator(lm) -> Generator:
 MASKED = dict(temperature=0.9, top_k=12, top_p=0.85, min_p=0.02, seed=5, return_sampling_mask=True)
 
 
-def test_step_seeds_are_deterministic_distinct_and_non_negative():
+def test_step_seeds_are_deterministic_and_distinct():
     seeds = torch.tensor([0, 1, -1, 2**62, 12345], dtype=torch.int64)
     per_step = torch.stack([rng.step_seeds(seeds, s) for s in range(50)])
     assert torch.equal(per_step, torch.stack([rng.step_seeds(seeds, s) for s in range(50)]))
-    assert (per_step >= 0).all()
     assert len(set(per_step.flatten().tolist())) == per_step.numel()
 
 

@@ -11,7 +11,15 @@ from hypothesis import strategies as st
 from scipy import stats
 
 from .reference import reference_row
-from .sampling import run_sampler
+from .sampling import DEVICES, run_sampler, use_device
+
+
+@pytest.fixture(autouse=True, params=DEVICES)
+def sampler_device(request):
+    """Every test here runs on each device in DEVICES (CUDA cases skip where there is none)."""
+    use_device(request.param)
+    yield request.param
+    use_device("cpu")
 
 TOLERANCE = 1e-6
 
@@ -194,3 +202,25 @@ def test_large_top_k_rows_are_ranked_apart_in_row_blocks():
             np.testing.assert_array_equal(out["mask"][row, :length], ref.order[:length])
         alone = run_sampler(logits[row : row + 1], top_k=int(top_k[row]), top_p=0.3, seed=row, want_mask=False, mask_width=20)
         assert alone["ids"][0] == out["ids"][row], "a row's token depends on its batch-mates"
+
+
+def test_top_p_without_top_k_ranks_candidates_first_and_falls_back_exactly(monkeypatch):
+    from triton_sampling_mask.sampling import sampler
+
+    vocab, rows = 20000, 6
+    rng = np.random.default_rng(5)
+    logits = (rng.standard_normal((rows, vocab)) * 4).astype(np.float32)  # peaked: candidates suffice
+    logits[3:] = rng.standard_normal((3, vocab)).astype(np.float32) * 0.1  # flat: the support needs > 4096
+    top_p = np.array([0.9, 0.5, 0.99, 0.9, 0.5, 0.99], np.float32)
+    calls = []
+    ranked = sampler.ranked_candidates
+    monkeypatch.setattr(sampler, "ranked_candidates", lambda lg, k: calls.append((lg.shape[0], k)) or ranked(lg, k))
+    out = run_sampler(logits, temperature=0.7, top_p=top_p, seed=np.arange(rows), want_mask=False)
+    assert calls[0] == (rows, sampler._TOP_P_CANDIDATES) and calls[1] == (3, vocab)  # only the flat rows sort fully
+    for row in range(rows):
+        ref = reference_row(logits[row], 0.7, -1, float(top_p[row]), 0.0, tolerance=TOLERANCE)
+        assert int(out["ids"][row]) in ref.order[: ref.support_max]
+        assert out["logprobs"][row] == pytest.approx(ref.logprobs[out["ids"][row]], abs=1e-4)
+    monkeypatch.setattr(sampler, "_TOP_P_CANDIDATES", vocab)  # no candidates-first: the full sort
+    full = run_sampler(logits, temperature=0.7, top_p=top_p, seed=np.arange(rows), want_mask=False)
+    np.testing.assert_array_equal(out["ids"], full["ids"])

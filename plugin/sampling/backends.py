@@ -24,13 +24,19 @@ class SamplingBackend(Protocol):
 
 
 class TorchSamplingBackend:
-    """The built-in torch sampler (CPU and GPU); builds the support, so it serves masks."""
+    """The built-in sampler (CPU and GPU); builds the support, so it serves masks.
+
+    `fused`: run the finite-top_k rows through the Triton kernels (default: on CUDA when Triton
+    is importable; True also runs them on CPU tensors under TRITON_INTERPRET=1, for tests)."""
 
     name = "torch"
     builds_support = True
 
+    def __init__(self, fused: bool | None = None):
+        self.fused = fused
+
     def sample(self, batch: SamplingBatch, mask_width: int) -> SamplingResult:
-        return sample(batch, mask_width)
+        return sample(batch, mask_width, fused=self.fused)
 
 
 def import_object(spec: str, parameter: str):

@@ -36,8 +36,9 @@ class BatchSampler:
         self.backend = backend
         self.policy = policy
         self.device = device
-        # Unseeded rows draw a fresh 63-bit seed from here; seeded rows never touch it.
-        self._entropy = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
+        # Unseeded rows draw a fresh 64-bit seed from here (all 2**64 streams reachable); seeded
+        # rows never touch it.
+        self._entropy = np.random.default_rng(int.from_bytes(os.urandom(16), "little"))
 
     def run(self, requests: list[tuple[torch.Tensor, RowParams]]) -> list[RequestOutcome]:
         """Answer each (logits [rows, V], params) request; the list keeps the input order."""
@@ -55,24 +56,32 @@ class BatchSampler:
         rows_per_request = np.array([logits.shape[0] for logits, _ in group])
         logits = group[0][0] if len(group) == 1 else torch.cat([lg for lg, _ in group])
         params = RowParams.concatenate([p for _, p in group])
-        row_max = logits.amax(dim=-1).cpu().numpy() if logits.shape[0] else np.zeros(0, np.float32)
-        errors = check_rows(params, row_max, vocab, self.policy)
-
+        # Parameter rules first, on the host; the logits rules need each row's max, which the
+        # sampler returns with its results (one device-to-host copy, no separate pass).
+        errors = check_rows(params, None, vocab, self.policy)
         owner = np.repeat(np.arange(len(group)), rows_per_request)
-        row_failed = ~np.equal(errors, None).astype(bool)
-        request_failed = np.bincount(owner[row_failed], minlength=len(group)) > 0
+        sampled = ~_failed_requests(errors, owner, len(group))[owner]
+        result_arrays = None
+        if sampled.any():
+            rows = logits if sampled.all() else logits[torch.from_numpy(np.flatnonzero(sampled)).to(logits.device)]
+            result = self.sample(rows, params.take(sampled))
+            result_arrays = result.host()
+            errors[sampled] = check_rows(params.take(sampled), result_arrays["row_max"], vocab, self.policy)
+        if (~sampled).any():  # error path only: the refused requests' other rows, for "first failing row"
+            unsampled = torch.from_numpy(np.flatnonzero(~sampled)).to(logits.device)
+            errors[~sampled] = check_rows(params.take(~sampled), logits[unsampled].amax(dim=-1).float().cpu().numpy(), vocab, self.policy)
+
+        request_failed = _failed_requests(errors, owner, len(group))
         outcomes = [RequestOutcome() for _ in group]
         for r in np.flatnonzero(request_failed):  # error path only
             start = rows_per_request[:r].sum()
             error = first_error(errors[start : start + rows_per_request[r]])
             outcomes[r] = RequestOutcome(error=error.message, reason=error.reason)
-
-        valid_rows = ~request_failed[owner]
-        if valid_rows.any():
-            subset = slice(None) if valid_rows.all() else torch.from_numpy(np.flatnonzero(valid_rows)).to(logits.device)
-            result = self.sample(logits[subset], params.take(valid_rows))
+        answered = ~request_failed[owner]
+        if answered.any():
             # The sampler's scalar outputs are dims [ 1 ] per row on the wire.
-            arrays = {name: value.reshape(len(value), -1) for name, value in outputs_to_numpy(result).items()}
+            keep = answered[sampled]
+            arrays = {name: value[keep].reshape(int(keep.sum()), -1) for name, value in _wire_arrays(result_arrays).items()}
             splits = np.cumsum(rows_per_request[~request_failed])[:-1]
             chunks = {name: np.split(value, splits) for name, value in arrays.items()}
             for i, r in enumerate(np.flatnonzero(~request_failed)):
@@ -81,29 +90,37 @@ class BatchSampler:
 
     def sample(self, logits: torch.Tensor, params: RowParams) -> SamplingResult:
         """Sample already-validated rows (used by every model that drives the sampler)."""
-        rows = logits.shape[0]
-        fresh = torch.randint(-(2**62), 2**62, (rows,), generator=self._entropy, dtype=torch.int64)
-        seed = torch.where(torch.from_numpy(params.has_seed), torch.from_numpy(params.seed.view(np.int64)), fresh)
-        on = lambda array, dtype: torch.from_numpy(np.ascontiguousarray(array)).to(device=self.device, dtype=dtype)  # noqa: E731
+        fresh = self._entropy.integers(0, 2**64, logits.shape[0], dtype=np.uint64, endpoint=False)
+        seed = np.where(params.has_seed, params.seed, fresh).view(np.int64)
         batch = SamplingBatch(
             logits=logits.to(self.device),
-            temperature=on(params.temperature, torch.float32),
-            top_k=on(params.top_k, torch.int64),
-            top_p=on(params.top_p, torch.float32),
-            min_p=on(params.min_p, torch.float32),
-            seed=seed.to(self.device),
-            want_mask=on(params.return_sampling_mask, torch.bool),
+            temperature=params.temperature,
+            top_k=params.top_k,
+            top_p=params.top_p,
+            min_p=params.min_p,
+            seed=seed,
+            want_mask=params.return_sampling_mask,
         )
         return self.backend.sample(batch, self.policy.mask_width)
 
 
+def _failed_requests(errors: np.ndarray, owner: np.ndarray, requests: int) -> np.ndarray:
+    """Which requests have at least one refused row."""
+    row_failed = ~np.equal(errors, None).astype(bool)
+    return np.bincount(owner[row_failed], minlength=requests) > 0
+
+
+def _wire_arrays(host: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Sampler outputs (as from `SamplingResult.host()`) by output name in the wire dtypes."""
+    return {
+        "output_ids": host["token_ids"].astype(np.int32),
+        "output_logprobs": host["logprobs"].astype(np.float32),
+        "sampling_mask": host["mask_ids"].astype(np.int32),
+        "sampling_mask_len": host["mask_len"].astype(np.int32),
+        "sampling_logprobs": host["mask_logprobs"].astype(np.float32),
+    }
+
+
 def outputs_to_numpy(result: SamplingResult) -> dict[str, np.ndarray]:
     """Sampler outputs by output name in the wire dtypes: [rows] scalars, [rows, W] mask."""
-    host = lambda t, dtype: t.cpu().numpy().astype(dtype)  # noqa: E731
-    return {
-        "output_ids": host(result.token_ids, np.int32),
-        "output_logprobs": host(result.logprobs, np.float32),
-        "sampling_mask": host(result.mask_ids, np.int32),
-        "sampling_mask_len": host(result.mask_len, np.int32),
-        "sampling_logprobs": host(result.mask_logprobs, np.float32),
-    }
+    return _wire_arrays(result.host())

@@ -1,60 +1,95 @@
 """Counter-based uniforms: u(seed, token_id), the same on every device and in every batch.
 
-A row's draw depends only on its seed and the token ids it looks at, never on its neighbours,
-its position in the batch or how many candidates the batch selected; that is what makes seeded
-rows reproducible across dynamic batches and independent of whether a mask was asked for.
-Arithmetic stays in int64 below 2**63, so no signed overflow occurs on any backend.
+A row's draw depends only on its full 64-bit seed and the token ids it looks at, never on its
+neighbours, its position in the batch or how many candidates the batch selected; that is what
+makes seeded rows reproducible across dynamic batches and independent of whether a mask was
+asked for.
+
+The hash is SplitMix64's finaliser over int64 bit patterns: multiplications wrap modulo 2**64
+(two's complement, identically in torch on CPU and CUDA and in Triton kernels) and right shifts
+are made logical by masking off the sign extension. `plugin/sampling/fused.py` implements the
+same arithmetic in Triton; tests check the two agree bit for bit.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-_MASK32 = 0xFFFFFFFF
-_SEED_SALT = 0x9E3779B9  # golden-ratio constant: keeps seed 0 away from the hash's fixed point
+
+def _signed(value: int) -> int:
+    """A 64-bit constant as the int64 bit pattern torch and Triton store."""
+    return value - (1 << 64) if value >= 1 << 63 else value
 
 
-def _mul32(x: torch.Tensor, constant: int) -> torch.Tensor:
-    """(x * constant) mod 2**32 for 0 <= x < 2**32, via 16-bit halves to stay inside int64."""
-    low, high = constant & 0xFFFF, constant >> 16
-    return (x * low + (((x * high) & 0xFFFF) << 16)) & _MASK32
+MIX_MUL_1 = _signed(0xBF58476D1CE4E5B9)
+MIX_MUL_2 = _signed(0x94D049BB133111EB)
+GOLDEN_GAMMA = _signed(0x9E3779B97F4A7C15)  # SplitMix64's increment: spreads consecutive counters
+STEP_GAMMA = _signed(0xD1B54A32D192ED03)  # a second odd constant, for generation steps
+UNIFORM_BITS = 23  # (2 * bits + 1) < 2**24 is exact in float32: u is identical on every device
 
 
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit avalanche hash (Wellons' lowbias32) over non-negative int64 values < 2**32."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
+def _shift_right_logical(x: torch.Tensor, bits: int) -> torch.Tensor:
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def mix64(x: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's finaliser on int64 tensors (a bijection of 2**64 with full avalanche)."""
+    x = (x ^ _shift_right_logical(x, 30)) * MIX_MUL_1
+    x = (x ^ _shift_right_logical(x, 27)) * MIX_MUL_2
+    return x ^ _shift_right_logical(x, 31)
 
 
 def seed_state(seeds: torch.Tensor) -> torch.Tensor:
-    """Fold 64-bit seeds (int64 bit patterns of the uint64 inputs) into a 32-bit stream key."""
-    low = seeds & _MASK32
-    high = (seeds >> 32) & _MASK32
-    return _mix32(_mix32(low ^ _SEED_SALT) ^ high)
+    """Per-row stream keys (int64) from the int64 bit patterns of the uint64 seeds; all 64 bits count."""
+    return mix64(seeds ^ GOLDEN_GAMMA)
 
 
 def uniform(state: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-    """Float64 uniforms in (0, 1), one per (row state [rows, 1], token id [rows, n]) pair."""
-    bits = _mix32(_mix32(state ^ token_ids) ^ _SEED_SALT)
-    return (bits.to(torch.float64) + 0.5) * (1.0 / 2**32)
+    """Float32 uniforms in (0, 1), one per (row state [rows, 1], token id [rows, n]) pair."""
+    bits = mix64(state + token_ids * GOLDEN_GAMMA)
+    top = _shift_right_logical(bits, 64 - UNIFORM_BITS).to(torch.float32)
+    return (top * 2 + 1) * (1.0 / (1 << (UNIFORM_BITS + 1)))  # odd multiples of 2**-24: never 0 or 1
 
 
 def gumbel(state: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-    """Standard Gumbel noise: argmax(log p + noise) draws from p (the Gumbel-max trick)."""
+    """Standard Gumbel noise (float32): argmax(log p + noise) draws from p (the Gumbel-max trick)."""
     return -torch.log(-torch.log(uniform(state, token_ids)))
 
 
 def step_seeds(seeds: torch.Tensor, step: int) -> torch.Tensor:
-    """Per-step seeds (int64, >= 0) for multi-token generation: a fresh noise stream per (seed, step).
+    """Per-step seeds (int64 bit patterns of uint64) for multi-token generation.
 
     Generation step s of a row seeded with `seed` samples with seed step_seeds(seed, s), so the
     stream depends only on (seed, s): reproducible, and independent of batching and masks.
     """
-    state = seed_state(seeds)
-    step_key = _mix32(torch.full_like(state, step & _MASK32) ^ _SEED_SALT)
-    high = _mix32(state ^ step_key)
-    low = _mix32(high ^ state ^ 0x85EBCA6B)
-    return ((high & 0x7FFFFFFF) << 32) | low
+    return mix64(seed_state(seeds) + _signed(((step + 1) * STEP_GAMMA) & ((1 << 64) - 1)))
+
+
+# The same hash on host numpy arrays (uint64 arithmetic wraps and shifts logically by itself):
+# the CPU sampler's epilogue runs in numpy, whose per-op cost is a fraction of torch's.
+_MASK64 = (1 << 64) - 1
+
+
+def mix64_numpy(x: np.ndarray) -> np.ndarray:
+    """`mix64` on uint64 numpy arrays, bit for bit."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(MIX_MUL_1 & _MASK64)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(MIX_MUL_2 & _MASK64)
+    return x ^ (x >> np.uint64(31))
+
+
+def seed_state_numpy(seeds: np.ndarray) -> np.ndarray:
+    """`seed_state` on the int64 (or uint64) bit patterns of seeds; returns uint64 keys."""
+    return mix64_numpy(np.asarray(seeds).view(np.uint64) ^ np.uint64(GOLDEN_GAMMA & _MASK64))
+
+
+def uniform_numpy(state: np.ndarray, token_ids: np.ndarray) -> np.ndarray:
+    """`uniform` on uint64 keys [rows, 1] and int64 ids [rows, n], as float64 (same values)."""
+    bits = mix64_numpy(state + np.asarray(token_ids).view(np.uint64) * np.uint64(GOLDEN_GAMMA & _MASK64))
+    top = (bits >> np.uint64(64 - UNIFORM_BITS)).astype(np.float64)
+    return (top * 2 + 1) * (1.0 / (1 << (UNIFORM_BITS + 1)))
+
+
+def gumbel_numpy(state: np.ndarray, token_ids: np.ndarray) -> np.ndarray:
+    """Gumbel noise from `uniform_numpy`, in float64 (the same uniforms as every other device)."""
+    return -np.log(-np.log(uniform_numpy(state, token_ids)))

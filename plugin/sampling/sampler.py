@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from . import rng
@@ -27,85 +28,191 @@ from .params import TOP_K_ALL
 
 @dataclass
 class SamplingBatch:
-    """Rows to sample, all tensors on one device. Shapes: logits [B, V], the rest [B]."""
+    """Rows to sample. logits [B, V] on the sampling device; the per-row parameters [B] on the host.
 
-    logits: torch.Tensor  # float32
-    temperature: torch.Tensor  # float32, 0 = greedy
-    top_k: torch.Tensor  # int64, -1 = whole vocabulary
-    top_p: torch.Tensor  # float32 in (0, 1]
-    min_p: torch.Tensor  # float32 in [0, 1)
-    seed: torch.Tensor  # int64 bit pattern of the uint64 seed
-    want_mask: torch.Tensor  # bool
+    Parameters live on the host (numpy) because that is where requests arrive: the sampler plans
+    its row groups and candidate counts from them without a device-to-host sync, and copies to
+    the device only what a path needs. Tensors are accepted too (copied to the host once).
+    """
+
+    logits: torch.Tensor  # float32 (or bfloat16 / float16)
+    temperature: np.ndarray  # float32, 0 = greedy
+    top_k: np.ndarray  # int64, -1 = whole vocabulary
+    top_p: np.ndarray  # float32 in (0, 1]
+    min_p: np.ndarray  # float32 in [0, 1)
+    seed: np.ndarray  # int64 bit pattern of the uint64 seed
+    want_mask: np.ndarray  # bool
+
+    def __post_init__(self):
+        for name, dtype in _PARAM_DTYPES.items():
+            value = getattr(self, name)
+            if isinstance(value, torch.Tensor):
+                value = value.detach().cpu().numpy()
+            setattr(self, name, np.ascontiguousarray(value, dtype=dtype))
 
 
-@dataclass
+_PARAM_DTYPES = {"temperature": np.float32, "top_k": np.int64, "top_p": np.float32, "min_p": np.float32,
+                 "seed": np.int64, "want_mask": np.bool_}
+
+
 class SamplingResult:
-    """Per-row outputs. mask_ids is [B, W] padded with -1; rows that did not ask get len 0."""
+    """Per-row outputs: token_ids int64 [B], logprobs float32 [B] (full-vocabulary softmax(logits / T)),
+    mask_ids int32 [B, W] (most probable first, -1 padded), mask_len int32 [B] (0 where not asked),
+    mask_logprobs float32 [B] (renormalised over the support, 0 where not asked) and row_max [B]
+    (each row's largest logit, NaN / +inf propagated as by `amax`, for the logits checks).
 
-    token_ids: torch.Tensor  # int64 [B]
-    logprobs: torch.Tensor  # float32 [B], under softmax(logits / T) over the full vocabulary
-    mask_ids: torch.Tensor  # int32 [B, W], most probable first
-    mask_len: torch.Tensor  # int32 [B]
-    mask_logprobs: torch.Tensor  # float32 [B], renormalised over the support (0 when not asked)
+    The fused GPU path hands back one packed device tensor instead; `host()` copies it once and
+    the fields are read from that copy.
+    """
+
+    FIELDS = ("token_ids", "logprobs", "mask_ids", "mask_len", "mask_logprobs", "row_max")
+
+    def __init__(self, token_ids=None, logprobs=None, mask_ids=None, mask_len=None, mask_logprobs=None,
+                 row_max=None, packed: torch.Tensor | None = None):
+        self.packed = packed
+        self._host: dict[str, np.ndarray] | None = None
+        self._fields = dict(token_ids=token_ids, logprobs=logprobs, mask_ids=mask_ids, mask_len=mask_len,
+                            mask_logprobs=mask_logprobs, row_max=row_max)
+
+    @classmethod
+    def empty(cls, rows: int, mask_width: int, device: torch.device) -> "SamplingResult":
+        """Outputs to fill group by group (-1 padded masks, zeros elsewhere)."""
+        zeros = lambda dtype: torch.zeros(rows, dtype=dtype, device=device)  # noqa: E731
+        return cls(zeros(torch.int64), zeros(torch.float32), torch.full((rows, mask_width), -1, dtype=torch.int32, device=device),
+                   zeros(torch.int32), zeros(torch.float32), zeros(torch.float32))
+
+    def host(self) -> dict[str, np.ndarray]:
+        """Every field as numpy, with one device-to-host copy for a packed result."""
+        if self._host is None:
+            if self.packed is not None:
+                from . import fused  # only packed results come from there
+
+                self._host = fused.unpack(self.packed.cpu().numpy())
+            else:
+                self._host = {name: value.cpu().numpy() for name, value in self._fields.items()}
+        return self._host
+
+    def __getattr__(self, name):
+        if name in SamplingResult.FIELDS:
+            if self.packed is None:
+                return self._fields[name]
+            return torch.from_numpy(self.host()[name])
+        raise AttributeError(name)
 
 
 # Rows whose effective top_k is above this are ranked apart from the rest (see sample()).
 _SMALL_TOP_K = 1024
+# Top-p rows without a top_k rank this many candidates first; only rows whose candidates hold
+# less than top_p of the mass fall back to a full sort.
+_TOP_P_CANDIDATES = 4096
 # Entries per row block on the full-vocabulary paths (float64 scores and sort indices per entry).
 _FULL_VOCAB_BLOCK_ELEMENTS = 1 << 21
 
 
-def sample(batch: SamplingBatch, mask_width: int) -> SamplingResult:
-    """Draw one token per row and, for rows that ask, its support (at most `mask_width` ids)."""
-    rows, vocab = batch.logits.shape
-    device = batch.logits.device
-    greedy = batch.temperature == 0
-    temperature = torch.where(greedy, torch.ones_like(batch.temperature), batch.temperature)
-    top_k = torch.where(greedy, torch.ones_like(batch.top_k), batch.top_k)
-    k_eff = torch.where(top_k == TOP_K_ALL, vocab, top_k.clamp(max=vocab))
-    state = rng.seed_state(batch.seed)
+@dataclass
+class RowPlan:
+    """Host-side facts about the rows that decide the path each takes (no device sync needed)."""
 
-    result = SamplingResult(
-        token_ids=torch.zeros(rows, dtype=torch.int64, device=device),
-        logprobs=torch.zeros(rows, dtype=torch.float32, device=device),
-        mask_ids=torch.full((rows, mask_width), -1, dtype=torch.int32, device=device),
-        mask_len=torch.zeros(rows, dtype=torch.int32, device=device),
-        mask_logprobs=torch.zeros(rows, dtype=torch.float32, device=device),
-    )
-    # Plain temperature/min_p sampling over the whole vocabulary needs no ranking at all.
-    no_ranking = (top_k == TOP_K_ALL) & (batch.top_p >= 1) & ~batch.want_mask
-    # A group is ranked to its largest k, so rows with a large k get a group of their own: one
-    # request's huge top_k must not make its batch-mates pay for a full sort.
-    small_k = ~no_ranking & (k_eff <= _SMALL_TOP_K)
-    full_vocab_rows = max(1, _FULL_VOCAB_BLOCK_ELEMENTS // max(vocab, 1))
-    groups = ((small_k, rows, True), (~no_ranking & ~small_k, full_vocab_rows, True), (no_ranking, full_vocab_rows, False))
-    for rows_mask, block_rows, ranked in groups:
-        group = torch.nonzero(rows_mask).flatten()
-        if group.numel() == 0:
-            continue
-        # Full-vocabulary groups run in row blocks: their [rows, V] temporaries stay bounded.
-        for index in torch.split(group, block_rows):
-            part = _select(batch, index, temperature, k_eff, state)
-            if ranked:
-                _sample_ranked(part, int(part["k_eff"].max()), mask_width, result, index)
-            else:
-                _sample_unranked(part, result, index)
+    temperature: np.ndarray  # float32, greedy rows at 1 (SGLang's convention)
+    k_eff: np.ndarray  # int64, the effective top_k: min(top_k, V), V for -1, 1 for greedy
+    small_k: np.ndarray  # bool: ranked to a top-k of at most _SMALL_TOP_K candidates
+    top_p_first: np.ndarray  # bool: no top_k, top_p < 1: candidates first, full sort if needed
+    full_sort: np.ndarray  # bool: ranked over the whole vocabulary, in row blocks
+    unranked: np.ndarray  # bool: no ranking at all (whole-vocabulary Gumbel-max)
+
+
+def plan_rows(batch: SamplingBatch) -> RowPlan:
+    """Which path each row takes, from the host-side parameters alone."""
+    vocab = batch.logits.shape[1]
+    greedy = batch.temperature == 0
+    temperature = np.where(greedy, np.float32(1), batch.temperature)
+    top_k = np.where(greedy, 1, batch.top_k)
+    k_eff = np.where(top_k == TOP_K_ALL, vocab, np.minimum(top_k, vocab))
+    unranked = (top_k == TOP_K_ALL) & (batch.top_p >= 1) & ~batch.want_mask
+    small_k = ~unranked & (k_eff <= _SMALL_TOP_K)
+    top_p_first = ~unranked & ~small_k & (top_k == TOP_K_ALL) & (vocab > _TOP_P_CANDIDATES)
+    full_sort = ~unranked & ~small_k & ~top_p_first
+    return RowPlan(temperature, k_eff.astype(np.int64), small_k, top_p_first, full_sort, unranked)
+
+
+def sample(batch: SamplingBatch, mask_width: int, fused: bool | None = None) -> SamplingResult:
+    """Draw one token per row and, for rows that ask, its support (at most `mask_width` ids).
+
+    `fused` picks the Triton kernels for the finite-top_k rows (default: on CUDA when Triton is
+    importable); the tests also run them on CPU tensors under Triton's interpreter.
+    """
+    rows = batch.logits.shape[0]
+    device = batch.logits.device
+    plan = plan_rows(batch)
+    if fused is None:
+        fused = device.type == "cuda" and _fused_available()
+    if fused and rows and plan.small_k.all():
+        # The decode step's common case: one group, no sync, a handful of launches (fused.py).
+        return _sample_fused(batch, plan, np.arange(rows), mask_width)
+    result = SamplingResult.empty(rows, mask_width, device)
+    if plan.small_k.any():
+        index = np.flatnonzero(plan.small_k)
+        if fused:
+            _write(result, index, _sample_fused(batch, plan, index, mask_width).host())
+        else:
+            _sample_ranked(batch, plan, index, int(plan.k_eff[index].max()), mask_width, result)
+    full_vocab_rows = max(1, _FULL_VOCAB_BLOCK_ELEMENTS // max(batch.logits.shape[1], 1))
+    if plan.top_p_first.any():
+        index = np.flatnonzero(plan.top_p_first)
+        candidates = _TOP_P_CANDIDATES
+        support_len = _sample_ranked(batch, plan, index, candidates, mask_width, result)
+        # A support that fills every candidate may continue past them: rank those rows fully.
+        plan.full_sort[index[support_len >= candidates]] = True
+    for index in np.array_split(np.flatnonzero(plan.full_sort), max(1, -(-int(plan.full_sort.sum()) // full_vocab_rows))):
+        if index.size:  # full-vocabulary groups run in row blocks: [rows, V] temporaries stay bounded
+            _sample_ranked(batch, plan, index, int(plan.k_eff[index].max()), mask_width, result)
+    for index in np.array_split(np.flatnonzero(plan.unranked), max(1, -(-int(plan.unranked.sum()) // full_vocab_rows))):
+        if index.size:
+            _sample_unranked(batch, plan, index, result)
     return result
 
 
-def _select(batch: SamplingBatch, index: torch.Tensor, temperature, k_eff, state) -> dict:
-    """The tensors of one partition of rows (no copy when the partition is the whole batch)."""
-    whole = index.numel() == batch.logits.shape[0]
-    pick = (lambda t: t) if whole else (lambda t: t.index_select(0, index))
-    return {
-        "logits": pick(batch.logits),
-        "temperature": pick(temperature),
-        "k_eff": pick(k_eff),
-        "top_p": pick(batch.top_p),
-        "min_p": pick(batch.min_p),
-        "state": pick(state),
-        "want_mask": pick(batch.want_mask),
-    }
+def _fused_available() -> bool:
+    try:
+        from . import fused
+    except ImportError:  # pragma: no cover - fused.py guards its own triton import
+        return False
+    return fused.AVAILABLE
+
+
+def _sample_fused(batch: SamplingBatch, plan: RowPlan, index: np.ndarray, mask_width: int) -> SamplingResult:
+    from . import fused
+
+    whole = index.size == batch.logits.shape[0]
+    logits = batch.logits if whole else batch.logits[torch.from_numpy(index).to(batch.logits.device)]
+    params = fused.pack_params(batch.temperature[index], batch.top_k[index], batch.top_p[index], batch.min_p[index],
+                               batch.seed[index], batch.want_mask[index], batch.logits.shape[1])
+    k_max = int(plan.k_eff[index].max())
+    return SamplingResult(packed=fused.sample_packed(logits, torch.from_numpy(params), k_max, mask_width))
+
+
+def _write(result: SamplingResult, index: np.ndarray, values: dict) -> None:
+    """Write one group's outputs into the batch's result tensors (through numpy views on the CPU,
+    where a torch indexing op would cost more than the copy)."""
+    on_cpu = result.token_ids.device.type == "cpu"
+    rows = index if on_cpu else torch.from_numpy(index).to(result.token_ids.device)
+    for name in SamplingResult.FIELDS:
+        target, source = getattr(result, name), values[name]
+        if on_cpu:
+            target, source = target.numpy(), source.cpu().numpy() if isinstance(source, torch.Tensor) else source
+        else:
+            source = torch.as_tensor(source).to(device=target.device, dtype=target.dtype)
+        if name == "mask_ids":
+            target[rows, : source.shape[1]] = source
+        else:
+            target[rows] = source
+
+
+def _rows(batch: SamplingBatch, index: np.ndarray) -> torch.Tensor:
+    """The logits of a row group (no copy when it is the whole batch)."""
+    if index.size == batch.logits.shape[0]:
+        return batch.logits
+    return batch.logits.index_select(0, torch.from_numpy(index).to(batch.logits.device))
 
 
 def ranked_candidates(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,13 +267,14 @@ _NORMALISER_BLOCK_ELEMENTS = 1 << 20
 def _log_normaliser(logits: torch.Tensor, row_max: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
     """log sum exp((logits - max) / T) per row in float64, one pass over cache-sized row blocks."""
     rows, vocab = logits.shape
+    row_max = row_max.float()  # bf16 / fp16 logits: the exp-sum runs in float32
     if logits.device.type != "cpu":  # one fused-enough pass; GPU memory traffic is not the cost
         scratch = logits - row_max.unsqueeze(1)
         scratch.div_(temperature.unsqueeze(1)).exp_()
         return scratch.sum(dim=-1).to(torch.float64).log()
     block = max(1, min(rows, _NORMALISER_BLOCK_ELEMENTS // max(vocab, 1)))
-    scratch = torch.empty(block, vocab, dtype=logits.dtype)
-    sums = torch.empty(rows, dtype=logits.dtype)
+    scratch = torch.empty(block, vocab, dtype=torch.float32)
+    sums = torch.empty(rows, dtype=torch.float32)
     row_max, temperature = row_max.unsqueeze(1), temperature.unsqueeze(1)
     for start in range(0, rows, block):  # a loop over memory blocks, not over requests
         stop = min(rows, start + block)
@@ -177,54 +285,120 @@ def _log_normaliser(logits: torch.Tensor, row_max: torch.Tensor, temperature: to
     return sums.to(torch.float64).log()
 
 
-def _sample_ranked(part: dict, k: int, mask_width: int, result: SamplingResult, index: torch.Tensor) -> None:
-    """Rows whose support is a prefix of their top-k ranking (k = the largest effective top_k)."""
-    logits, temperature = part["logits"], part["temperature"].to(torch.float64)
+def _sample_ranked(batch: SamplingBatch, plan: RowPlan, index: np.ndarray, k: int, mask_width: int,
+                   result: SamplingResult) -> np.ndarray:
+    """Rows whose support is a prefix of their top-k ranking (k = the largest effective top_k, or
+    the candidate count); writes their outputs and returns their support lengths (numpy)."""
+    logits = _rows(batch, index)
     values, ids = ranked_candidates(logits, k)
-    row_max = values[:, 0]
-    log_z = _log_normaliser(logits, row_max, part["temperature"])
-    scaled = (values.to(torch.float64) - row_max.to(torch.float64).unsqueeze(1)) / temperature.unsqueeze(1)
-    logp = scaled - log_z.unsqueeze(1)  # log-probability under the full-vocabulary softmax
+    temperature = plan.temperature[index]
+    log_z = _log_normaliser(logits, values[:, 0], torch.from_numpy(temperature).to(logits.device))
+    rows = _RowParams(temperature, plan.k_eff[index], batch.top_p[index], batch.min_p[index], batch.seed[index],
+                      batch.want_mask[index])
+    epilogue = _epilogue_numpy if logits.device.type == "cpu" else _epilogue_torch
+    outputs = epilogue(values, ids, log_z, rows, mask_width)
+    _write(result, index, outputs)
+    support_len = outputs["support_len"]
+    return support_len.cpu().numpy() if isinstance(support_len, torch.Tensor) else support_len
+
+
+@dataclass
+class _RowParams:
+    """One group's host-side parameters, greedy already applied."""
+
+    temperature: np.ndarray
+    k_eff: np.ndarray
+    top_p: np.ndarray
+    min_p: np.ndarray
+    seed: np.ndarray
+    want_mask: np.ndarray
+
+
+def _epilogue_numpy(values: torch.Tensor, ids: torch.Tensor, log_z: torch.Tensor, rows: _RowParams, mask_width: int) -> dict:
+    """The prefix rules, the seeded draw and the outputs over [rows, k] ranked candidates, in float64
+    numpy: on CPU a numpy op costs a fraction of a torch op's dispatch, and these arrays are small."""
+    values = values.numpy().astype(np.float64)
+    ids = ids.numpy()
+    count, k = values.shape
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):  # NaN / inf rows: refused later
+        scaled = (values - values[:, :1]) / rows.temperature[:, None].astype(np.float64)
+        logp = scaled - log_z.numpy()[:, None]
+        probs = np.exp(logp)
+        rank = np.arange(k)
+        keep = (rank < rows.k_eff[:, None]) & (values > -np.inf)
+        top_p = rows.top_p[:, None].astype(np.float64)
+        keep &= (top_p >= 1) | (np.cumsum(probs, axis=1) - probs <= top_p)
+        keep &= np.exp(scaled) >= rows.min_p[:, None].astype(np.float64)  # p / p_max >= min_p
+        support_len = keep.sum(axis=1)  # each rule keeps a prefix
+        score = np.where(keep, scaled + rng.gumbel_numpy(rng.seed_state_numpy(rows.seed)[:, None], ids), -np.inf)
+        pick = score.argmax(axis=1)
+        token_logp = logp[np.arange(count), pick]
+        support_logmass = np.logaddexp.reduce(np.where(keep, logp, -np.inf), axis=1)
+    width = min(k, mask_width)
+    mask_len = np.where(rows.want_mask, np.minimum(support_len, mask_width), 0)
+    return {
+        "token_ids": ids[np.arange(count), pick],
+        "logprobs": token_logp.astype(np.float32),
+        "mask_ids": np.where(rank[:width] < mask_len[:, None], ids[:, :width], -1).astype(np.int32),
+        "mask_len": mask_len.astype(np.int32),
+        "mask_logprobs": np.where(rows.want_mask, token_logp - support_logmass, 0).astype(np.float32),
+        "row_max": values[:, 0].astype(np.float32),
+        "support_len": support_len,
+    }
+
+
+def _epilogue_torch(values: torch.Tensor, ids: torch.Tensor, log_z: torch.Tensor, rows: _RowParams, mask_width: int) -> dict:
+    """`_epilogue_numpy` in torch on the logits' device (GPU rows the fused kernels do not take)."""
+    device = values.device
+    on = lambda array: torch.from_numpy(np.ascontiguousarray(array)).to(device)  # noqa: E731
+    count, k = values.shape
+    scaled = (values.to(torch.float64) - values[:, :1].to(torch.float64)) / on(rows.temperature).to(torch.float64).unsqueeze(1)
+    logp = scaled - log_z.unsqueeze(1)
     probs = logp.exp()
-
-    rank = torch.arange(k, device=logits.device).unsqueeze(0)
-    keep = (rank < part["k_eff"].unsqueeze(1)) & (values > float("-inf"))
-    mass_before = torch.cumsum(probs, dim=-1) - probs
-    top_p = part["top_p"].to(torch.float64).unsqueeze(1)
-    keep &= (top_p >= 1) | (mass_before <= top_p)
-    keep &= scaled.exp() >= part["min_p"].to(torch.float64).unsqueeze(1)  # p / p_max >= min_p
-    # Each rule keeps a prefix, so the support is the first support_len candidates.
+    rank = torch.arange(k, device=device).unsqueeze(0)
+    keep = (rank < on(rows.k_eff).unsqueeze(1)) & (values > float("-inf"))
+    top_p = on(rows.top_p).to(torch.float64).unsqueeze(1)
+    keep &= (top_p >= 1) | (torch.cumsum(probs, dim=-1) - probs <= top_p)
+    keep &= scaled.exp() >= on(rows.min_p).to(torch.float64).unsqueeze(1)
     support_len = keep.sum(dim=-1)
-
-    noise = rng.gumbel(part["state"].unsqueeze(1), ids)
-    score = torch.where(keep, scaled + noise, torch.tensor(float("-inf"), dtype=torch.float64, device=logits.device))
-    pick = score.argmax(dim=-1, keepdim=True)
+    noise = rng.gumbel(rng.seed_state(on(rows.seed)).unsqueeze(1), ids)
+    minus_inf = torch.tensor(float("-inf"), dtype=torch.float64, device=device)
+    pick = torch.where(keep, scaled + noise, minus_inf).argmax(dim=-1, keepdim=True)
     token_logp = logp.gather(1, pick).squeeze(1)
-    support_logmass = torch.logsumexp(torch.where(keep, logp, torch.tensor(float("-inf"), dtype=torch.float64, device=logits.device)), dim=-1)
-
-    want = part["want_mask"]
-    result.token_ids[index] = ids.gather(1, pick).squeeze(1)
-    result.logprobs[index] = token_logp.to(torch.float32)
+    support_logmass = torch.logsumexp(torch.where(keep, logp, minus_inf), dim=-1)
+    want = on(rows.want_mask)
     width = min(k, mask_width)
     mask_len = torch.where(want, support_len.clamp(max=mask_width), torch.zeros_like(support_len))
-    in_mask = rank[:, :width] < mask_len.unsqueeze(1)
-    result.mask_ids[index, :width] = torch.where(in_mask, ids[:, :width], torch.full_like(ids[:, :width], -1)).to(torch.int32)
-    result.mask_len[index] = mask_len.to(torch.int32)
-    renormalised = torch.where(want, token_logp - support_logmass, torch.zeros_like(token_logp))
-    result.mask_logprobs[index] = renormalised.to(torch.float32)
+    return {
+        "token_ids": ids.gather(1, pick).squeeze(1),
+        "logprobs": token_logp,
+        "mask_ids": torch.where(rank[:, :width] < mask_len.unsqueeze(1), ids[:, :width], torch.full_like(ids[:, :width], -1)),
+        "mask_len": mask_len,
+        "mask_logprobs": torch.where(want, token_logp - support_logmass, torch.zeros_like(token_logp)),
+        "row_max": values[:, 0],
+        "support_len": support_len,
+    }
 
 
-def _sample_unranked(part: dict, result: SamplingResult, index: torch.Tensor) -> None:
+def _sample_unranked(batch: SamplingBatch, plan: RowPlan, index: np.ndarray, result: SamplingResult) -> None:
     """Rows with top_k = -1, top_p >= 1 and no mask: Gumbel-max over the whole vocabulary."""
-    logits = part["logits"]
+    logits = _rows(batch, index)
+    device = logits.device
     row_max = logits.amax(dim=-1)
-    temperature = part["temperature"].to(torch.float64).unsqueeze(1)
+    temperature = torch.from_numpy(plan.temperature[index]).to(device, torch.float64).unsqueeze(1)
     scaled = (logits.to(torch.float64) - row_max.to(torch.float64).unsqueeze(1)) / temperature
     log_z = torch.logsumexp(scaled, dim=-1)
-    keep = (logits > float("-inf")) & (scaled.exp() >= part["min_p"].to(torch.float64).unsqueeze(1))
-    vocab_ids = torch.arange(logits.shape[1], device=logits.device).unsqueeze(0)
-    noise = rng.gumbel(part["state"].unsqueeze(1), vocab_ids)
-    score = torch.where(keep, scaled + noise, torch.tensor(float("-inf"), dtype=torch.float64, device=logits.device))
+    min_p = torch.from_numpy(batch.min_p[index]).to(device, torch.float64).unsqueeze(1)
+    keep = (logits > float("-inf")) & (scaled.exp() >= min_p)
+    vocab_ids = torch.arange(logits.shape[1], device=device).unsqueeze(0)
+    noise = rng.gumbel(rng.seed_state(torch.from_numpy(batch.seed[index]).to(device)).unsqueeze(1), vocab_ids)
+    score = torch.where(keep, scaled + noise, torch.tensor(float("-inf"), dtype=torch.float64, device=device))
     pick = score.argmax(dim=-1, keepdim=True)
-    result.token_ids[index] = pick.squeeze(1)
-    result.logprobs[index] = (scaled.gather(1, pick).squeeze(1) - log_z).to(torch.float32)
+    _write(result, index, {
+        "token_ids": pick.squeeze(1),
+        "logprobs": scaled.gather(1, pick).squeeze(1) - log_z,
+        "mask_ids": torch.full((index.size, 0), -1, dtype=torch.int32),
+        "mask_len": torch.zeros(index.size, dtype=torch.int32),
+        "mask_logprobs": torch.zeros(index.size, dtype=torch.float32),
+        "row_max": row_max,
+    })
