@@ -242,20 +242,23 @@ def _repair_boundary_ties(logits, values, ids, overflows):
     """Give the places holding the last fetched value, in `overflows` rows, to the lowest tied ids.
 
     `values` is sorted descending (topk's order), so each row holds `above` candidates strictly
-    above its last value, then ones equal to it; those places go to the lowest ids whose
-    logit equals the boundary. One comparison pass plus nonzero finds them (nonzero lists ids in
-    ascending order per row), without copying or re-ranking the logits.
+    above its last value, then ones equal to it; those places go to the lowest ids whose logit
+    equals the boundary: the smallest keys of (id where tied, else V), one bounded top-k. Only
+    overflowing rows are scanned, in row blocks, so memory stays bounded even when every logit ties.
     """
-    rows, k = values.shape
-    boundary = torch.where(overflows, values[:, -1], torch.tensor(float("nan"), device=values.device))
-    above = (values > boundary.unsqueeze(1)).sum(dim=-1)  # other rows: NaN boundary, no ties found
-    row_of, tied_ids = torch.nonzero(logits == boundary.unsqueeze(1), as_tuple=True)
-    counts = torch.bincount(row_of, minlength=rows)
-    first = torch.cumsum(counts, dim=0) - counts
-    place = above[row_of] + torch.arange(row_of.numel(), device=row_of.device) - first[row_of]
-    take = place < k
+    fetched = values.shape[1]
+    vocab = logits.shape[1]
     ids = ids.clone()
-    ids[row_of[take], place[take]] = tied_ids[take]
+    vocab_ids = torch.arange(vocab, dtype=torch.int32, device=logits.device)
+    places = torch.arange(fetched, device=logits.device).unsqueeze(0)
+    block_rows = max(1, _FULL_VOCAB_BLOCK_ELEMENTS // max(vocab, 1))
+    for block in torch.split(torch.nonzero(overflows).flatten(), block_rows):
+        boundary = values[block, -1].unsqueeze(1)
+        above = (values[block] > boundary).sum(dim=-1, keepdim=True)
+        key = torch.where(logits[block] == boundary, vocab_ids, vocab)
+        lowest_tied = torch.topk(key, fetched, dim=-1, largest=False, sorted=True).values.long()
+        tied_place = places >= above
+        ids[block] = torch.where(tied_place, lowest_tied.gather(1, (places - above).clamp(min=0)), ids[block])
     return ids
 
 
