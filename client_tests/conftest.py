@@ -1,6 +1,13 @@
-"""A real tritonserver on free ports for the whole session, with HTTP and gRPC clients."""
+"""A real tritonserver on free ports for the whole session, with HTTP and gRPC clients.
+
+With TRITON_EXTERNAL_HTTP_URL set (docker/run-gpu-tests.sh) every test runs against that server
+instead, and the tests that need a local server of their own are skipped, each for a stated
+reason. The run ends with a summary of what ran where.
+"""
 
 from __future__ import annotations
+
+from collections import Counter, defaultdict
 
 import pytest
 import tritonclient.grpc as grpcclient
@@ -9,6 +16,87 @@ import tritonclient.http as httpclient
 from triton_sampling_mask.ops.launcher import TritonServer
 
 from .server import ExternalTritonServer, build_test_repository
+
+# Tests that start a tritonserver of their own on this host (nodeid -> why that cannot be the
+# external server). Against an external server they are skipped with that reason.
+OWN_SERVER_TESTS = {
+    "client_tests/test_make_serve.py::test_make_serve_honours_the_environment_and_stops_on_sigterm":
+        "tests `make serve`, the local launcher on this host; the container runs docker/serve.sh instead",
+    "client_tests/test_sampler_checks.py::test_unknown_backend_fails_model_load_listing_the_choices":
+        "needs a repository with a broken model of its own; a failed model load happens before any device is used",
+}
+OWN_SERVER_REASON = "starts a local CPU tritonserver of its own; with an external server only that server is tested"
+SERVER_FIXTURES = ("triton_server", "explicit_server")
+_where: dict[str, str] = {}  # nodeid -> where the test ran
+_outcomes: dict[str, tuple[str, str]] = {}  # nodeid -> (outcome, skip reason)
+
+
+def _place(item, external: ExternalTritonServer | None) -> str:
+    if external is not None and item.nodeid.split("[")[0] in OWN_SERVER_TESTS:
+        return "nowhere (needs a local server of its own)"
+    if external is not None and any(name in item.fixturenames for name in SERVER_FIXTURES):
+        return f"the external server {external.http_url}"
+    if "triton_server" in item.fixturenames:
+        return "the session's local CPU server"
+    if "explicit_server" in item.fixturenames or item.nodeid.split("[")[0] in OWN_SERVER_TESTS:
+        return "a local CPU server of its own"
+    return "no server (client side only)"
+
+
+def pytest_collection_modifyitems(config, items):
+    external = ExternalTritonServer.from_environment()
+    for item in items:
+        if not item.nodeid.startswith("client_tests/"):
+            continue
+        _where[item.nodeid] = _place(item, external)
+        reason = OWN_SERVER_TESTS.get(item.nodeid.split("[")[0])
+        if external is not None and reason:
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def pytest_runtest_logreport(report):
+    if report.nodeid not in _where:
+        return
+    if report.skipped:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        _outcomes[report.nodeid] = ("skipped", reason.removeprefix("Skipped: "))
+        if reason.endswith(OWN_SERVER_REASON):  # caught starting a local server beside the external one
+            _where[report.nodeid] = "nowhere (needs a local server of its own)"
+    elif report.failed:
+        _outcomes[report.nodeid] = ("failed", "")
+    elif report.when == "call":
+        _outcomes.setdefault(report.nodeid, ("passed", ""))
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _outcomes:
+        return
+    counts: dict[str, Counter] = defaultdict(Counter)
+    skips: Counter = Counter()
+    for nodeid, (outcome, reason) in _outcomes.items():
+        counts[_where[nodeid]][outcome] += 1
+        if outcome == "skipped":
+            skips[reason] += 1
+    terminalreporter.write_sep("-", "client tests: where they ran")
+    for place, outcome_counts in sorted(counts.items()):
+        terminalreporter.write_line(f"{place}: " + ", ".join(f"{n} {o}" for o, n in sorted(outcome_counts.items())))
+    for reason, count in skips.most_common():
+        terminalreporter.write_line(f"skipped ({count}): {reason}")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_local_server_beside_an_external_one():
+    """Against an external server, a test that would start a local one is skipped, not run on CPU."""
+    if ExternalTritonServer.from_environment() is None:
+        yield
+        return
+
+    def refuse(self, *args, **kwargs):
+        pytest.skip(OWN_SERVER_REASON)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(TritonServer, "start", refuse)
+        yield
 
 
 @pytest.fixture(scope="session")

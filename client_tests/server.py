@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,27 +47,98 @@ def build_test_repository(dest: Path) -> Path:
     return dest
 
 
+# A sampler whose backend raises inside execute; test_reload loads it on request only.
+FAULTY_SAMPLER = "sampler_faulty"
+
+
+def add_faulty_sampler(repository: Path) -> Path:
+    """Add FAULTY_SAMPLER to a test repository (served in explicit model-control mode)."""
+    faulty = Path(repository) / FAULTY_SAMPLER
+    shutil.copytree(MODEL_REPOSITORY / "sampler", faulty, ignore=shutil.ignore_patterns("__pycache__"))
+    text = (MODEL_REPOSITORY / "sampler" / "config.pbtxt").read_text().replace('name: "sampler"', f'name: "{FAULTY_SAMPLER}"')
+    (faulty / "config.pbtxt").write_text(set_parameter(text, "sampling_backend", "faulty_backend:FaultyBackend"))
+    shutil.copy(Path(__file__).parent / "faulty_backend.py", faulty / "1")
+    return repository
+
+
+def build_external_repository(dest: Path, gpu: bool = False) -> list[str]:
+    """The repository an external server serves for the client tests (the test repository plus
+    FAULTY_SAMPLER, rewritten for GPUs with `gpu`), and the tritonserver flags that serve it as the
+    tests expect: explicit model control, every model loaded but FAULTY_SAMPLER."""
+    dest = Path(dest)
+    cpu = dest.with_name(dest.name + "-cpu") if gpu else dest
+    add_faulty_sampler(build_test_repository(cpu))
+    if gpu:
+        from triton_sampling_mask.ops.gpu_repository import build_gpu_repository
+
+        build_gpu_repository(cpu, dest)
+        shutil.rmtree(cpu)
+    models = sorted(config.parent.name for config in dest.glob("*/config.pbtxt"))
+    return ["--model-control-mode=explicit", *(f"--load-model={m}" for m in models if m != FAULTY_SAMPLER)]
+
+
+def main(argv: list[str] | None = None) -> None:
+    """python -m client_tests.server DEST [--gpu]: write the external server's repository to DEST
+    and print its tritonserver flags, one a line (docker/run-gpu-tests.sh, bench/gpu-check.sh)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("dest", type=Path)
+    parser.add_argument("--gpu", action="store_true", help="KIND_GPU instances (ops.gpu_repository)")
+    args = parser.parse_args(argv)
+    print("\n".join(build_external_repository(args.dest, args.gpu)))
+
+
+class RemoteProcess:
+    """Stands in for the Popen of a server this test run did not start: poll() is None while the
+    server answers /v2/health/live, as Popen.poll() is None while the process runs."""
+
+    def __init__(self, http_url: str):
+        self.http_url = http_url
+
+    def poll(self) -> int | None:
+        try:
+            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/live", timeout=5) as response:
+                return None if response.status == 200 else 1
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            return 1
+
+
 @dataclass
 class ExternalTritonServer:
-    """A server someone else started (docker/run-gpu-tests.sh): the URLs the tests need."""
+    """A server someone else started (docker/run-gpu-tests.sh, bench/gpu-check.sh), named by
+    TRITON_EXTERNAL_{HTTP,GRPC,METRICS}_URL; TRITON_EXTERNAL_LOG is a file its log streams to and
+    TRITON_EXTERNAL_MODEL_CONTROL its --model-control-mode ("explicit" lets test_reload use it)."""
 
     http_url: str
     grpc_url: str
     metrics_url: str
+    log_path: Path | None = None
+    model_control: str = "none"
 
     @classmethod
     def from_environment(cls) -> "ExternalTritonServer | None":
-        """The server named by TRITON_EXTERNAL_{HTTP,GRPC,METRICS}_URL, or None when unset."""
+        """The server named by the TRITON_EXTERNAL_* variables, or None when they are unset."""
         if not os.environ.get("TRITON_EXTERNAL_HTTP_URL"):
             return None
+        log = os.environ.get("TRITON_EXTERNAL_LOG")
         return cls(
             http_url=os.environ["TRITON_EXTERNAL_HTTP_URL"],
             grpc_url=os.environ["TRITON_EXTERNAL_GRPC_URL"],
             metrics_url=os.environ.get("TRITON_EXTERNAL_METRICS_URL", ""),
+            log_path=Path(log) if log else None,
+            model_control=os.environ.get("TRITON_EXTERNAL_MODEL_CONTROL", "none"),
         )
 
+    @property
+    def process(self) -> RemoteProcess:
+        return RemoteProcess(self.http_url)
+
     def log_tail(self, chars: int = 4000) -> str:
-        return "(external server: see its own log)"
+        """The end of the server's log, read from TRITON_EXTERNAL_LOG."""
+        if self.log_path is None or not self.log_path.exists():
+            return "(external server: its log is not available here; set TRITON_EXTERNAL_LOG)"
+        return self.log_path.read_text(errors="replace")[-chars:]
 
 
 OUTPUTS = ("output_ids", "output_logprobs", "sampling_mask", "sampling_mask_len", "sampling_logprobs")
@@ -75,3 +148,7 @@ def infer(client, module, model: str, logits, **params) -> dict[str, np.ndarray]
     """Run the sampler and return every output as numpy."""
     result = client.infer(model, sampler_inputs(module, logits, **params))
     return {name: result.as_numpy(name) for name in OUTPUTS}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,10 +1,10 @@
-"""Model lifecycle under load, on a server of its own in explicit model-control mode: unloading
-and loading the sampler while clients send never crashes the server or loses a request, and
-traffic recovers; an internal fault inside execute is a per-request INTERNAL, not a dead stub."""
+"""Model lifecycle under load, on a server in explicit model-control mode (a local one of its own,
+or the container of docker/run-gpu-tests.sh, started so): unloading and loading the sampler while
+clients send never crashes the server or loses a request, and traffic recovers; an internal fault
+inside execute is a per-request INTERNAL, not a dead stub."""
 
 from __future__ import annotations
 
-import shutil
 import threading
 import time
 from collections import Counter
@@ -18,9 +18,10 @@ from tritonclient.utils import InferenceServerException
 from triton_sampling_mask.ops.launcher import TritonServer
 
 from .reliability import INTERNAL, INVALID_ARGUMENT, check_against_reference, expect_error, scrape
-from .server import MODEL_REPOSITORY, build_test_repository, infer, set_parameter
+from .server import FAULTY_SAMPLER, ExternalTritonServer, add_faulty_sampler, build_test_repository, infer
 
-FAULTY = "sampler_faulty"
+FAULTY = FAULTY_SAMPLER
+FAULT_LOG = "sampler internal error: RuntimeError: injected sampler fault"  # faulty_backend.py's error, as logged
 TEMPERATURE, TOP_K, VOCAB = 0.9, 16, 256
 MASK_PARAMS = dict(temperature=TEMPERATURE, top_k=TOP_K, return_sampling_mask=True)
 RELOAD_CYCLES = 2
@@ -29,13 +30,16 @@ WAIT_STEPS = 1200  # bounded waits (at most 60 s); each ends as soon as its cond
 
 @pytest.fixture(scope="module")
 def explicit_server(tmp_path_factory):
-    """A server that starts with `sampler` only and loads models on request."""
-    repository = build_test_repository(tmp_path_factory.mktemp("reload") / "model_repository")
-    faulty = repository / FAULTY
-    shutil.copytree(MODEL_REPOSITORY / "sampler", faulty, ignore=shutil.ignore_patterns("__pycache__"))
-    text = (MODEL_REPOSITORY / "sampler" / "config.pbtxt").read_text().replace('name: "sampler"', f'name: "{FAULTY}"')
-    (faulty / "config.pbtxt").write_text(set_parameter(text, "sampling_backend", "faulty_backend:FaultyBackend"))
-    shutil.copy(MODEL_REPOSITORY.parent / "client_tests" / "faulty_backend.py", faulty / "1")
+    """A server that loads models on request, with `sampler` loaded and FAULTY not: the external
+    server when there is one (it must run in explicit mode), else a local one of its own."""
+    external = ExternalTritonServer.from_environment()
+    if external is not None:
+        if external.model_control != "explicit":
+            pytest.skip("the external server does not run in explicit model-control mode "
+                        "(TRITON_EXTERNAL_MODEL_CONTROL); docker/run-gpu-tests.sh starts the container so")
+        yield external
+        return
+    repository = add_faulty_sampler(build_test_repository(tmp_path_factory.mktemp("reload") / "model_repository"))
     server = TritonServer(
         repository,
         extra_args=["--model-control-mode=explicit", "--load-model=sampler"],
@@ -52,6 +56,14 @@ def wait_until(condition) -> bool:
             return True
         time.sleep(0.05)
     return False
+
+
+def log_count(server, text: str) -> int:
+    return server.log_tail(10**8).count(text)
+
+
+def counter_value(samples: dict, name: str, labels: set) -> float:
+    return samples.get((name, frozenset(labels)), 0.0)
 
 
 class Traffic(threading.Thread):
@@ -99,6 +111,7 @@ def test_unload_and_load_under_load(explicit_server):
         Traffic(grpcclient, explicit_server.grpc_url, seed=4),
     ]
     answered = lambda: sum(c.ok for c in clients)  # noqa: E731
+    finalized_before = log_count(explicit_server, "sampler finalized")  # an external server's log holds the whole session
     for client in clients:
         client.start()
     try:
@@ -129,13 +142,16 @@ def test_unload_and_load_under_load(explicit_server):
     for (status, message), count in errors.items():
         assert status not in INTERNAL, (status, message, count)
         assert "sampler" in message, (status, message, count)
-    log = explicit_server.log_tail(10**7)
-    assert log.count("sampler finalized") >= RELOAD_CYCLES  # finalize ran at every unload
+    # finalize ran at every unload (an external server's log may trail by a moment)
+    assert wait_until(lambda: log_count(explicit_server, "sampler finalized") >= finalized_before + RELOAD_CYCLES)
 
 
 def test_internal_fault_is_a_per_request_500_and_the_stub_survives(explicit_server):
     client = httpclient.InferenceServerClient(explicit_server.http_url)
     gclient = grpcclient.InferenceServerClient(explicit_server.grpc_url)
+    internal = {("model", FAULTY), ("version", "1"), ("outcome", "internal"), ("reason", "internal")}
+    internal_before = counter_value(scrape(explicit_server.metrics_url), "sampler_requests_total", internal)
+    faults_before = log_count(explicit_server, FAULT_LOG)
     try:
         client.load_model(FAULTY)
         logits = np.random.default_rng(0).standard_normal((1, VOCAB)).astype(np.float32)
@@ -147,11 +163,9 @@ def test_internal_fault_is_a_per_request_500_and_the_stub_survives(explicit_serv
             assert "top_p" in message
         assert client.is_model_ready(FAULTY)
         samples = scrape(explicit_server.metrics_url)
-        internal = {("model", FAULTY), ("version", "1"), ("outcome", "internal"), ("reason", "internal")}
-        assert samples[("sampler_requests_total", frozenset(internal))] == 3
-        log = explicit_server.log_tail(10**7)
-        assert "sampler internal error: RuntimeError: injected sampler fault" in log
-        assert "Traceback" in log
+        assert counter_value(samples, "sampler_requests_total", internal) == internal_before + 3
+        assert wait_until(lambda: log_count(explicit_server, FAULT_LOG) > faults_before)
+        assert "Traceback" in explicit_server.log_tail(10**7)
         # The sampler beside it never noticed.
         outputs = infer(client, httpclient, "sampler", logits, **MASK_PARAMS)
         check_against_reference(outputs, logits, TEMPERATURE, TOP_K, want_mask=True)

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Build the image, serve the client tests' model repository on the GPUs inside the container and
-# run client_tests/ from this host against it. Needs Docker with the NVIDIA container toolkit.
+# run every test of client_tests/ from this host against it. The few that need a local server of
+# their own are skipped, each with its reason, and pytest ends with a summary of what ran where.
+# Needs Docker with the NVIDIA container toolkit.
 #   docker/run-gpu-tests.sh [extra pytest arguments]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,7 +19,11 @@ docker build -f docker/Dockerfile -t "$IMAGE" .
 
 workdir="$(mktemp -d)"
 container=""
+log_follower=""
 cleanup() {
+    if [ -n "$log_follower" ]; then
+        kill "$log_follower" 2>/dev/null || true
+    fi
     if [ -n "$container" ]; then
         docker logs "$container" >"$SERVER_LOG" 2>&1 || true
         echo "server log: $SERVER_LOG" >&2
@@ -27,14 +33,20 @@ cleanup() {
 }
 trap cleanup EXIT
 
-# The same repository the local tests serve (sampler plus its variants), rewritten for GPUs.
-.venv/bin/python -c 'import sys; from client_tests.server import build_test_repository; build_test_repository(__import__("pathlib").Path(sys.argv[1]))' "$workdir/cpu"
-.venv/bin/python -m triton_sampling_mask.ops.gpu_repository "$workdir/cpu" "$workdir/models"
+# The repository the local tests serve (the sampler and its variants, plus the faulty sampler
+# test_reload loads on request), rewritten for GPUs, and the flags that serve it as the tests
+# expect: explicit model control, every model loaded but the faulty one.
+flags="$(.venv/bin/python -m client_tests.server "$workdir/models" --gpu)"
+mapfile -t server_flags <<<"$flags"
 
-# --ipc=host: the client's system shared-memory regions must be visible to the server.
+# --ipc=host: the client's system shared-memory regions must be visible to the server (and the
+# Python backend's /dev/shm regions then use the host's). serve.sh adds the shm and CUDA-pool sizes.
 container="$(docker run -d --gpus all --ipc=host \
     -p "$HTTP_PORT:8000" -p "$GRPC_PORT:8001" -p "$METRICS_PORT:8002" \
-    -v "$workdir/models:/models:ro" "$IMAGE" tritonserver --model-repository=/models)"
+    -v "$workdir/models:/models:ro" "$IMAGE" bash /opt/triton-sampling-mask/serve.sh "${server_flags[@]}")"
+# Some tests read the server's log (test_reload, test_generate): stream it to a file as it grows.
+docker logs -f "$container" >"$SERVER_LOG" 2>&1 &
+log_follower=$!
 
 deadline=$((SECONDS + READY_TIMEOUT_S))
 until curl -fsS "http://127.0.0.1:$HTTP_PORT/v2/health/ready" >/dev/null 2>&1; do
@@ -46,7 +58,11 @@ until curl -fsS "http://127.0.0.1:$HTTP_PORT/v2/health/ready" >/dev/null 2>&1; d
     sleep 2
 done
 
+echo "client_tests/ against container ${container:0:12} ($IMAGE), serving on:"
+docker exec "$container" nvidia-smi -L || true
 TRITON_EXTERNAL_HTTP_URL="127.0.0.1:$HTTP_PORT" \
 TRITON_EXTERNAL_GRPC_URL="127.0.0.1:$GRPC_PORT" \
 TRITON_EXTERNAL_METRICS_URL="http://127.0.0.1:$METRICS_PORT/metrics" \
+TRITON_EXTERNAL_LOG="$SERVER_LOG" \
+TRITON_EXTERNAL_MODEL_CONTROL=explicit \
     .venv/bin/python -m pytest client_tests "$@"

@@ -1,4 +1,5 @@
-"""Lint the container files: hadolint on the Dockerfile, shellcheck on the shell scripts."""
+"""Lint the container files: hadolint on the Dockerfile, shellcheck on the shell scripts (docker/,
+bench/, .ci/run)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-SHELL_SCRIPTS = sorted(REPO_ROOT.glob("docker/*.sh")) + [REPO_ROOT / ".ci" / "run"]
+SHELL_SCRIPTS = sorted(REPO_ROOT.glob("docker/*.sh")) + sorted(REPO_ROOT.glob("bench/*.sh")) + [REPO_ROOT / ".ci" / "run"]
 
 
 def tool(name: str) -> str:

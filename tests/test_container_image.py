@@ -1,0 +1,236 @@
+"""The GPU image can be built, checked without Docker: docker/Dockerfile's `pip install` resolves for
+the image's Python and platform (its ARGs), the package parses with that Python's grammar, and the
+image's server flags hold the largest request the README promises.
+
+The resolver test needs PyPI (as `docker build` does). torch's wheels on PyPI carry no separate
+metadata file (PEP 658), so a plain `pip install --dry-run` downloads the ~900 MB torch wheel to
+read its dependencies; `--use-feature=fast-deps` makes pip read just the wheel's METADATA member
+through HTTP range requests instead, so the whole check fetches a few MB.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+from packaging.utils import canonicalize_name
+from packaging.version import Version
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DOCKERFILE = REPO_ROOT / "docker" / "Dockerfile"
+PIP_TIMEOUT_S = 300
+# pip options in the Dockerfile's `pip install` that change what gets installed are not expected.
+HARMLESS_PIP_FLAGS = {"--no-cache-dir", "--upgrade", "-U", "--quiet", "-q", "--progress-bar=off"}
+
+
+def dockerfile_args(text: str) -> dict[str, str]:
+    """Every `ARG NAME=default` of the Dockerfile (before and after FROM)."""
+    return dict(re.findall(r"^ARG\s+(\w+)=(\S+)\s*$", text, flags=re.MULTILINE))
+
+
+def image_target(text: str) -> tuple[str, str]:
+    """(IMAGE_PYTHON, IMAGE_PLATFORM) from the Dockerfile's ARGs."""
+    args = dockerfile_args(text)
+    missing = {"IMAGE_PYTHON", "IMAGE_PLATFORM"} - args.keys()
+    assert not missing, f"docker/Dockerfile declares no ARG {sorted(missing)}: the image's Python and platform live there"
+    assert re.fullmatch(r"3\.\d+", args["IMAGE_PYTHON"]), args["IMAGE_PYTHON"]
+    assert re.fullmatch(r"manylinux_2_\d+_(x86_64|aarch64)", args["IMAGE_PLATFORM"]), args["IMAGE_PLATFORM"]
+    return args["IMAGE_PYTHON"], args["IMAGE_PLATFORM"]
+
+
+def run_commands(text: str) -> list[str]:
+    """The shell commands of every RUN, continuation lines joined."""
+    joined = re.sub(r"\\\n", " ", text)
+    return [line.split(None, 1)[1] for line in joined.splitlines() if line.startswith("RUN ")]
+
+
+def shell_commands(command: str) -> list[list[str]]:
+    """A RUN line split into its commands (at &&, ||, ; and |), each as shell words."""
+    lexer = shlex.shlex(command, posix=True, punctuation_chars=True)
+    lexer.whitespace_split = True
+    commands, words = [], []
+    for token in [*lexer, ";"]:
+        if token in ("&&", "||", ";", "|"):
+            commands.append(words)
+            words = []
+        else:
+            words.append(token)
+    return [words for words in commands if words]
+
+
+def pip_install_targets(text: str) -> list[str]:
+    """What the Dockerfile's `pip install` commands install, ARGs substituted, `.` as the repository."""
+    args = dockerfile_args(text)
+    substitute = lambda word: re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: args[m.group(1) or m.group(2)], word)  # noqa: E731
+    targets = []
+    for words in (words for command in run_commands(text) for words in shell_commands(command)):
+        if "pip" not in words or "install" not in words:
+            continue
+        for word in words[words.index("install") + 1:]:
+            if word.startswith("-"):
+                assert word in HARMLESS_PIP_FLAGS, f"pip option {word!r} in docker/Dockerfile: teach this test about it"
+                continue
+            word = substitute(word)
+            targets.append(str(REPO_ROOT) if word == "." else word)
+    assert targets, "docker/Dockerfile installs nothing with pip"
+    return targets
+
+
+def compatible_platforms(platform: str) -> list[str]:
+    """Every manylinux tag the image's pip accepts: manylinux_2_N down to 2_5, with the legacy
+    aliases. pip's --platform takes a tag literally (manylinux_2_28 would miss torch's manylinux1
+    wheel), so the test passes them all, as the image's own pip would accept them."""
+    glibc_minor, arch = re.fullmatch(r"manylinux_2_(\d+)_(\w+)", platform).groups()
+    tags = [f"manylinux_2_{minor}_{arch}" for minor in range(int(glibc_minor), 4, -1)]
+    legacy = {17: "manylinux2014", 12: "manylinux2010", 5: "manylinux1"}
+    return tags + [f"{name}_{arch}" for minor, name in legacy.items() if minor <= int(glibc_minor)]
+
+
+def target_environment(python: str, platform: str) -> dict[str, str]:
+    """PEP 508 marker values of the image (pip evaluates markers for its own interpreter, not for
+    --python-version, so the test re-checks them; patch level unknown, taken as .0)."""
+    machine = platform.split("_", 3)[3]
+    return {
+        "python_version": python, "python_full_version": f"{python}.0", "implementation_name": "cpython",
+        "implementation_version": f"{python}.0", "platform_python_implementation": "CPython", "os_name": "posix",
+        "sys_platform": "linux", "platform_system": "Linux", "platform_machine": machine, "platform_release": "",
+        "platform_version": "", "extra": "",
+    }
+
+
+def pip_resolve(targets: list[str], python: str, platform: str, report: Path) -> dict:
+    """`pip install --dry-run` for the image's Python and platform; the --report as a dict."""
+    command = [
+        sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--only-binary=:all:",
+        "--python-version", python, "--implementation", "cp",
+        *[flag for tag in compatible_platforms(platform) for flag in ("--platform", tag)],
+        "--use-feature=fast-deps", "--progress-bar=off", "--disable-pip-version-check",
+        "--report", str(report), *targets,
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=PIP_TIMEOUT_S, cwd=REPO_ROOT)
+    if done.returncode != 0:
+        tail = "\n".join((done.stdout + done.stderr).splitlines()[-25:])
+        if "fast-deps" in tail and "invalid choice" in tail:
+            tail += "\n(this pip dropped --use-feature=fast-deps: resolve torch's pins from its wheel's METADATA another way)"
+        pytest.fail(f"docker/Dockerfile's pip install cannot resolve for Python {python} on {platform}:\n{tail}", pytrace=False)
+    return json.loads(report.read_text())
+
+
+def unmet_requirements(report: dict, environment: dict[str, str]) -> list[str]:
+    """Requirements the image's Python needs that pip's report lacks (markers such as
+    `python_version < "3.11"`, false for the interpreter running pip); raises on version conflicts."""
+    installed = {canonicalize_name(item["metadata"]["name"]): item for item in report["install"]}
+    extras = {name: set(item.get("requested_extras") or ()) for name, item in installed.items()}
+    missing, changed = {}, True
+    while changed:  # extras requested by a dependency turn on more requirements
+        changed = False
+        for name, item in installed.items():
+            for line in item["metadata"].get("requires_dist") or ():
+                requirement = Requirement(line)
+                if requirement.marker and not any(
+                    requirement.marker.evaluate({**environment, "extra": extra}) for extra in {"", *extras[name]}
+                ):
+                    continue
+                dependency = canonicalize_name(requirement.name)
+                if dependency not in installed:
+                    requirement.marker = None
+                    missing[str(requirement)] = None
+                    continue
+                version = installed[dependency]["metadata"]["version"]
+                assert requirement.specifier.contains(version, prereleases=True), f"{name} needs {requirement}, resolved {version}"
+                if not requirement.extras <= extras[dependency]:
+                    extras[dependency] |= requirement.extras
+                    changed = True
+    return list(missing)
+
+
+def test_dockerfile_pins_install_on_the_image_python_and_platform(tmp_path):
+    text = DOCKERFILE.read_text()
+    python, platform = image_target(text)
+    targets = pip_install_targets(text)
+    environment = target_environment(python, platform)
+    for attempt in range(4):
+        report = pip_resolve(targets, python, platform, tmp_path / f"report{attempt}.json")
+        missing = unmet_requirements(report, environment)
+        if not missing:
+            break
+        targets = targets + missing
+    else:
+        pytest.fail(f"dependencies for Python {python} still unresolved: {missing}")
+
+    resolved = {canonicalize_name(item["metadata"]["name"]): item["metadata"] for item in report["install"]}
+    assert "triton-sampling-mask" in resolved, "the project itself was not resolved"
+    for name, metadata in resolved.items():
+        requires_python = metadata.get("requires_python")
+        if requires_python:
+            assert Version(f"{python}.0") in SpecifierSet(requires_python), (name, requires_python)
+    args = dockerfile_args(text)
+    for name, arg in (("torch", "TORCH_VERSION"), ("transformers", "TRANSFORMERS_VERSION"), ("numpy", "NUMPY_VERSION")):
+        assert resolved[name]["version"] == args[arg], (name, resolved[name]["version"], args[arg])
+
+
+def test_the_image_checks_its_own_python_and_platform():
+    """The build fails early if IMAGE_PYTHON / IMAGE_PLATFORM stop describing the base image."""
+    text = DOCKERFILE.read_text()
+    image_target(text)
+    first = run_commands(text)[0]
+    assert "${IMAGE_PYTHON}" in first and "${IMAGE_PLATFORM}" in first and "assert" in first, first
+    assert text.index("ARG BASE_IMAGE=") < text.index("FROM ${BASE_IMAGE}")
+
+
+def package_sources() -> list[Path]:
+    """Every Python file the image runs: the package and the models' model.py."""
+    return sorted(REPO_ROOT.glob("plugin/**/*.py")) + sorted(REPO_ROOT.glob("model_repository/*/*/*.py"))
+
+
+def test_package_parses_with_the_image_python():
+    python, _ = image_target(DOCKERFILE.read_text())
+    version = tuple(int(part) for part in python.split("."))
+    sources = package_sources()
+    assert len(sources) > 10, sources
+    errors = []
+    for path in sources:
+        try:
+            ast.parse(path.read_text(), filename=str(path), feature_version=version)
+        except SyntaxError as error:
+            errors.append(f"{path.relative_to(REPO_ROOT)}:{error.lineno}: {error.msg}")
+    assert not errors, f"not valid Python {python}:\n" + "\n".join(errors)
+
+
+def serve_command(gpu_count: int) -> list[str]:
+    done = subprocess.run(
+        ["bash", str(REPO_ROOT / "docker" / "serve.sh"), "--dry-run", "--model-control-mode=explicit"],
+        capture_output=True, text=True, env={**os.environ, "GPU_COUNT": str(gpu_count)}, check=True,
+    )
+    return done.stdout.splitlines()
+
+
+def test_server_flags_hold_the_largest_request_of_the_config():
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    config = text_format.Parse((REPO_ROOT / "model_repository" / "sampler" / "config.pbtxt").read_text(),
+                               model_config_pb2.ModelConfig())
+    largest_request = 4 * config.max_batch_size * int(config.parameters["max_vocab_size"].string_value)
+    command = serve_command(gpu_count=3)
+    assert command[0] == "tritonserver" and command[-1] == "--model-control-mode=explicit"
+    flags = dict(arg.split("=", 1) for arg in command[1:] if arg.startswith("--") and "=" in arg and "cuda-memory" not in arg)
+    backend = dict(arg.split("=", 1)[1].split(",", 1)[1].split("=") for arg in command if arg.startswith("--backend-config=python,"))
+    default, growth = int(backend["shm-default-byte-size"]), int(backend["shm-growth-byte-size"])
+    assert default >= 1 << 20 and growth >= 1 << 20
+    # At most 4 growth steps for the largest batch (the backend asks 1.1 x what it needs).
+    assert default + 4 * growth >= 1.1 * largest_request, (default, growth, largest_request)
+    assert int(flags["--pinned-memory-pool-byte-size"]) >= largest_request
+    pools = [arg.split("=", 1)[1] for arg in command if arg.startswith("--cuda-memory-pool-byte-size=")]
+    assert [pool.split(":")[0] for pool in pools] == ["0", "1", "2"], pools
+    assert all(int(pool.split(":")[1]) >= largest_request for pool in pools), pools
+    assert not any(arg.startswith("--cuda-memory-pool") for arg in serve_command(gpu_count=0))
