@@ -49,5 +49,7 @@ def instance_device(args: dict) -> torch.device:
 
 
 def config_path(args: dict) -> str:
-    """Where this model's config.pbtxt lives, for messages that tell users what to edit."""
-    return os.path.join(args.get("model_repository", "<model directory>"), "config.pbtxt")
+    """This model's config.pbtxt relative to the model repository ("sampler/config.pbtxt"), for
+    messages that tell users what to edit without showing clients the server's file system."""
+    model_directory = os.path.basename(os.path.normpath(args.get("model_repository", "")))
+    return f"{model_directory or args.get('model_name', '<model>')}/config.pbtxt"
