@@ -22,7 +22,8 @@ GENERATE_DTYPES = {
     "stream": "BOOL",
     **{name: dtype for name, dtype in INPUT_DTYPES.items() if name != "logits"},
 }
-ARRAY_OUTPUTS = ("output_ids", "output_logprobs", "sampling_mask", "sampling_mask_len", "sampling_logprobs")
+ARRAY_OUTPUTS = ("output_ids", "output_logprobs", "sampling_mask", "sampling_mask_len", "sampling_logprobs",
+                 "sampling_mask_logprobs")
 
 
 @dataclass
@@ -34,6 +35,7 @@ class Generation:
     sampling_mask: np.ndarray
     sampling_mask_len: np.ndarray
     sampling_logprobs: np.ndarray
+    sampling_mask_logprobs: np.ndarray
     finish_reason: str
     responses: list  # per response: dict of numpy outputs (batch dimension dropped)
 
@@ -131,6 +133,8 @@ def http_generate(url: str, prompt, max_new_tokens: int, width: int, **params) -
         "sampling_mask": np.array(reply["sampling_mask"], np.int32).reshape(-1, width),
         "sampling_mask_len": np.array(reply["sampling_mask_len"], np.int32).reshape(-1),
         "sampling_logprobs": np.array(reply["sampling_logprobs"], np.float32).reshape(-1),
+        # -inf padding arrives as JSON's -Infinity, which json.loads reads as -inf.
+        "sampling_mask_logprobs": np.array(reply["sampling_mask_logprobs"], np.float32).reshape(-1, width),
     }
     return 200, Generation(**arrays, finish_reason=reply["finish_reason"], responses=[reply])
 

@@ -46,4 +46,5 @@ def run_sampler(logits, temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0, seed=0,
         "mask": host["mask_ids"],
         "mask_len": host["mask_len"],
         "mask_logprobs": host["mask_logprobs"],
+        "support_logprobs": host["mask_support_logprobs"],
     }

@@ -39,7 +39,7 @@ def run_fused(logits, temperature=1.0, top_k=50, top_p=1.0, min_p=0.0, seed=0, w
                                per_row(min_p, np.float32), per_row(seed, np.int64), per_row(want_mask, bool), vocab)
     k_max = int(params[:, fused.PARAM_K_EFF].max())
     packed = fused.sample_packed(torch.from_numpy(logits).to(DEVICE, dtype), torch.from_numpy(params), k_max, mask_width)
-    assert packed.dtype == torch.int32 and packed.shape == (rows, fused.PACKED_COLUMNS + mask_width)
+    assert packed.dtype == torch.int32 and packed.shape == (rows, fused.PACKED_COLUMNS + 2 * mask_width)
     return fused.unpack(packed.cpu().numpy())
 
 
@@ -54,8 +54,10 @@ def check_row(out, row, logits, temperature, top_k, top_p, min_p, want_mask, mas
     assert abs(out["logprobs"][row] - expected) <= TOLERANCE * max(1.0, abs(expected)), (row, out["logprobs"][row], expected)
 
     mask_len, mask_ids = int(out["mask_len"][row]), out["mask_ids"][row]
+    support_logprobs = out["mask_support_logprobs"][row]
     if not want_mask:
         assert mask_len == 0 and (mask_ids == -1).all() and out["mask_logprobs"][row] == 0.0
+        assert np.isneginf(support_logprobs).all()
         return
     assert min(shortest, mask_width) <= mask_len <= min(longest, mask_width), (row, mask_len, shortest, longest)
     np.testing.assert_array_equal(mask_ids[:mask_len], ref.order[:mask_len], err_msg=f"row {row}")
@@ -65,6 +67,13 @@ def check_row(out, row, logits, temperature, top_k, top_p, min_p, want_mask, mas
     assert rank < max(lengths)
     errors = [abs(out["mask_logprobs"][row] - ref.renormalised_logprob(token, n)) for n in lengths if rank < n]
     assert min(errors) <= TOLERANCE, (row, out["mask_logprobs"][row], errors)
+    # Per-support log-probs: each mask id's, renormalised over the same support; -inf padding.
+    assert np.isneginf(support_logprobs[mask_len:]).all()
+    support_length = [n for n in lengths if rank < n][int(np.argmin(errors))]
+    expected = [ref.renormalised_logprob(int(i), support_length) for i in mask_ids[:mask_len]]
+    np.testing.assert_allclose(support_logprobs[:mask_len], expected, atol=TOLERANCE, rtol=0, err_msg=f"row {row}")
+    if rank < mask_len:  # the sampled token's entry is sampling_logprobs itself
+        assert support_logprobs[rank] == out["mask_logprobs"][row]
 
 
 def check_batch(logits, mask_width=64, dtype=torch.float32, **params) -> dict[str, np.ndarray]:

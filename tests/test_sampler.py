@@ -68,8 +68,10 @@ def test_sampler_matches_float64_reference(case):
         assert token in ref.order[: ref.support_max], "sampled id outside the support"
         assert out["logprobs"][row] == pytest.approx(ref.logprobs[token], rel=1e-5, abs=1e-4)
         length = int(out["mask_len"][row])
+        support_logprobs = out["support_logprobs"][row]
         if not case["want_mask"][row]:
             assert length == 0 and (out["mask"][row] == -1).all() and out["mask_logprobs"][row] == 0
+            assert np.isneginf(support_logprobs).all()
             continue
         assert ref.support_min <= length <= ref.support_max
         np.testing.assert_array_equal(out["mask"][row, :length], ref.order[:length])
@@ -77,6 +79,12 @@ def test_sampler_matches_float64_reference(case):
         assert token in out["mask"][row, :length]
         renormalised = ref.renormalised_logprob(token, length)
         assert out["mask_logprobs"][row] == pytest.approx(renormalised, rel=1e-5, abs=1e-5)
+        # Each mask id's log-probability over the same support: logsumexp 0, -inf padding, and
+        # the sampled token's entry is sampling_logprobs itself.
+        expected = [ref.renormalised_logprob(int(i), length) for i in out["mask"][row, :length]]
+        np.testing.assert_allclose(support_logprobs[:length], expected, rtol=1e-5, atol=1e-5)
+        assert np.isneginf(support_logprobs[length:]).all()
+        assert support_logprobs[list(out["mask"][row, :length]).index(token)] == out["mask_logprobs"][row]
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -46,13 +46,14 @@ class GenerationChunk:
     sampling_mask: np.ndarray  # int32 [n, W], -1 padded
     sampling_mask_len: np.ndarray  # int32 [n]
     sampling_logprobs: np.ndarray  # float32 [n]
+    sampling_mask_logprobs: np.ndarray  # float32 [n, W], -inf padded
     finish_reason: str  # "" until the request's last chunk, then "length" or "stop"
 
     @classmethod
     def empty(cls, width: int, finish_reason: str) -> "GenerationChunk":
         return cls(
             np.zeros(0, np.int32), np.zeros(0, np.float32), np.zeros((0, width), np.int32),
-            np.zeros(0, np.int32), np.zeros(0, np.float32), finish_reason,
+            np.zeros(0, np.int32), np.zeros(0, np.float32), np.zeros((0, width), np.float32), finish_reason,
         )
 
 
@@ -214,6 +215,7 @@ class _Buffers:
         self.mask_slot = np.full(slots, -1, np.int64)
         self.mask_slot[wants] = np.arange(len(wants))
         self.masks = np.full((len(wants), max_steps, width), -1, np.int32)
+        self.support_logprobs = np.full((len(wants), max_steps, width), -np.inf, np.float32)
         self.width = width
 
     def write(self, rows: np.ndarray, step: int, result) -> dict[str, np.ndarray]:
@@ -227,13 +229,15 @@ class _Buffers:
         stored = slots >= 0
         if stored.any():
             self.masks[slots[stored], step] = arrays["sampling_mask"][stored]
+            self.support_logprobs[slots[stored], step] = arrays["sampling_mask_logprobs"][stored]
         return arrays
 
     def chunk(self, row: int, length: int, finish_reason: str) -> GenerationChunk:
         """The first `length` tokens of request `row`."""
         slot = self.mask_slot[row]
         mask = self.masks[slot, :length] if slot >= 0 else np.full((length, self.width), -1, np.int32)
+        support = self.support_logprobs[slot, :length] if slot >= 0 else np.full((length, self.width), -np.inf, np.float32)
         return GenerationChunk(
             self.ids[row, :length].copy(), self.logprobs[row, :length].copy(), mask.copy(),
-            self.mask_len[row, :length].copy(), self.mask_logprobs[row, :length].copy(), finish_reason,
+            self.mask_len[row, :length].copy(), self.mask_logprobs[row, :length].copy(), support.copy(), finish_reason,
         )

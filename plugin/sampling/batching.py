@@ -17,7 +17,8 @@ from .params import RowParams
 from .sampler import SamplingBatch, SamplingResult
 from .validation import MaskPolicy, check_rows, first_error
 
-OUTPUT_NAMES = ("output_ids", "output_logprobs", "sampling_mask", "sampling_mask_len", "sampling_logprobs")
+OUTPUT_NAMES = ("output_ids", "output_logprobs", "sampling_mask", "sampling_mask_len", "sampling_logprobs",
+                "sampling_mask_logprobs")
 
 
 @dataclass
@@ -118,6 +119,7 @@ def _wire_arrays(host: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         "sampling_mask": host["mask_ids"].astype(np.int32),
         "sampling_mask_len": host["mask_len"].astype(np.int32),
         "sampling_logprobs": host["mask_logprobs"].astype(np.float32),
+        "sampling_mask_logprobs": host["mask_support_logprobs"].astype(np.float32),
     }
 
 

@@ -39,7 +39,7 @@ except ImportError:  # the plain-torch sampler serves every row then
     tl = None
     AVAILABLE = False
 
-# The packed output: int32 [R, PACKED_COLUMNS + W]. Floats travel as their float32 bit patterns, so
+# The packed output: int32 [R, PACKED_COLUMNS + 2 W] (then the W mask ids and their W log-probs). Floats travel as their float32 bit patterns, so
 # one int32 tensor (one device-to-host copy) carries every per-row output.
 PACKED_COLUMNS = 6
 COL_TOKEN_ID, COL_LOGPROB, COL_MASK_LEN, COL_MASK_LOGPROB, COL_ROW_MAX, COL_LOG_Z = range(PACKED_COLUMNS)
@@ -110,8 +110,9 @@ def sample_packed(logits: torch.Tensor, params: torch.Tensor, k_max: int, mask_w
 
     `params` is `pack_params`' int64 [R, 6] as a host tensor (pin it for a truly asynchronous
     copy), `k_max` the largest effective top_k in it (1..1024), `mask_width` the mask width W.
-    Returns int32 [R, 6 + W] on the logits' device: token id, logprob, mask_len, mask_logprob,
-    row_max, log_z (floats as float32 bits), then the mask ids padded with -1 (see `unpack`).
+    Returns int32 [R, 6 + 2W] on the logits' device: token id, logprob, mask_len, mask_logprob,
+    row_max, log_z (floats as float32 bits), the mask ids padded with -1, then each mask id's
+    renormalised log-probability (-inf padded; see `unpack`).
     No device-to-host synchronisation; at most 3 torch ops and 2 kernel launches.
     """
     if not AVAILABLE:
@@ -136,7 +137,7 @@ def sample_packed(logits: torch.Tensor, params: torch.Tensor, k_max: int, mask_w
     fetched = candidate_count(k_max, vocab)
     values, ids = torch.topk(logits, fetched, dim=-1, largest=True, sorted=True)
     # Columns 4 and 5 double as kernel A's output (row_max, log_z): no other allocation.
-    packed = torch.empty(rows, PACKED_COLUMNS + mask_width, dtype=torch.int32, device=device)
+    packed = torch.empty(rows, PACKED_COLUMNS + 2 * mask_width, dtype=torch.int32, device=device)
     if rows == 0:
         return packed
     block_f = max(_MIN_BLOCK, _next_power_of_two(fetched))
@@ -150,10 +151,11 @@ def sample_packed(logits: torch.Tensor, params: torch.Tensor, k_max: int, mask_w
 
 
 def unpack(packed: np.ndarray) -> dict[str, np.ndarray]:
-    """The packed int32 [R, 6 + W] output (on the host) as named per-row arrays."""
+    """The packed int32 [R, 6 + 2W] output (on the host) as named per-row arrays."""
     packed = np.ascontiguousarray(packed, dtype=np.int32)
-    if packed.ndim != 2 or packed.shape[1] < PACKED_COLUMNS:
-        raise ValueError(f"packed must be int32 [rows, {PACKED_COLUMNS} + W], got {packed.shape}")
+    if packed.ndim != 2 or packed.shape[1] < PACKED_COLUMNS or (packed.shape[1] - PACKED_COLUMNS) % 2:
+        raise ValueError(f"packed must be int32 [rows, {PACKED_COLUMNS} + 2 W], got {packed.shape}")
+    width = (packed.shape[1] - PACKED_COLUMNS) // 2
 
     def as_float(column):
         return np.ascontiguousarray(packed[:, column]).view(np.float32)
@@ -164,7 +166,8 @@ def unpack(packed: np.ndarray) -> dict[str, np.ndarray]:
         "mask_len": packed[:, COL_MASK_LEN].copy(),
         "mask_logprobs": as_float(COL_MASK_LOGPROB),
         "row_max": as_float(COL_ROW_MAX),
-        "mask_ids": packed[:, PACKED_COLUMNS:].copy(),
+        "mask_ids": packed[:, PACKED_COLUMNS : PACKED_COLUMNS + width].copy(),
+        "mask_support_logprobs": packed[:, PACKED_COLUMNS + width :].copy().view(np.float32),
     }
 
 
@@ -388,3 +391,10 @@ if AVAILABLE:
         # W may exceed the candidate block: the columns past it are padding.
         columns = tl.arange(0, BLOCK_W)
         tl.store(mask_row + columns, tl.full([BLOCK_W], -1, tl.int32), mask=(columns >= BLOCK_F) & (columns < mask_width))
+        # Then each mask id's log-probability renormalised over the support (the sampled one's
+        # equals mask_logprob exactly), -inf padded, as float32 bits.
+        support_row = mask_row + mask_width
+        support_logp = tl.where(rank < mask_len, scaled - tl.log(support_mass), float("-inf"))
+        tl.store(support_row + rank, support_logp.to(tl.int32, bitcast=True), mask=rank < mask_width)
+        minus_inf = tl.full([BLOCK_W], float("-inf"), tl.float32).to(tl.int32, bitcast=True)
+        tl.store(support_row + columns, minus_inf, mask=(columns >= BLOCK_F) & (columns < mask_width))

@@ -58,28 +58,32 @@ _PARAM_DTYPES = {"temperature": np.float32, "top_k": np.int64, "top_p": np.float
 class SamplingResult:
     """Per-row outputs: token_ids int64 [B], logprobs float32 [B] (full-vocabulary softmax(logits / T)),
     mask_ids int32 [B, W] (most probable first, -1 padded), mask_len int32 [B] (0 where not asked),
-    mask_logprobs float32 [B] (renormalised over the support, 0 where not asked) and row_max [B]
-    (each row's largest logit, NaN / +inf propagated as by `amax`, for the logits checks).
+    mask_logprobs float32 [B] (renormalised over the support, 0 where not asked),
+    mask_support_logprobs float32 [B, W] (each mask id's log-probability renormalised over the
+    support, -inf padded) and row_max [B] (each row's largest logit, NaN / +inf propagated as by
+    `amax`, for the logits checks).
 
     The fused GPU path hands back one packed device tensor instead; `host()` copies it once and
     the fields are read from that copy.
     """
 
-    FIELDS = ("token_ids", "logprobs", "mask_ids", "mask_len", "mask_logprobs", "row_max")
+    FIELDS = ("token_ids", "logprobs", "mask_ids", "mask_len", "mask_logprobs", "mask_support_logprobs", "row_max")
+    MASK_FIELDS = ("mask_ids", "mask_support_logprobs")  # [B, W]; a group may fill only its first columns
 
     def __init__(self, token_ids=None, logprobs=None, mask_ids=None, mask_len=None, mask_logprobs=None,
-                 row_max=None, packed: torch.Tensor | None = None):
+                 mask_support_logprobs=None, row_max=None, packed: torch.Tensor | None = None):
         self.packed = packed
         self._host: dict[str, np.ndarray] | None = None
         self._fields = dict(token_ids=token_ids, logprobs=logprobs, mask_ids=mask_ids, mask_len=mask_len,
-                            mask_logprobs=mask_logprobs, row_max=row_max)
+                            mask_logprobs=mask_logprobs, mask_support_logprobs=mask_support_logprobs, row_max=row_max)
 
     @classmethod
     def empty(cls, rows: int, mask_width: int, device: torch.device) -> "SamplingResult":
         """Outputs to fill group by group (-1 padded masks, zeros elsewhere)."""
         zeros = lambda dtype: torch.zeros(rows, dtype=dtype, device=device)  # noqa: E731
         return cls(zeros(torch.int64), zeros(torch.float32), torch.full((rows, mask_width), -1, dtype=torch.int32, device=device),
-                   zeros(torch.int32), zeros(torch.float32), zeros(torch.float32))
+                   zeros(torch.int32), zeros(torch.float32),
+                   torch.full((rows, mask_width), float("-inf"), dtype=torch.float32, device=device), zeros(torch.float32))
 
     def host(self) -> dict[str, np.ndarray]:
         """Every field as numpy, with one device-to-host copy for a packed result."""
@@ -202,7 +206,7 @@ def _write(result: SamplingResult, index: np.ndarray, values: dict) -> None:
             target, source = target.numpy(), source.cpu().numpy() if isinstance(source, torch.Tensor) else source
         else:
             source = torch.as_tensor(source).to(device=target.device, dtype=target.dtype)
-        if name == "mask_ids":
+        if name in SamplingResult.MASK_FIELDS:
             target[rows, : source.shape[1]] = source
         else:
             target[rows] = source
@@ -337,14 +341,17 @@ def _epilogue_numpy(values: torch.Tensor, ids: torch.Tensor, log_z: torch.Tensor
         pick = score.argmax(axis=1)
         token_logp = logp[np.arange(count), pick]
         support_logmass = np.logaddexp.reduce(np.where(keep, logp, -np.inf), axis=1)
-    width = min(k, mask_width)
-    mask_len = np.where(rows.want_mask, np.minimum(support_len, mask_width), 0)
+        width = min(k, mask_width)
+        mask_len = np.where(rows.want_mask, np.minimum(support_len, mask_width), 0)
+        in_mask = rank[:width] < mask_len[:, None]
+        support_logprobs = np.where(in_mask, logp[:, :width] - support_logmass[:, None], -np.inf)
     return {
         "token_ids": ids[np.arange(count), pick],
         "logprobs": token_logp.astype(np.float32),
-        "mask_ids": np.where(rank[:width] < mask_len[:, None], ids[:, :width], -1).astype(np.int32),
+        "mask_ids": np.where(in_mask, ids[:, :width], -1).astype(np.int32),
         "mask_len": mask_len.astype(np.int32),
         "mask_logprobs": np.where(rows.want_mask, token_logp - support_logmass, 0).astype(np.float32),
+        "mask_support_logprobs": support_logprobs.astype(np.float32),
         "row_max": values[:, 0].astype(np.float32),
         "support_len": support_len,
     }
@@ -372,12 +379,14 @@ def _epilogue_torch(values: torch.Tensor, ids: torch.Tensor, log_z: torch.Tensor
     want = on(rows.want_mask)
     width = min(k, mask_width)
     mask_len = torch.where(want, support_len.clamp(max=mask_width), torch.zeros_like(support_len))
+    in_mask = rank[:, :width] < mask_len.unsqueeze(1)
     return {
         "token_ids": ids.gather(1, pick).squeeze(1),
         "logprobs": token_logp,
-        "mask_ids": torch.where(rank[:, :width] < mask_len.unsqueeze(1), ids[:, :width], torch.full_like(ids[:, :width], -1)),
+        "mask_ids": torch.where(in_mask, ids[:, :width], torch.full_like(ids[:, :width], -1)),
         "mask_len": mask_len,
         "mask_logprobs": torch.where(want, token_logp - support_logmass, torch.zeros_like(token_logp)),
+        "mask_support_logprobs": torch.where(in_mask, logp[:, :width] - support_logmass.unsqueeze(1), minus_inf),
         "row_max": values[:, 0],
         "support_len": support_len,
     }
@@ -403,5 +412,6 @@ def _sample_unranked(batch: SamplingBatch, plan: RowPlan, index: np.ndarray, res
         "mask_ids": torch.full((index.size, 0), -1, dtype=torch.int32),
         "mask_len": torch.zeros(index.size, dtype=torch.int32),
         "mask_logprobs": torch.zeros(index.size, dtype=torch.float32),
+        "mask_support_logprobs": torch.full((index.size, 0), float("-inf")),
         "row_max": row_max,
     })

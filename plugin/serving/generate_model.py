@@ -17,9 +17,9 @@ from ..sampling.backends import load_backend
 from ..sampling.batching import BatchSampler
 from ..generation.generator import GenerationChunk, GenerationRequest, Generator, check_generation_request
 from ..generation.lm import load_lm
-from ..model_config import instance_device, int_parameter, load_model_config, string_parameter
-from .triton_io import error_response, read_input, read_params
-from .sampler_model import mask_policy
+from ..model_config import config_path, instance_device, int_parameter, load_model_config, string_parameter
+from .triton_io import error_response, read_input, read_params, wanted_outputs
+from .sampler_model import declared_outputs, mask_policy
 from ..sampling.validation import SamplingRequestError
 
 
@@ -61,17 +61,20 @@ def parse_generation_request(request, pb_utils, vocab_size: int, context_length:
     )
 
 
-def chunk_response(pb_utils, chunk: GenerationChunk):
-    """A response with a chunk's outputs, each with the leading batch dimension of 1."""
+def chunk_response(pb_utils, chunk: GenerationChunk, wanted: set[str] | None = None):
+    """A response with a chunk's outputs (the `wanted` ones when given), each with the leading
+    batch dimension of 1."""
     arrays = {
         "output_ids": chunk.output_ids,
         "output_logprobs": chunk.output_logprobs,
         "sampling_mask": chunk.sampling_mask,
         "sampling_mask_len": chunk.sampling_mask_len,
         "sampling_logprobs": chunk.sampling_logprobs,
+        "sampling_mask_logprobs": chunk.sampling_mask_logprobs,
         "finish_reason": np.array([chunk.finish_reason.encode()], dtype=np.object_),
     }
-    tensors = [pb_utils.Tensor(name, np.ascontiguousarray(value)[np.newaxis]) for name, value in arrays.items()]
+    tensors = [pb_utils.Tensor(name, np.ascontiguousarray(value)[np.newaxis]) for name, value in arrays.items()
+               if wanted is None or name in wanted]
     return pb_utils.InferenceResponse(output_tensors=tensors)
 
 
@@ -90,7 +93,8 @@ class _TritonSink:
 
     def send(self, position: int, chunk: GenerationChunk, final: bool) -> None:
         try:
-            self.senders[position].send(chunk_response(self.model.pb_utils, chunk), flags=self.final if final else 0)
+            wanted = wanted_outputs(self.requests[position], self.model.declared_outputs)
+            self.senders[position].send(chunk_response(self.model.pb_utils, chunk, wanted), flags=self.final if final else 0)
         except Exception as exc:  # e.g. the client went away: fail this request only
             self.model.logger.log_error(f"generate: response for one request not sent ({type(exc).__name__}: {exc}); dropping it")
             self.broken.add(position)
@@ -132,6 +136,7 @@ class GenerateModel:
             torch.set_num_threads(threads)
         backend = load_backend(string_parameter(model_config, "sampling_backend", "torch"))
         policy = mask_policy(args, model_config, backend)
+        self.declared_outputs = declared_outputs(model_config, policy.mask_width, config_path(args))
         model_path = string_parameter(model_config, "model_path", "")
         self.lm = load_lm(model_path, string_parameter(model_config, "lm", ""), device)
         self.generator = Generator(self.lm, BatchSampler(backend, policy, device))

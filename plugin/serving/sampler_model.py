@@ -19,12 +19,23 @@ from ..model_config import (
     output_width,
     string_parameter,
 )
-from .triton_io import error_response, parse_request, sampler_response
+from .triton_io import error_response, parse_request, sampler_response, wanted_outputs
 from ..sampling.validation import MaskPolicy, SamplingRequestError
 
 MASK_OUTPUT = "sampling_mask"
 MASK_LENGTH_OUTPUT = "sampling_mask_len"
+SUPPORT_LOGPROBS_OUTPUT = "sampling_mask_logprobs"
 DEFAULT_MAX_VOCAB_SIZE = 262144
+
+
+def declared_outputs(model_config: dict, mask_width: int, config_file: str) -> set[str]:
+    """The outputs config.pbtxt declares. Optional ones (per-support log-probs) may be left out of
+    an older config; a declared one must have the mask's width W (one source of truth)."""
+    names = {output["name"] for output in model_config.get("output", [])}
+    if SUPPORT_LOGPROBS_OUTPUT in names and output_width(model_config, SUPPORT_LOGPROBS_OUTPUT) != mask_width:
+        raise ValueError(f"output '{SUPPORT_LOGPROBS_OUTPUT}' in {config_file} must have the width of "
+                         f"'{MASK_OUTPUT}' (W={mask_width})")
+    return names
 
 
 def mask_policy(args: dict, model_config: dict, backend) -> MaskPolicy:
@@ -51,6 +62,7 @@ class SamplerModel:
         self.max_vocab_size = int_parameter(model_config, "max_vocab_size", DEFAULT_MAX_VOCAB_SIZE)
         backend = load_backend(string_parameter(model_config, "sampling_backend", "torch"))
         self.policy = mask_policy(args, model_config, backend)
+        self.declared_outputs = declared_outputs(model_config, self.policy.mask_width, config_path(args))
         self.sampler = BatchSampler(backend, self.policy, self.device)
         self.metrics = metrics.SamplerMetrics(pb_utils, args["model_name"], args["model_version"], self.policy.mask_width)
         self.logger.log_info(
@@ -92,7 +104,8 @@ class SamplerModel:
                     responses[position] = error_response(self.pb_utils, outcome.error)
                     outcomes[position] = (metrics.REJECTED, outcome.reason)
                 else:
-                    responses[position] = sampler_response(self.pb_utils, outcome.outputs)
+                    wanted = wanted_outputs(requests[position], self.declared_outputs)
+                    responses[position] = sampler_response(self.pb_utils, outcome.outputs, wanted)
                     outcomes[position] = (metrics.OK, metrics.OK)
                     answered.append(outcome.outputs[MASK_LENGTH_OUTPUT])
             if answered:

@@ -94,7 +94,15 @@ def error_response(pb_utils, message: str, code_name: str = "INVALID_ARG"):
     return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message, code))
 
 
-def sampler_response(pb_utils, outputs: dict[str, np.ndarray]):
-    """A response carrying the sampler outputs (numpy arrays keyed by output name)."""
-    tensors = [pb_utils.Tensor(name, np.ascontiguousarray(value)) for name, value in outputs.items()]
+def wanted_outputs(request, declared: set[str]) -> set[str]:
+    """The outputs to send: those the client asked for, or every declared one when it named none."""
+    requested = set(request.requested_output_names())
+    return declared & requested if requested else declared
+
+
+def sampler_response(pb_utils, outputs: dict[str, np.ndarray], wanted: set[str] | None = None):
+    """A response carrying the sampler outputs (numpy arrays keyed by output name), only the
+    `wanted` ones when given: bytes not asked for are never built into a tensor or sent."""
+    tensors = [pb_utils.Tensor(name, np.ascontiguousarray(value)) for name, value in outputs.items()
+               if wanted is None or name in wanted]
     return pb_utils.InferenceResponse(output_tensors=tensors)
