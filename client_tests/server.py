@@ -17,11 +17,22 @@ from triton_sampling_mask.client.wire import INPUT_DTYPES, NUMPY_DTYPES, sampler
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 
-# Variants of the sampler the tests load beside it: name -> config parameter overrides.
+# Variants of the sampler the tests load beside it: name -> config parameter overrides
+# (LOGITS_TYPE: the logits input's data_type instead, the documented one-line change).
+LOGITS_TYPE = "logits data_type"
 SAMPLER_VARIANTS = {
     "sampler_speculative": {"speculative_algorithm": "EAGLE"},
     "sampler_nosupport": {"sampling_backend": "no_support_backend:NoSupportBackend"},
+    "sampler_bf16": {LOGITS_TYPE: "TYPE_BF16"},
 }
+
+
+def set_logits_type(config_text: str, data_type: str) -> str:
+    """Declare the logits input as `data_type` (e.g. TYPE_BF16) in config.pbtxt text."""
+    pattern = re.compile(r'(name:\s*"logits",\s*data_type:\s*)TYPE_\w+')
+    text, count = pattern.subn(lambda m: m.group(1) + data_type, config_text)
+    assert count == 1, "logits input not found in config"
+    return text
 
 
 def set_parameter(config_text: str, key: str, value: str) -> str:
@@ -41,7 +52,7 @@ def build_test_repository(dest: Path) -> Path:
         shutil.copytree(MODEL_REPOSITORY / "sampler", variant, ignore=shutil.ignore_patterns("__pycache__"))
         text = base.replace('name: "sampler"', f'name: "{name}"')
         for key, value in overrides.items():
-            text = set_parameter(text, key, value)
+            text = set_logits_type(text, value) if key == LOGITS_TYPE else set_parameter(text, key, value)
         (variant / "config.pbtxt").write_text(text)
         shutil.copy(Path(__file__).parent / "no_support_backend.py", variant / "1")
     return dest

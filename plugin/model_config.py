@@ -24,6 +24,22 @@ def output_width(model_config: dict, output_name: str) -> int:
     raise ValueError(f"config.pbtxt declares no output named {output_name!r}")
 
 
+# The logits dtypes a deployment may declare (config.pbtxt data_type -> torch dtype).
+LOGITS_DATA_TYPES = {"TYPE_FP32": torch.float32, "TYPE_BF16": torch.bfloat16, "TYPE_FP16": torch.float16}
+
+
+def input_dtype(model_config: dict, input_name: str, choices: dict) -> torch.dtype:
+    """The torch dtype of an input's declared data_type, one of `choices`; anything else fails
+    model load naming the input and the accepted types."""
+    for entry in model_config.get("input", []):
+        if entry["name"] == input_name:
+            data_type = entry["data_type"]
+            if data_type not in choices:
+                raise ValueError(f"input {input_name!r} must be one of {', '.join(choices)}, got {data_type}")
+            return choices[data_type]
+    raise ValueError(f"config.pbtxt declares no input named {input_name!r}")
+
+
 def string_parameter(model_config: dict, key: str, default: str) -> str:
     """A `parameters { key: ... value: { string_value: ... } }` entry, or `default`."""
     entry = model_config.get("parameters", {}).get(key)

@@ -324,7 +324,7 @@ class _RowParams:
 def _epilogue_numpy(values: torch.Tensor, ids: torch.Tensor, log_z: torch.Tensor, rows: _RowParams, mask_width: int) -> dict:
     """The prefix rules, the seeded draw and the outputs over [rows, k] ranked candidates, in float64
     numpy: on CPU a numpy op costs a fraction of a torch op's dispatch, and these arrays are small."""
-    values = values.numpy().astype(np.float64)
+    values = values.float().numpy().astype(np.float64)  # bf16 / fp16: exact in float32
     ids = ids.numpy()
     count, k = values.shape
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):  # NaN / inf rows: refused later

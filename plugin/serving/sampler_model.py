@@ -12,7 +12,9 @@ from . import metrics
 from ..sampling.backends import load_backend
 from ..sampling.batching import BatchSampler
 from ..model_config import (
+    LOGITS_DATA_TYPES,
     config_path,
+    input_dtype,
     instance_device,
     int_parameter,
     load_model_config,
@@ -60,6 +62,8 @@ class SamplerModel:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.max_vocab_size = int_parameter(model_config, "max_vocab_size", DEFAULT_MAX_VOCAB_SIZE)
+        # FP32 by default; BF16 / FP16 when the deployment declares it (the engine's own dtype).
+        self.logits_dtype = input_dtype(model_config, "logits", LOGITS_DATA_TYPES)
         backend = load_backend(string_parameter(model_config, "sampling_backend", "torch"))
         self.policy = mask_policy(args, model_config, backend)
         self.declared_outputs = declared_outputs(model_config, self.policy.mask_width, config_path(args))
@@ -67,6 +71,7 @@ class SamplerModel:
         self.metrics = metrics.SamplerMetrics(pb_utils, args["model_name"], args["model_version"], self.policy.mask_width)
         self.logger.log_info(
             f"sampler ready on {self.device}: backend={backend.name}, mask width={self.policy.mask_width}, "
+            f"logits {str(self.logits_dtype).removeprefix('torch.')}, "
             f"speculative_algorithm={self.policy.speculative_algorithm}"
         )
 
@@ -88,7 +93,7 @@ class SamplerModel:
             parsed, positions = [], []
             for position, request in enumerate(requests):
                 try:
-                    item = parse_request(request, self.pb_utils, self.device, self.max_vocab_size)
+                    item = parse_request(request, self.pb_utils, self.device, self.max_vocab_size, self.logits_dtype)
                 except SamplingRequestError as exc:
                     responses[position] = error_response(self.pb_utils, exc.message)
                     outcomes[position] = (metrics.REJECTED, exc.reason)

@@ -28,9 +28,14 @@ class ParsedRequest:
 
 
 def input_to_torch(tensor, device: torch.device) -> torch.Tensor:
-    """A pb_utils.Tensor as a torch tensor on `device`, via DLPack when Triton left it on a GPU."""
+    """A pb_utils.Tensor as a torch tensor on `device`, without a copy where it already is there:
+    a host tensor through numpy (a view of the request's shared memory), a GPU-resident one or a
+    BF16 one (which `as_numpy` refuses) through DLPack."""
     if tensor.is_cpu():
-        return torch.from_numpy(tensor.as_numpy()).to(device)
+        try:
+            return torch.from_numpy(tensor.as_numpy()).to(device)
+        except Exception:  # BF16 has no numpy type: the Python backend refuses it
+            pass
     return torch.from_dlpack(tensor.to_dlpack()).to(device)
 
 
@@ -73,7 +78,8 @@ def read_params(request, pb_utils, rows: int) -> RowParams:
     return params
 
 
-def parse_request(request, pb_utils, device: torch.device, max_vocab_size: int) -> ParsedRequest:
+def parse_request(request, pb_utils, device: torch.device, max_vocab_size: int,
+                  logits_dtype: torch.dtype = torch.float32) -> ParsedRequest:
     """Logits and parameters of one request; raises SamplingRequestError naming a bad field."""
     tensor = pb_utils.get_input_tensor_by_name(request, LOGITS)
     if tensor is None:
@@ -83,8 +89,9 @@ def parse_request(request, pb_utils, device: torch.device, max_vocab_size: int) 
         raise SamplingRequestError(LOGITS, f"logits must have shape [rows, vocab], got {shape}")
     check_vocab_size(shape[1], max_vocab_size)
     logits = input_to_torch(tensor, device)
-    if logits.dtype != torch.float32:
-        raise SamplingRequestError(LOGITS, f"logits must be float32, got {logits.dtype}")
+    if logits.dtype != logits_dtype:
+        raise SamplingRequestError(LOGITS, f"logits must be {str(logits_dtype).removeprefix('torch.')}, "
+                                           f"got {str(logits.dtype).removeprefix('torch.')}")
     return ParsedRequest(logits=logits, params=read_params(request, pb_utils, shape[0]))
 
 
