@@ -67,5 +67,6 @@ def instance_device(args: dict) -> torch.device:
 def config_path(args: dict) -> str:
     """This model's config.pbtxt relative to the model repository ("sampler/config.pbtxt"), for
     messages that tell users what to edit without showing clients the server's file system."""
-    model_directory = os.path.basename(os.path.normpath(args.get("model_repository", "")))
-    return f"{model_directory or args.get('model_name', '<model>')}/config.pbtxt"
+    repository = args.get("model_repository")
+    model_directory = os.path.basename(os.path.normpath(repository)) if repository else args.get("model_name", "<model>")
+    return f"{model_directory}/config.pbtxt"
