@@ -87,3 +87,36 @@ def test_padding_beyond_length_is_ignored():
 def test_inconsistent_inputs_raise(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+@settings(max_examples=60, deadline=None)
+@given(per_token_lists())
+def test_per_support_logprobs_travel_with_their_ids_and_round_trip(lists):
+    mask, lengths = fixed_width(lists)
+    # A distinct value per (token, place), built row by row: -inf beyond each row's length.
+    support = np.full((len(lists), WIDTH), -np.inf, np.float32)
+    for row, ids in enumerate(lists):
+        support[row, : len(ids)] = -(np.arange(len(ids)) + row * WIDTH + 1) / 8
+    expected = [support[row, : len(ids)].tolist() for row, ids in enumerate(lists)]
+
+    sglang = converters.to_sglang(mask, lengths, np.zeros(len(lists)), support)
+    assert sglang["output_token_sampling_support_logprobs"] == expected
+    back = converters.from_sglang(sglang["output_token_sampling_mask"], WIDTH, sglang["output_token_sampling_support_logprobs"])
+    np.testing.assert_array_equal(back.support_logprobs, support)
+
+    csr = converters.to_vllm_csr(mask, lengths, support)
+    assert csr["logprobs"].tolist() == [v for row in expected for v in row]
+    back = converters.from_vllm_csr(csr["token_ids"], csr["offsets"], WIDTH, csr["logprobs"])
+    np.testing.assert_array_equal(back.support_logprobs, support)
+
+    prime = converters.to_prime_rl(mask, lengths, support)
+    assert prime["logprobs"].tolist() == [v for row in expected for v in row]
+    back = converters.from_prime_rl(prime["ids"], prime["counts"], WIDTH, prime["logprobs"])
+    np.testing.assert_array_equal(back.support_logprobs, support)
+    np.testing.assert_array_equal(back.mask, mask)
+
+
+def test_support_logprobs_of_the_wrong_shape_raise():
+    mask, lengths = fixed_width([[1, 2], [3]])
+    with pytest.raises(ValueError, match="support_logprobs must be"):
+        converters.to_vllm_csr(mask, lengths, np.zeros((2, WIDTH + 1)))

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from triton_sampling_mask.client.replay import replay_logprobs
+from triton_sampling_mask.client.replay import replay_logprobs, replay_support_logprobs
 from triton_sampling_mask.sampling.sampler import SamplingBatch, sample
 
 from .reference import reference_row
@@ -68,6 +68,21 @@ def test_reproduces_sampler_logprobs_on_float32_logits():
     got = replay_logprobs(logits, result.mask_ids, result.mask_len, temperature, result.token_ids)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, result.mask_logprobs, rtol=0, atol=1e-5)
+    # The trainer's per-support log-probs equal the server's sampling_mask_logprobs, padding included.
+    support = replay_support_logprobs(logits, result.mask_ids, result.mask_len, temperature)
+    torch.testing.assert_close(support, result.mask_support_logprobs, rtol=0, atol=1e-5)
+
+
+def test_support_logprobs_match_float64_reference_and_carry_gradients():
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, 3.0]], dtype=torch.float64, requires_grad=True)
+    mask, lengths = torch.tensor([[4, 0, 1, -1]]), torch.tensor([3])
+    support = replay_support_logprobs(logits, mask, lengths, 0.5)
+    scaled = np.array([3.0, 2.0, 1.0]) / 0.5
+    expected = scaled - np.log(np.exp(scaled).sum())
+    np.testing.assert_allclose(support[0, :3].detach().numpy(), expected, rtol=0, atol=1e-12)
+    assert support[0, 3] == float("-inf")
+    support[0, :3].exp().sum().backward()  # a constant (1): the gradient vanishes on the mask
+    assert logits.grad[0, [2, 3]].abs().max() == 0  # ids outside the mask are never read
 
 
 def test_gradcheck_float64_and_zero_gradient_outside_the_mask():
