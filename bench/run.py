@@ -1,6 +1,14 @@
 """`make bench`: kernel benchmark, then the served one; prints tables, writes JSON and the plot.
 
-    python -m bench.run [--device cpu|cuda] [--tiny] [--skip-served] [--output PATH] [--plot PATH] [--no-plot]
+    python -m bench.run [--device cpu|cuda] [--grid cpu|gpu] [--tiny] [--skip-served] [--skip-top-p]
+                        [--output PATH] [--plot PATH] [--no-plot] [--flashinfer-timeout S] [--note TEXT]
+
+--grid cpu (default): B {1, 8, 64} x V {32000, 151936} x top_k {50, 512}, ~3 s per case; writes
+bench/results/latest.json. --grid gpu: B {1, 8, 64, 256} x V {32000, 151936, 262144} x top_k
+{50, 512}, ~2 s per case, plus rivals (ours on the plain torch path, a vLLM-style sampler,
+FlashInfer where it imports); writes bench/results/gpu.json. Both add the top-p case without a
+mask. --tiny shrinks either grid to seconds. The JSON is rewritten after every case
+("complete": false until the end), so a run cut short keeps what finished.
 """
 
 from __future__ import annotations
@@ -14,61 +22,102 @@ from pathlib import Path
 import torch
 
 from . import kernel, report
+from .baseline import flashinfer_sampler
 from .common import RESULTS_DIR, interleaved_medians, machine_facts, mask_width
+
+# interleaved_medians settings per (grid, tiny): at least `min_rounds` rounds, then more while the
+# group's `budget_s` lasts, up to `max_rounds`. The gpu grid's calls are short (tens of µs to tens
+# of ms): 25 cases x 2 groups x ~1 s keep the whole run near 2 minutes on an H200.
+TIMING = {
+    ("cpu", False): {"min_rounds": 7, "budget_s": 3.0},
+    ("gpu", False): {"min_rounds": 10, "budget_s": 1.0, "max_rounds": 200},
+    ("cpu", True): {"min_rounds": 2, "budget_s": 0.0},
+    ("gpu", True): {"min_rounds": 2, "budget_s": 0.0},
+}
+DEFAULT_OUTPUTS = {"cpu": ("latest.json", "ratios.png"), "gpu": ("gpu.json", "gpu_ratios.png")}
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu", help="cpu, cuda, or cuda:N")
+    parser.add_argument("--grid", choices=("cpu", "gpu"), default="cpu", help="case grid and rivals (see above)")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (the targets assume 2)")
     parser.add_argument("--tiny", action="store_true", help="tiny sizes, few rounds: checks that it runs")
     parser.add_argument("--skip-served", action="store_true", help="kernel benchmark only")
+    parser.add_argument("--skip-top-p", action="store_true", help="no top-p-without-mask case")
     parser.add_argument("--served-seconds", type=float, default=4.0, help="measured seconds per served point")
-    parser.add_argument("--output", type=Path, default=RESULTS_DIR / "latest.json")
-    parser.add_argument("--plot", type=Path, default=RESULTS_DIR / "ratios.png")
+    parser.add_argument("--output", type=Path, default=None, help="JSON path (default by grid, in bench/results/)")
+    parser.add_argument("--plot", type=Path, default=None, help="PNG path (default by grid, in bench/results/)")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG (no matplotlib needed)")
+    parser.add_argument("--flashinfer-timeout", type=float, default=60.0,
+                        help="seconds FlashInfer's first call (a JIT compile, maybe) may take before it is skipped")
     parser.add_argument("--note", default="", help="free text stored with the results (e.g. machine load)")
     args = parser.parse_args(argv)
+    output = args.output or RESULTS_DIR / DEFAULT_OUTPUTS[args.grid][0]
+    plot_path = args.plot or RESULTS_DIR / DEFAULT_OUTPUTS[args.grid][1]
 
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     width = mask_width()
     started = time.perf_counter()
     machine = machine_facts()
-    if args.tiny:
-        grid, timing = kernel.TINY_GRID, functools.partial(interleaved_medians, min_rounds=2, budget_s=0.0)
-    else:
-        grid, timing = kernel.FULL_GRID, functools.partial(interleaved_medians, min_rounds=7, budget_s=3.0)
-    print(f"kernel benchmark on {device} (W={width} from config.pbtxt)", flush=True)
+    grid = kernel.GRIDS[args.grid, args.tiny]
+    timing = functools.partial(interleaved_medians, **TIMING[args.grid, args.tiny])
+    progress = functools.partial(print, flush=True)
+    rivals = None
     results = {
         "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "device": str(device),
+        "grid": args.grid + (" (tiny)" if args.tiny else ""),
         "machine": machine,
         "note": args.note,
         "parameters": {"temperature": kernel.TEMPERATURE, "top_p": kernel.TOP_P, "mask_width": width},
-        "kernel": kernel.run_kernel_benchmark(device, width, grid, timing,
-                                              progress=functools.partial(print, flush=True)),
+        "ours_fused": device.type == "cuda" and kernel.sampler_module._fused_available(),
+        "complete": False,
+        "kernel": [],
     }
+    if grid.get("rivals"):
+        fn, reason = flashinfer_sampler(device, args.flashinfer_timeout)
+        rivals = {"flashinfer": fn}
+        results["flashinfer"] = reason if fn is not None else f"skipped: {reason}"
+        print(f"flashinfer: {results['flashinfer']}", flush=True)
+    print(f"kernel benchmark on {device}, grid {results['grid']} (W={width} from config.pbtxt; "
+          f"ours fused: {results['ours_fused']})", flush=True)
+
+    def checkpoint(kernel_results: list[dict]) -> None:
+        results["kernel"] = kernel_results
+        report.write_json(results, output)
+
+    checkpoint(kernel.run_kernel_benchmark(device, width, grid, timing, progress=progress, rivals=rivals,
+                                           on_case=checkpoint))
+    if not args.skip_top_p:
+        rows, vocab = grid["top_p_case"]
+        results["top_p"] = kernel.run_top_p_case(rows, vocab, width, device, timing, rivals=rivals)
+        progress(f"  top-p B={rows} V={vocab}: " + ", ".join(f"{n} {ms:.2f} ms" for n, ms in results["top_p"]["ms"].items()))
+        report.write_json(results, output)
     served = None
     if not args.skip_served and device.type == "cpu":
         from .served import run_served_benchmark
 
         print("served benchmark (real tritonserver)", flush=True)
         if args.tiny:
-            served = run_served_benchmark(width, 1000, (1, 2), duration_s=0.3, warmup_s=0.1)
+            # 0.8 s per point: one stalled request (~0.5 s stalls were seen with the machine loaded)
+            # must not leave a point with no request recorded, which served.py cannot summarise.
+            served = run_served_benchmark(width, 1000, (1, 2), duration_s=0.8, warmup_s=0.1)
         else:
             served = run_served_benchmark(width, 151936, (1, 4, 16), duration_s=args.served_seconds, warmup_s=0.5,
-                                          progress=functools.partial(print, flush=True))
+                                          progress=progress)
         results["served"] = served
     results["targets"] = report.verdicts(results["kernel"], served)
     results["machine"]["load_average_1m_after"] = machine_facts()["load_average_1m"]
     results["wall_s"] = time.perf_counter() - started
+    results["complete"] = True
     report.print_tables(results)
-    report.write_json(results, args.output)
-    args.output.with_suffix(".md").write_text(report.markdown_summary(results))
+    report.write_json(results, output)
+    output.with_suffix(".md").write_text(report.markdown_summary(results))
     if not args.no_plot:
-        report.plot(results, args.plot)
-    print(f"\nwrote {args.output}{'' if args.no_plot else ' and ' + str(args.plot)} in {results['wall_s']:.0f} s")
+        report.plot(results, plot_path)
+    print(f"\nwrote {output}{'' if args.no_plot else ' and ' + str(plot_path)} in {results['wall_s']:.0f} s")
     return results
 
 

@@ -4,12 +4,13 @@ samples the documented support: checked against the float64 reference on tie-fre
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
 import torch
 
-from bench import baseline, kernel, run
+from bench import baseline, kernel, report, run
 from tests.reference import reference_row
 
 
@@ -42,6 +43,61 @@ def test_kernel_case_reports_every_timing():
     assert case["mask_on_over_off"] == pytest.approx(1.25)
 
 
+def test_vllm_style_sampler_stays_in_support():
+    """The vLLM-style rival draws only from the documented support (one row repeated: many draws)."""
+    rng = np.random.default_rng(5)
+    row = rng.standard_normal(300).astype(np.float32) * 2  # continuous: no ties
+    logits = torch.from_numpy(np.repeat(row[None], 256, axis=0))
+    for top_k, top_p in ((20, 0.8), (None, 0.5), (7, None)):
+        ids = baseline.vllm_style_sample(logits, torch.full((256,), 0.8),
+                                         None if top_k is None else torch.full((256,), top_k),
+                                         None if top_p is None else torch.full((256,), top_p))
+        ref = reference_row(row, 0.8, -1 if top_k is None else top_k, 1.0 if top_p is None else top_p)
+        assert set(ids.tolist()) <= set(ref.support.tolist())
+
+
+def test_previous_top_p_path_restores_the_candidate_count():
+    from triton_sampling_mask.sampling import sampler
+
+    saved = sampler._TOP_P_CANDIDATES
+    with pytest.raises(RuntimeError), kernel.previous_top_p_path(10 * saved):
+        assert sampler._TOP_P_CANDIDATES == 10 * saved
+        raise RuntimeError("a failing call")
+    assert sampler._TOP_P_CANDIDATES == saved
+
+
+def test_floor_targets_read_their_cases():
+    """b1/b2/b3 read B=1 V=151936, B=1 V=32000 and B=64 V=151936 (top_k 512) on the full grid."""
+    grid = kernel.FULL_GRID
+    cases = [{"rows": b, "vocab": v, "top_k": k, "logits": "fp32", "ours_over_floor_mask": b + v / 1e6 + k / 1e9,
+              "ours_over_floor_nomask": 1.0, "speedup_vs_baseline_mask": 20.0, "speedup_vs_baseline_nomask": 20.0,
+              "mask_on_over_off": 1.0, "best_of": dict.fromkeys(("ours_over_floor_mask", "speedup_vs_baseline_mask",
+                                                                 "mask_on_over_off"), 1.0)}
+             for b in grid["rows"] for v in grid["vocab"] for k in grid["top_k"]]
+    targets = report.verdicts(cases, None)
+    assert "b" not in targets
+    for key, (rows, vocab) in {"b1": (1, 151936), "b2": (1, 32000), "b3": (64, 151936)}.items():
+        assert targets[key]["case"] == f"B={rows} V={vocab} top_k=512 (fp32)" and not targets[key]["stand_in"]
+        assert targets[key]["value"] == pytest.approx(rows + vocab / 1e6 + 512 / 1e9)
+    assert [targets[k]["threshold"] for k in ("b1", "b2", "b3")] == [1.5, 2.0, 1.0]
+
+
+def _positive_finite(value) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+def _check_targets_and_top_p(results: dict) -> None:
+    """The new floor targets (each with its three views) and the top-p case, all positive and finite."""
+    assert {"a", "b1", "b2", "b3", "c"} <= set(results["targets"])
+    for key in ("b1", "b2", "b3"):
+        verdict = results["targets"][key]
+        assert all(_positive_finite(verdict[view]) for view in ("value", "paired_median", "best_of_rounds")), verdict
+    top_p = results["top_p"]
+    assert top_p["top_k"] == -1 and top_p["vocab"] > top_p["candidates"]  # the candidates path runs
+    assert {"ours", "previous", "baseline"} <= set(top_p["ms"])
+    assert all(_positive_finite(v) for v in [*top_p["ms"].values(), *top_p["over_ours"].values()])
+
+
 @pytest.mark.timeout(240)
 def test_tiny_benchmark_writes_results(tmp_path):
     """`make bench` on tiny sizes, served part included (it starts its own tritonserver)."""
@@ -54,9 +110,24 @@ def test_tiny_benchmark_writes_results(tmp_path):
         plot_args = ["--no-plot"]
     run.main(["--tiny", "--output", str(output), *plot_args])
     results = json.loads(output.read_text())
-    assert {"a", "b", "c", "d"} <= set(results["targets"])
-    assert len(results["kernel"]) == 3
+    assert {"a", "b1", "b2", "b3", "c", "d"} <= set(results["targets"])
+    assert results["complete"] and len(results["kernel"]) == 5  # 2 B x 2 V, plus the bf16 headline
+    _check_targets_and_top_p(results)
     protocols = {entry["protocol"] for entry in results["served"]["served"]}
     assert protocols == {"http", "grpc", "grpc_shm"}
     assert all(entry["requests"] > 0 for entry in results["served"]["served"])
     assert plot_args == ["--no-plot"] or plot.stat().st_size > 0
+
+
+@pytest.mark.timeout(120)
+def test_tiny_gpu_grid_runs_on_cpu(tmp_path):
+    """What bench/gpu.sh runs with BENCH_DEVICE=cpu: the gpu grid's rivals, FlashInfer skipped."""
+    output = tmp_path / "gpu.json"
+    run.main(["--grid", "gpu", "--tiny", "--skip-served", "--no-plot", "--output", str(output)])
+    results = json.loads(output.read_text())
+    assert results["flashinfer"].startswith("skipped")
+    _check_targets_and_top_p(results)
+    assert "vllm" in results["top_p"]["ms"]
+    for case in results["kernel"]:
+        assert {"ours_plain_mask", "vllm_nomask", "baseline_nomask"} <= set(case["rival_over_ours"])
+        assert all(_positive_finite(v) for v in case["rival_over_ours"].values())
