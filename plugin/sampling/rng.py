@@ -67,29 +67,41 @@ def step_seeds(seeds: torch.Tensor, step: int) -> torch.Tensor:
 
 
 # The same hash on host numpy arrays (uint64 arithmetic wraps and shifts logically by itself):
-# the CPU sampler's epilogue runs in numpy, whose per-op cost is a fraction of torch's.
+# the CPU sampler's epilogue runs in numpy, whose per-op cost is a fraction of torch's. The
+# constants are numpy scalars made once: building them per call would cost more than the hash.
 _MASK64 = (1 << 64) - 1
+_NP_MUL_1, _NP_MUL_2 = np.uint64(MIX_MUL_1 & _MASK64), np.uint64(MIX_MUL_2 & _MASK64)
+_NP_GOLDEN = np.uint64(GOLDEN_GAMMA & _MASK64)
+_NP_SHIFTS = tuple(np.uint64(bits) for bits in (30, 27, 31, 64 - UNIFORM_BITS))
+_NP_UNIFORM_SCALE = 1.0 / (1 << (UNIFORM_BITS + 1))
 
 
 def mix64_numpy(x: np.ndarray) -> np.ndarray:
     """`mix64` on uint64 numpy arrays, bit for bit."""
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(MIX_MUL_1 & _MASK64)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(MIX_MUL_2 & _MASK64)
-    return x ^ (x >> np.uint64(31))
+    x = x ^ (x >> _NP_SHIFTS[0])
+    x *= _NP_MUL_1
+    x ^= x >> _NP_SHIFTS[1]
+    x *= _NP_MUL_2
+    x ^= x >> _NP_SHIFTS[2]
+    return x
 
 
 def seed_state_numpy(seeds: np.ndarray) -> np.ndarray:
     """`seed_state` on the int64 (or uint64) bit patterns of seeds; returns uint64 keys."""
-    return mix64_numpy(np.asarray(seeds).view(np.uint64) ^ np.uint64(GOLDEN_GAMMA & _MASK64))
+    return mix64_numpy(np.asarray(seeds).view(np.uint64) ^ _NP_GOLDEN)
 
 
 def uniform_numpy(state: np.ndarray, token_ids: np.ndarray) -> np.ndarray:
     """`uniform` on uint64 keys [rows, 1] and int64 ids [rows, n], as float64 (same values)."""
-    bits = mix64_numpy(state + np.asarray(token_ids).view(np.uint64) * np.uint64(GOLDEN_GAMMA & _MASK64))
-    top = (bits >> np.uint64(64 - UNIFORM_BITS)).astype(np.float64)
-    return (top * 2 + 1) * (1.0 / (1 << (UNIFORM_BITS + 1)))
+    bits = np.asarray(token_ids).view(np.uint64) * _NP_GOLDEN
+    bits += state
+    top = (mix64_numpy(bits) >> _NP_SHIFTS[3]).astype(np.float64)
+    return (top * 2 + 1) * _NP_UNIFORM_SCALE
 
 
 def gumbel_numpy(state: np.ndarray, token_ids: np.ndarray) -> np.ndarray:
     """Gumbel noise from `uniform_numpy`, in float64 (the same uniforms as every other device)."""
-    return -np.log(-np.log(uniform_numpy(state, token_ids)))
+    noise = np.log(uniform_numpy(state, token_ids))
+    np.negative(noise, out=noise)
+    np.log(noise, out=noise)
+    return np.negative(noise, out=noise)

@@ -80,10 +80,13 @@ class SamplingResult:
     @classmethod
     def empty(cls, rows: int, mask_width: int, device: torch.device) -> "SamplingResult":
         """Outputs to fill group by group (-1 padded masks, zeros elsewhere)."""
-        zeros = lambda dtype: torch.zeros(rows, dtype=dtype, device=device)  # noqa: E731
-        return cls(zeros(torch.int64), zeros(torch.float32), torch.full((rows, mask_width), -1, dtype=torch.int32, device=device),
-                   zeros(torch.int32), zeros(torch.float32),
-                   torch.full((rows, mask_width), float("-inf"), dtype=torch.float32, device=device), zeros(torch.float32))
+        if device.type == "cpu":  # numpy allocations, shared with torch: cheaper than torch's own
+            full = lambda shape, value, dtype: torch.from_numpy(np.full(shape, value, dtype))  # noqa: E731
+        else:
+            full = lambda shape, value, dtype: torch.full(shape, value, dtype=getattr(torch, np.dtype(dtype).name), device=device)  # noqa: E731
+        return cls(full(rows, 0, np.int64), full(rows, 0, np.float32), full((rows, mask_width), -1, np.int32),
+                   full(rows, 0, np.int32), full(rows, 0, np.float32), full((rows, mask_width), -np.inf, np.float32),
+                   full(rows, 0, np.float32))
 
     def host(self) -> dict[str, np.ndarray]:
         """Every field as numpy, with one device-to-host copy for a packed result."""
@@ -230,15 +233,26 @@ def ranked_candidates(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch
     # exact without another pass over the vocabulary.
     fetched = k + min(vocab - k, 16 + k // 4)
     values, ids = torch.topk(logits, fetched, dim=-1, sorted=True)
-    boundary = values[:, k - 1]
-    overflows = (values[:, -1] == boundary) & (boundary > float("-inf"))
+    # On the CPU the small [rows, fetched] bookkeeping runs in numpy (views, no copies): a numpy
+    # op costs a few microseconds where a torch op's dispatch costs several times that.
+    array = np if logits.device.type == "cpu" else torch
+    view = (lambda tensor: tensor.numpy()) if array is np else (lambda tensor: tensor)  # noqa: E731
+    values_view = view(values.float() if values.dtype != torch.float32 and array is np else values)
+    boundary = values_view[:, k - 1]
+    overflows = (values_view[:, -1] == boundary) & (boundary > float("-inf"))
     if bool(overflows.any()):  # the run reaches past the fetched set: find its lowest ids
-        ids = _repair_boundary_ties(logits, values, ids, overflows)
+        ids = _repair_boundary_ties(logits, values, ids, torch.as_tensor(overflows).to(logits.device))
     # topk already ranks by value, so only ids inside runs of equal values may be out of order:
     # one sort of the key (run index, id), nearly sorted already, replaces two full sorts.
-    run = torch.cumsum(values[:, 1:] != values[:, :-1], dim=-1)
-    run = torch.cat([run.new_zeros(rows, 1), run], dim=-1) * vocab
-    ids = torch.sort(run + ids, dim=-1).values - run
+    changes = values_view[:, 1:] != values_view[:, :-1]
+    if array is np:
+        run = np.zeros((rows, fetched), np.int64)
+        np.cumsum(changes, axis=1, out=run[:, 1:])
+        run *= vocab
+        ids = torch.from_numpy(np.sort(run + ids.numpy(), axis=1) - run)
+    else:
+        run = torch.cat([changes.new_zeros(rows, 1, dtype=torch.int64), torch.cumsum(changes, dim=-1)], dim=-1) * vocab
+        ids = torch.sort(run + ids, dim=-1).values - run
     return values[:, :k], ids[:, :k]
 
 
@@ -279,6 +293,9 @@ def _log_normaliser(logits: torch.Tensor, row_max: torch.Tensor, temperature: to
         scratch = logits - row_max.unsqueeze(1)
         scratch.div_(temperature.unsqueeze(1)).exp_()
         return scratch.sum(dim=-1).to(torch.float64).log()
+    if rows * vocab <= _NORMALISER_BLOCK_ELEMENTS:  # small batches: one fused library call
+        scaled_max = (row_max / temperature).unsqueeze(1)
+        return (torch.logsumexp(logits / temperature.unsqueeze(1), dim=-1, keepdim=True) - scaled_max).squeeze(1).to(torch.float64)
     block = max(1, min(rows, _NORMALISER_BLOCK_ELEMENTS // max(vocab, 1)))
     scratch = torch.empty(block, vocab, dtype=torch.float32)
     sums = torch.empty(rows, dtype=torch.float32)
@@ -323,36 +340,45 @@ class _RowParams:
 
 def _epilogue_numpy(values: torch.Tensor, ids: torch.Tensor, log_z: torch.Tensor, rows: _RowParams, mask_width: int) -> dict:
     """The prefix rules, the seeded draw and the outputs over [rows, k] ranked candidates, in float64
-    numpy: on CPU a numpy op costs a fraction of a torch op's dispatch, and these arrays are small."""
-    values = values.float().numpy().astype(np.float64)  # bf16 / fp16: exact in float32
+    numpy: on CPU a numpy op costs a fraction of a torch op's dispatch, and these arrays are small.
+    Returned mask columns stop at the longest support (the caller's arrays are padded already)."""
+    values32 = (values if values.dtype == torch.float32 else values.float()).numpy()  # bf16 / fp16: exact
     ids = ids.numpy()
-    count, k = values.shape
+    count, k = values32.shape
+    rank = np.arange(k)
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):  # NaN / inf rows: refused later
-        scaled = (values - values[:, :1]) / rows.temperature[:, None].astype(np.float64)
-        logp = scaled - log_z.numpy()[:, None]
-        probs = np.exp(logp)
-        rank = np.arange(k)
-        keep = (rank < rows.k_eff[:, None]) & (values > -np.inf)
-        top_p = rows.top_p[:, None].astype(np.float64)
-        keep &= (top_p >= 1) | (np.cumsum(probs, axis=1) - probs <= top_p)
-        keep &= np.exp(scaled) >= rows.min_p[:, None].astype(np.float64)  # p / p_max >= min_p
+        scaled = values32.astype(np.float64)
+        scaled -= scaled[:, :1]
+        scaled /= rows.temperature.astype(np.float64)[:, None]
+        relative = np.exp(scaled)  # p / p_max
+        keep = (rank < rows.k_eff[:, None]) & (values32 > -np.inf)
+        if (rows.top_p < 1).any():
+            probs = relative * np.exp(-log_z.numpy())[:, None]
+            top_p = rows.top_p.astype(np.float64)[:, None]
+            keep &= (top_p >= 1) | (np.cumsum(probs, axis=1) - probs <= top_p)
+        if (rows.min_p > 0).any():
+            keep &= relative >= rows.min_p.astype(np.float64)[:, None]
         support_len = keep.sum(axis=1)  # each rule keeps a prefix
-        score = np.where(keep, scaled + rng.gumbel_numpy(rng.seed_state_numpy(rows.seed)[:, None], ids), -np.inf)
+        # Past the longest support nothing can be drawn or returned: the rest of the work stops there.
+        longest = max(1, int(support_len.max()))
+        keep, scaled, relative, ids_kept = keep[:, :longest], scaled[:, :longest], relative[:, :longest], ids[:, :longest]
+        score = np.where(keep, scaled + rng.gumbel_numpy(rng.seed_state_numpy(rows.seed)[:, None], ids_kept), -np.inf)
         pick = score.argmax(axis=1)
-        token_logp = logp[np.arange(count), pick]
-        support_logmass = np.logaddexp.reduce(np.where(keep, logp, -np.inf), axis=1)
-        width = min(k, mask_width)
+        token_scaled = scaled[np.arange(count), pick]
+        # log of the support's mass relative to p_max: a singleton's renormalised log-prob is 0 exactly.
+        support_log_mass = np.log(np.where(keep, relative, 0.0).sum(axis=1))
+        width = min(longest, mask_width)
         mask_len = np.where(rows.want_mask, np.minimum(support_len, mask_width), 0)
         in_mask = rank[:width] < mask_len[:, None]
-        support_logprobs = np.where(in_mask, logp[:, :width] - support_logmass[:, None], -np.inf)
+        support_logprobs = np.where(in_mask, scaled[:, :width] - support_log_mass[:, None], -np.inf)
     return {
-        "token_ids": ids[np.arange(count), pick],
-        "logprobs": token_logp.astype(np.float32),
-        "mask_ids": np.where(in_mask, ids[:, :width], -1).astype(np.int32),
+        "token_ids": ids_kept[np.arange(count), pick],
+        "logprobs": (token_scaled - log_z.numpy()).astype(np.float32),
+        "mask_ids": np.where(in_mask, ids_kept[:, :width], -1).astype(np.int32),
         "mask_len": mask_len.astype(np.int32),
-        "mask_logprobs": np.where(rows.want_mask, token_logp - support_logmass, 0).astype(np.float32),
+        "mask_logprobs": np.where(rows.want_mask, token_scaled - support_log_mass, 0).astype(np.float32),
         "mask_support_logprobs": support_logprobs.astype(np.float32),
-        "row_max": values[:, 0].astype(np.float32),
+        "row_max": values32[:, 0],
         "support_len": support_len,
     }
 
