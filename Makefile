@@ -6,7 +6,7 @@ PYTHON := $(VENV)/bin/python
 MODEL_REPOSITORY ?= model_repository
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test soak bench clean
+.PHONY: setup serve probe test soak stress bench clean
 
 setup: $(VENV)/.installed
 
@@ -16,13 +16,32 @@ $(VENV)/.installed: pyproject.toml
 	# torch==2.13.0 pins the CPU wheel kept on these machines; elsewhere any torch>=2.4 will do.
 	$(PYTHON) -m pip install --quiet torch==2.13.0 || $(PYTHON) -m pip install --quiet 'torch>=2.4'
 	$(PYTHON) -m pip install --quiet -e '.[server,client,test,lint,generate]'
+	# checkov (the Helm chart's static analysis) in a venv of its own: its pins would downgrade ours.
+	test -x $(VENV)/checkov/bin/checkov || { $(SYSTEM_PYTHON) -m venv $(VENV)/checkov && $(VENV)/checkov/bin/pip install --quiet checkov==3.3.30; }
+	# jemalloc for tritonserver (plugin/ops/allocator.py); glibc's malloc is the fallback where it can't be installed.
+	@ldconfig -p 2>/dev/null | grep -q libjemalloc.so.2 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  { apt-get update -qq >/dev/null && apt-get install -y -qq libjemalloc2 >/dev/null; } ; } || \
+	  echo "note: libjemalloc2 not installed; tritonserver runs with glibc malloc"
 	touch $@
 
+# tritonserver under the supervisor (restarts, model watchdog, :8003/ready, admin APIs locked);
+# SERVE_ARGS=--no-supervise execs tritonserver itself. See plugin/ops/launcher.py for the variables.
+SERVE_ARGS ?=
 serve: setup
-	exec $(PYTHON) -m triton_sampling_mask.ops.launcher --model-repository $(MODEL_REPOSITORY)
+	exec $(PYTHON) -m triton_sampling_mask.ops.launcher --model-repository $(MODEL_REPOSITORY) $(SERVE_ARGS)
+
+# One real inference per model against a running server (exit 0/1), as a Kubernetes exec probe runs it.
+PROBE_ARGS ?= --model sampler --model generate
+probe:
+	$(PYTHON) -m triton_sampling_mask.ops.probe --url localhost:$${TRITON_HTTP_PORT:-8000} $(PROBE_ARGS)
 
 test: setup
 	$(PYTHON) -m pytest $(PYTEST_ARGS)
+
+# 128 clients x 16 x 151936 rows for 3 rounds of 30 s: shed share, p99 and RSS per round (README "Stress").
+STRESS_ARGS ?= --clients 128 --rows 16 --vocab 151936 --rounds 3 --duration 30
+stress: setup
+	$(PYTHON) -m triton_sampling_mask.ops.stress --model-repository $(MODEL_REPOSITORY) $(STRESS_ARGS)
 
 # 32 clients (HTTP and gRPC) for 60 s against a fresh server; prints the report, fails on loss/5xx/RSS growth.
 SOAK_ARGS ?= --clients 32 --duration 60

@@ -32,6 +32,8 @@ _outcomes: dict[str, tuple[str, str]] = {}  # nodeid -> (outcome, skip reason)
 
 
 def _place(item, external: ExternalTritonServer | None) -> str:
+    if "served" in item.fixturenames:  # test_survival: a launcher of its own, crashed and SIGTERMed
+        return "nowhere (needs a local launcher of its own)" if external else "a local supervised launcher of its own"
     if external is not None and item.nodeid.split("[")[0] in OWN_SERVER_TESTS:
         return "nowhere (needs a local server of its own)"
     if external is not None and any(name in item.fixturenames for name in SERVER_FIXTURES):
@@ -52,6 +54,8 @@ def pytest_collection_modifyitems(config, items):
         reason = OWN_SERVER_TESTS.get(item.nodeid.split("[")[0])
         if external is not None and reason:
             item.add_marker(pytest.mark.skip(reason=reason))
+        elif external is not None and "served" in item.fixturenames:
+            item.add_marker(pytest.mark.skip(reason="crashes and SIGTERMs the server it tests: needs a local launcher of its own"))
 
 
 def pytest_runtest_logreport(report):

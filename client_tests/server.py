@@ -124,6 +124,7 @@ class ExternalTritonServer:
     http_url: str
     grpc_url: str
     metrics_url: str
+    admin_key: str | None = None  # the container's TRITON_ADMIN_KEY (model control needs it)
     log_path: Path | None = None
     model_control: str = "none"
 
@@ -137,6 +138,7 @@ class ExternalTritonServer:
             http_url=os.environ["TRITON_EXTERNAL_HTTP_URL"],
             grpc_url=os.environ["TRITON_EXTERNAL_GRPC_URL"],
             metrics_url=os.environ.get("TRITON_EXTERNAL_METRICS_URL", ""),
+            admin_key=os.environ.get("TRITON_EXTERNAL_ADMIN_KEY"),
             log_path=Path(log) if log else None,
             model_control=os.environ.get("TRITON_EXTERNAL_MODEL_CONTROL", "none"),
         )

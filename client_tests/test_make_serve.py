@@ -17,7 +17,8 @@ from .server import MODEL_REPOSITORY, REPO_ROOT
 def test_make_serve_honours_the_environment_and_stops_on_sigterm(tmp_path):
     repository = tmp_path / "repo"
     shutil.copytree(MODEL_REPOSITORY / "sampler", repository / "sampler")
-    ports = {"TRITON_HTTP_PORT": free_port(), "TRITON_GRPC_PORT": free_port(), "TRITON_METRICS_PORT": free_port()}
+    ports = {"TRITON_HTTP_PORT": free_port(), "TRITON_GRPC_PORT": free_port(), "TRITON_METRICS_PORT": free_port(),
+             "TRITON_PROBE_PORT": free_port()}
     env = {**os.environ, "MODEL_REPOSITORY": str(repository), **{k: str(v) for k, v in ports.items()}}
     log = open(tmp_path / "serve.log", "w")
     # A session of its own, so cleanup can reach the exec'd tritonserver whatever happens to make.

@@ -15,10 +15,16 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+from triton_sampling_mask.client.sampler_client import admin_headers
 from triton_sampling_mask.ops.launcher import TritonServer
 
 from .reliability import INTERNAL, INVALID_ARGUMENT, check_against_reference, expect_error, scrape
 from .server import FAULTY_SAMPLER, ExternalTritonServer, add_faulty_sampler, build_test_repository, infer
+
+
+def keyed(server) -> dict | None:
+    """The admin-key header model control needs where the server locks it (the container does)."""
+    return admin_headers("http", getattr(server, "admin_key", None))
 
 FAULTY = FAULTY_SAMPLER
 FAULT_LOG = "sampler internal error: RuntimeError: injected sampler fault"  # faulty_backend.py's error, as logged
@@ -118,11 +124,11 @@ def test_unload_and_load_under_load(explicit_server):
         for _ in range(RELOAD_CYCLES):
             before = answered()
             assert wait_until(lambda: answered() >= before + 20), "traffic is not being answered"
-            control.unload_model("sampler")
+            control.unload_model("sampler", headers=keyed(explicit_server))
             assert wait_until(lambda: not control.is_model_ready("sampler"))
             refused = sum(sum(c.errors.values()) for c in clients)
             assert wait_until(lambda: sum(sum(c.errors.values()) for c in clients) >= refused + 4)
-            control.load_model("sampler")
+            control.load_model("sampler", headers=keyed(explicit_server))
             assert control.is_model_ready("sampler")
             after_load = answered()
             assert wait_until(lambda: answered() >= after_load + 20), "traffic did not recover after load"
@@ -153,7 +159,7 @@ def test_internal_fault_is_a_per_request_500_and_the_stub_survives(explicit_serv
     internal_before = counter_value(scrape(explicit_server.metrics_url), "sampler_requests_total", internal)
     faults_before = log_count(explicit_server, FAULT_LOG)
     try:
-        client.load_model(FAULTY)
+        client.load_model(FAULTY, headers=keyed(explicit_server))
         logits = np.random.default_rng(0).standard_normal((1, VOCAB)).astype(np.float32)
         for c, module in ((client, httpclient), (gclient, grpcclient), (client, httpclient)):
             message = expect_error(lambda: infer(c, module, FAULTY, logits, top_k=4), INTERNAL)
@@ -171,7 +177,7 @@ def test_internal_fault_is_a_per_request_500_and_the_stub_survives(explicit_serv
         check_against_reference(outputs, logits, TEMPERATURE, TOP_K, want_mask=True)
     finally:
         try:
-            client.unload_model(FAULTY)
+            client.unload_model(FAULTY, headers=keyed(explicit_server))
         finally:
             client.close()  # an open connection would hold the server's shutdown for 30 s
             gclient.close()

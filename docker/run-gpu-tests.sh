@@ -41,7 +41,9 @@ mapfile -t server_flags <<<"$flags"
 
 # --ipc=host: the client's system shared-memory regions must be visible to the server (and the
 # Python backend's /dev/shm regions then use the host's). serve.sh adds the shm and CUDA-pool sizes.
-container="$(docker run -d --gpus all --ipc=host \
+# The container locks its admin APIs with this key; the tests that load and unload models send it.
+ADMIN_KEY="$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')"
+container="$(docker run -d --gpus all --ipc=host -e "TRITON_ADMIN_KEY=$ADMIN_KEY" \
     -p "$HTTP_PORT:8000" -p "$GRPC_PORT:8001" -p "$METRICS_PORT:8002" \
     -v "$workdir/models:/models:ro" "$IMAGE" bash /opt/triton-sampling-mask/serve.sh "${server_flags[@]}")"
 # Some tests read the server's log (test_reload, test_generate): stream it to a file as it grows.
@@ -65,4 +67,5 @@ TRITON_EXTERNAL_GRPC_URL="127.0.0.1:$GRPC_PORT" \
 TRITON_EXTERNAL_METRICS_URL="http://127.0.0.1:$METRICS_PORT/metrics" \
 TRITON_EXTERNAL_LOG="$SERVER_LOG" \
 TRITON_EXTERNAL_MODEL_CONTROL=explicit \
+TRITON_EXTERNAL_ADMIN_KEY="$ADMIN_KEY" \
     .venv/bin/python -m pytest client_tests "$@"

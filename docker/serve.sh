@@ -37,9 +37,13 @@ for ((gpu = 0; gpu < gpu_count; gpu++)); do
     pools+=("--cuda-memory-pool-byte-size=${gpu}:${CUDA_POOL_BYTES}")
 done
 
+# The launcher's supervisor runs the image's tritonserver: restarts it when it dies, reloads a model
+# whose stub died, serves :8003/ready (a real inference works) and locks the admin APIs with
+# TRITON_ADMIN_KEY (a random one when unset). Flags after "--" go to tritonserver and win.
 command=(
-    tritonserver
-    "--model-repository=${MODEL_REPOSITORY}"
+    python3 -m triton_sampling_mask.ops.launcher
+    --model-repository "${MODEL_REPOSITORY}"
+    --
     "--backend-config=python,shm-default-byte-size=${SHM_DEFAULT_BYTES}"
     "--backend-config=python,shm-growth-byte-size=${SHM_GROWTH_BYTES}"
     "--pinned-memory-pool-byte-size=${PINNED_POOL_BYTES}"

@@ -222,7 +222,10 @@ def test_server_flags_hold_the_largest_request_of_the_config():
                                model_config_pb2.ModelConfig())
     largest_request = 4 * config.max_batch_size * int(config.parameters["max_vocab_size"].string_value)
     command = serve_command(gpu_count=3)
-    assert command[0] == "tritonserver" and command[-1] == "--model-control-mode=explicit"
+    # The supervisor runs tritonserver (README "Failure modes"); its flags follow the "--".
+    assert command[:3] == ["python3", "-m", "triton_sampling_mask.ops.launcher"], command
+    assert command[-1] == "--model-control-mode=explicit"
+    command = command[command.index("--") :]
     flags = dict(arg.split("=", 1) for arg in command[1:] if arg.startswith("--") and "=" in arg and "cuda-memory" not in arg)
     backend = dict(arg.split("=", 1)[1].split(",", 1)[1].split("=") for arg in command if arg.startswith("--backend-config=python,"))
     default, growth = int(backend["shm-default-byte-size"]), int(backend["shm-growth-byte-size"])

@@ -4,10 +4,23 @@ The wheel carries the server binary, the Python backend and one stub per Python 
 embeds the system libpython, ignores PYTHONPATH and finds packages through the `python3` first on
 PATH, so the server runs with this virtual environment's bin/ first on PATH.
 
-    python -m triton_sampling_mask.ops.launcher [--model-repository DIR] [-- extra tritonserver flags]
+    python -m triton_sampling_mask.ops.launcher [--model-repository DIR] [--no-supervise]
+        [--probe-port N] [--watchdog-interval S] [--exit-timeout S] [--open-admin-apis]
+        [-- extra tritonserver flags]
 
-Ports come from TRITON_HTTP_PORT / TRITON_GRPC_PORT / TRITON_METRICS_PORT (8000/8001/8002).
-The launcher execs the server, so SIGTERM reaches tritonserver itself and stops it cleanly.
+By default tritonserver runs as the child of a supervisor (`ops.supervisor`): it is restarted
+with backoff when it dies, a watchdog sends every loaded model a tiny real inference every few
+seconds and reloads a model whose stub died, `http://:TRITON_PROBE_PORT/ready` (default 8003)
+answers 200 only while those inferences work, SIGTERM stops everything within 10 s, and the
+stubs' /dev/shm regions are removed after any exit. `--no-supervise` execs tritonserver instead
+(same flags, none of that). Either way the server runs hardened (`hardening_args`): every model
+loaded in explicit model-control mode, a bounded exit timeout, and the shared-memory and
+model-repository APIs locked behind the admin key (TRITON_ADMIN_KEY; generated when unset).
+
+Environment: MODEL_REPOSITORY; TRITON_HTTP_PORT / TRITON_GRPC_PORT / TRITON_METRICS_PORT
+(8000/8001/8002); TRITON_PROBE_PORT (8003, 0 = no probe endpoint); TRITON_ADMIN_KEY,
+TRITON_ADMIN_KEY_FILE (where a generated key is written); TRITON_EXIT_TIMEOUT_S (5);
+TRITON_WATCHDOG_INTERVAL_S (2).
 """
 
 from __future__ import annotations
@@ -15,18 +28,35 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import re
+import secrets
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
+from .allocator import with_allocator
+from .shm_cleanup import remove_unused_regions, server_shm_prefix
+
 DEFAULT_PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}
 PORT_VARIABLES = {"http": "TRITON_HTTP_PORT", "grpc": "TRITON_GRPC_PORT", "metrics": "TRITON_METRICS_PORT"}
+DEFAULT_PROBE_PORT = 8003
+# The admin surfaces: anyone who reaches them can map host shared memory into the server or
+# load and unload models. Requests to them must carry ADMIN_HEADER: <key>; over gRPC Triton
+# expects the header as GRPC_ADMIN_HEADER. The client's copy is client.sampler_client.ADMIN_HEADER.
+ADMIN_APIS = ("shared-memory", "model-repository")
+ADMIN_HEADER = "triton-admin-key"
+GRPC_ADMIN_HEADER = "triton-grpc-protocol-" + ADMIN_HEADER
+# Seconds tritonserver waits on SIGTERM for in-flight requests (and, in 2.51, for idle keep-alive
+# HTTP clients and open gRPC streams to a decoupled model) before it exits anyway; Triton's own
+# default is 30.
+DEFAULT_EXIT_TIMEOUT_S = 5
 
 
 def pytriton_root() -> Path:
@@ -54,26 +84,103 @@ def prepare_backends(dest: Path | None = None) -> Path:
     return dest
 
 
+# Where NGC's tritonserver images install the server (used when nvidia-pytriton is absent).
+SYSTEM_TRITONSERVER = Path("/opt/tritonserver/bin/tritonserver")
+
+
+def has_pytriton() -> bool:
+    """Whether the nvidia-pytriton wheel (and so its tritonserver) is installed here."""
+    return importlib.util.find_spec("pytriton") is not None
+
+
+def system_tritonserver() -> str:
+    """The image's own tritonserver (NGC containers), for environments without nvidia-pytriton."""
+    found = shutil.which("tritonserver") or (str(SYSTEM_TRITONSERVER) if SYSTEM_TRITONSERVER.exists() else None)
+    if found is None:
+        raise RuntimeError("no tritonserver: install nvidia-pytriton (`make setup`) or run in a Triton image")
+    return found
+
+
 def server_environment() -> dict[str, str]:
-    """The environment tritonserver needs: this venv's bin/ first, the wheel's shared libraries."""
+    """The environment tritonserver needs: this venv's bin/ first, the wheel's shared libraries
+    (a Triton image's own server needs neither, and gets the environment unchanged but PATH)."""
     env = dict(os.environ)
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
-    libs = pytriton_root().parent / "nvidia_pytriton.libs"
-    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in [str(libs), env.get("LD_LIBRARY_PATH", "")] if p)
-    return env
+    if has_pytriton():
+        libs = pytriton_root().parent / "nvidia_pytriton.libs"
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in [str(libs), env.get("LD_LIBRARY_PATH", "")] if p)
+    return with_allocator(env)  # jemalloc where installed: glibc's malloc fragments under load
 
 
 def server_command(model_repository: Path, ports: dict[str, int], extra_args: list[str] = ()) -> list[str]:
-    """The tritonserver command line for a repository and ports."""
+    """The tritonserver command line for a repository and ports: the nvidia-pytriton wheel's server
+    with the backends prepared for this Python, or else the Triton image's own with its backends."""
+    if has_pytriton():
+        binary = [str(pytriton_root() / "tritonserver" / "bin" / "tritonserver"), f"--backend-directory={prepare_backends()}"]
+    else:
+        binary = [system_tritonserver()]
     return [
-        str(pytriton_root() / "tritonserver" / "bin" / "tritonserver"),
+        binary[0],
         f"--model-repository={Path(model_repository).resolve()}",
-        f"--backend-directory={prepare_backends()}",
+        *binary[1:],
         f"--http-port={ports['http']}",
         f"--grpc-port={ports['grpc']}",
         f"--metrics-port={ports['metrics']}",
         *extra_args,
     ]
+
+
+def admin_args(admin_key: str, header: str = ADMIN_HEADER) -> list[str]:
+    """The tritonserver flags that lock ADMIN_APIS behind `header: admin_key` (HTTP and gRPC)."""
+    if not admin_key or not re.fullmatch(r"[A-Za-z0-9._~+/-]+", admin_key):
+        raise ValueError("the admin key must be non-empty and made of letters, digits and _.~+/- only")
+    apis = ",".join(ADMIN_APIS)
+    return [f"--http-restricted-api={apis}:{header}={admin_key}", f"--grpc-restricted-protocol={apis}:{header}={admin_key}"]
+
+
+def resolve_admin_key(http_port: int) -> tuple[str, str, Path | None]:
+    """(key, where it comes from, the file it was written to): TRITON_ADMIN_KEY, else a fresh
+    random key written, readable by this user only, to TRITON_ADMIN_KEY_FILE (default
+    <tmp>/triton-admin-key-<http port>). The key itself is never printed."""
+    key = os.environ.get("TRITON_ADMIN_KEY", "").strip()
+    if key:
+        admin_args(key)  # refuse a key the flags cannot carry, before anything starts
+        return key, "from TRITON_ADMIN_KEY", None
+    path = Path(os.environ.get("TRITON_ADMIN_KEY_FILE") or Path(tempfile.gettempdir()) / f"triton-admin-key-{http_port}")
+    key = secrets.token_urlsafe(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        os.fchmod(handle.fileno(), 0o600)
+        handle.write(key + "\n")
+    return key, f"generated and written to {path} (mode 0600; set TRITON_ADMIN_KEY to choose it)", path
+
+
+def hardening_args(extra_args: list[str], http_port: int, admin_key: str | None,
+                   exit_timeout_s: int = DEFAULT_EXIT_TIMEOUT_S) -> list[str]:
+    """The flags `make serve` adds before the caller's: every model loaded at start in explicit
+    model-control mode (so a model whose stub died can be reloaded), no auto-complete stub launch
+    (halves a model's load time; our configs are complete), a bounded exit timeout, the stub
+    regions under this server's own /dev/shm prefix, and the admin APIs locked when a key is given.
+    A flag the caller passes in `extra_args` wins over the one here."""
+    given = {arg.split("=", 1)[0] for arg in extra_args}
+    args = []
+    if "--model-control-mode" not in given:
+        args += ["--model-control-mode=explicit"]
+        if "--load-model" not in given:
+            args += ["--load-model=*"]
+    if not given & {"--disable-auto-complete-config", "--strict-model-config"}:
+        args.append("--disable-auto-complete-config")
+    if "--exit-timeout-secs" not in given:
+        args.append(f"--exit-timeout-secs={exit_timeout_s}")
+    args.append(f"--backend-config=python,shm-region-prefix-name={server_shm_prefix(http_port)}")
+    if admin_key is not None:
+        args += admin_args(admin_key)
+    return args
+
+
+def redact(command: list[str], secret: str | None) -> list[str]:
+    """`command` with `secret` replaced, for printing."""
+    return [arg.replace(secret, "<admin key>") for arg in command] if secret else list(command)
 
 
 def ports_from_environment() -> dict[str, int]:
@@ -89,12 +196,19 @@ def free_port() -> int:
 
 
 class TritonServer:
-    """A tritonserver child process on free ports, for tests and benchmarks (a context manager)."""
+    """A tritonserver child process on free ports, for tests and benchmarks (a context manager).
 
-    def __init__(self, model_repository: Path, extra_args: list[str] = (), log_path: Path | None = None):
+    With `admin_key` the shared-memory and model-repository APIs need that key (`admin_args`);
+    None leaves them open, as before. The stubs' /dev/shm regions carry this server's own prefix
+    and `stop` removes the ones left behind."""
+
+    def __init__(self, model_repository: Path, extra_args: list[str] = (), log_path: Path | None = None,
+                 admin_key: str | None = None):
         self.model_repository = Path(model_repository)
         self.extra_args = list(extra_args)
+        self.admin_key = admin_key
         self.ports = {name: free_port() for name in DEFAULT_PORTS}
+        self.shm_prefix = server_shm_prefix(self.ports["http"])
         self.log_path = log_path or Path(os.environ.get("TMPDIR", "/tmp")) / f"tritonserver-{self.ports['http']}.log"
         self.process: subprocess.Popen | None = None
 
@@ -110,17 +224,24 @@ class TritonServer:
     def metrics_url(self) -> str:
         return f"http://127.0.0.1:{self.ports['metrics']}/metrics"
 
+    def command(self) -> list[str]:
+        """The tritonserver command line this server runs."""
+        extra = [f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}", *self.extra_args]
+        if self.admin_key is not None:
+            extra = admin_args(self.admin_key) + extra
+        return server_command(self.model_repository, self.ports, extra)
+
     def start(self, timeout_s: float = 180.0) -> "TritonServer":
         """Start the server and wait until every model is ready; raises with the log tail if not."""
-        command = server_command(self.model_repository, self.ports, self.extra_args)
         self._log = open(self.log_path, "w")
         self.process = subprocess.Popen(
-            command, stdout=self._log, stderr=subprocess.STDOUT, env=server_environment(), start_new_session=True
+            self.command(), stdout=self._log, stderr=subprocess.STDOUT, env=server_environment(), start_new_session=True
         )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 self._log.close()
+                self._clean_up()
                 raise RuntimeError(f"tritonserver exited with {self.process.returncode}:\n{self.log_tail()}")
             if self.is_ready():
                 return self
@@ -137,7 +258,8 @@ class TritonServer:
             return False
 
     def stop(self, timeout_s: float = 30.0) -> int | None:
-        """SIGTERM (Triton's clean shutdown), then SIGKILL if it lingers; returns the exit code."""
+        """SIGTERM (Triton's clean shutdown), then SIGKILL if it lingers; returns the exit code.
+        Stubs the server left behind are killed and their /dev/shm regions removed."""
         if self.process is None:
             return None
         if self.process.poll() is None:
@@ -148,7 +270,12 @@ class TritonServer:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait()
         self._log.close()
+        self._clean_up()
         return self.process.returncode
+
+    def _clean_up(self) -> None:
+        end_process_group(self.process.pid)
+        remove_unused_regions(self.shm_prefix)
 
     def log_tail(self, chars: int = 4000) -> str:
         """The end of the server log."""
@@ -164,16 +291,82 @@ class TritonServer:
         self.stop()
 
 
+def group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes of process group `pgid`, from /proc."""
+    members = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            members.append(int(proc.name))
+    return members
+
+
+def end_process_group(pgid: int, timeout_s: float = 2.0) -> None:
+    """SIGKILL what is left of a server's process group (stubs outliving a crashed or timed-out
+    tritonserver) and wait, up to `timeout_s`, until none of it runs."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        return
+    deadline = time.monotonic() + timeout_s
+    while group_members(pgid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _env_number(name: str, default, kind=int):
+    value = os.environ.get(name, "").strip()
+    return kind(value) if value else default
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Exec tritonserver in the foreground on a model repository (used by `make serve`)."""
+    """Serve a model repository in the foreground (`make serve`, the container's command): under
+    the supervisor by default, or exec'd with --no-supervise."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-repository", default=os.environ.get("MODEL_REPOSITORY", "model_repository"))
+    parser.add_argument("--no-supervise", action="store_true",
+                        help="exec tritonserver: no restarts, no watchdog, no probe endpoint, no /dev/shm cleanup")
+    parser.add_argument("--probe-port", type=int, default=_env_number("TRITON_PROBE_PORT", DEFAULT_PROBE_PORT),
+                        help="port of the supervisor's /ready and /live (TRITON_PROBE_PORT; 0: none; default %(default)s)")
+    parser.add_argument("--watchdog-interval", type=float, default=_env_number("TRITON_WATCHDOG_INTERVAL_S", 2.0, float),
+                        help="seconds between watchdog rounds (TRITON_WATCHDOG_INTERVAL_S; default %(default)s)")
+    parser.add_argument("--probe-timeout", type=float, default=5.0, help="seconds a watchdog inference may take (default %(default)s)")
+    parser.add_argument("--exit-timeout", type=int, default=_env_number("TRITON_EXIT_TIMEOUT_S", DEFAULT_EXIT_TIMEOUT_S),
+                        help="tritonserver's --exit-timeout-secs (TRITON_EXIT_TIMEOUT_S; default %(default)s)")
+    parser.add_argument("--open-admin-apis", action="store_true",
+                        help="leave the shared-memory and model-repository APIs open to anyone (not recommended)")
     parser.add_argument("extra", nargs=argparse.REMAINDER, help="flags passed to tritonserver after --")
     args = parser.parse_args(argv)
     extra = args.extra[1:] if args.extra[:1] == ["--"] else args.extra
-    command = server_command(Path(args.model_repository), ports_from_environment(), extra)
-    print("+ " + " ".join(command), flush=True)
-    os.execve(command[0], command, server_environment())
+    for arg in extra:  # tritonserver's own flag, if given, is the exit timeout the supervisor honours
+        if arg.startswith("--exit-timeout-secs="):
+            args.exit_timeout = int(arg.split("=", 1)[1])
+
+    from .supervisor import Supervisor, SupervisorConfig
+
+    ports = ports_from_environment()
+    admin_key, key_file = None, None
+    if args.open_admin_apis:
+        print("[launcher] WARNING: the shared-memory and model-repository APIs are open to anyone (--open-admin-apis)", flush=True)
+    else:
+        admin_key, where, key_file = resolve_admin_key(ports["http"])
+        print(f"[launcher] the {' and '.join(ADMIN_APIS)} APIs need the header '{ADMIN_HEADER}' "
+              f"(gRPC: '{GRPC_ADMIN_HEADER}'); key {where}", flush=True)
+    if args.no_supervise:
+        command = server_command(Path(args.model_repository), ports,
+                                 hardening_args(extra, ports["http"], admin_key, args.exit_timeout) + extra)
+        print("+ " + " ".join(redact(command, admin_key)), flush=True)
+        os.execve(command[0], command, server_environment())
+    config = SupervisorConfig(
+        model_repository=Path(args.model_repository), ports=ports, extra_args=extra, admin_key=admin_key,
+        probe_port=args.probe_port, watchdog_interval_s=args.watchdog_interval, probe_timeout_s=args.probe_timeout,
+        exit_timeout_s=args.exit_timeout, admin_key_file=key_file,
+    )
+    sys.exit(Supervisor(config).run())
 
 
 if __name__ == "__main__":

@@ -1,0 +1,471 @@
+"""tritonserver under supervision: restarted when it dies, models reloaded when their stub dies,
+readiness that means "a real inference works", a bounded shutdown that leaves nothing behind.
+
+What it answers (issue 15), with Triton 2.51 / Python backend r24.10:
+
+- One request can kill a model's Python stub (a declared shape whose byte size wraps around
+  passes Triton's checks; the stub aborts before `execute`). The backend never restarts the
+  stub: every later request gets 500 "Stub process '<m>_0_0' is not healthy" while
+  /v2/health/ready stays 200. The watchdog sends each loaded model a tiny real inference every
+  `watchdog_interval_s` (`ops.probe`) and reloads the model (unload + load through the
+  model-repository API, explicit model-control mode) when the answer says the stub is dead, or
+  when a sampler-like model times out twice in a row without finishing any request in between
+  (its statistics did not move). A decoupled generator is never reloaded for a timeout: it runs
+  one batch at a time, so a long generation legitimately holds the probe past any timeout.
+- One HTTP body can kill tritonserver itself (deeply nested JSON, a JSON shape of 2**40). The
+  supervisor restarts it with backoff (0.5 s, doubling up to 30 s; back to 0.5 s once a server
+  ran a minute) and removes the dead server's /dev/shm stub regions first.
+- Readiness: `GET :probe_port/ready` is 200 only while the last watchdog round, at most a few
+  intervals old, got a correct answer from every model; `/live` is 200 while the supervisor
+  runs; `/status` is the last round as JSON.
+- SIGTERM/SIGINT: the watchdog stops, tritonserver gets SIGTERM (its --exit-timeout-secs bounds
+  the wait for in-flight requests, idle keep-alive clients and open decoupled streams), then
+  SIGKILL for its whole process group at `exit_timeout_s + 3` s; the stub regions no live
+  process maps are removed after every exit, clean or not. tritonserver runs in a session of
+  its own with a parent-death signal, so it cannot outlive a killed supervisor.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import signal
+import subprocess
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+from .launcher import (
+    ADMIN_HEADER,
+    DEFAULT_EXIT_TIMEOUT_S,
+    end_process_group,
+    hardening_args,
+    redact,
+    server_command,
+    server_environment,
+)
+from .probe import ProbeResult, http_request, probe_model
+from .shm_cleanup import remove_unused_regions, server_shm_prefix
+
+RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
+STABLE_RUN_S = 60.0  # a server that ran this long resets the restart backoff
+KILL_MARGIN_S = 3.0  # SIGKILL this long after tritonserver's own exit timeout
+TIMEOUTS_BEFORE_RELOAD = 2  # consecutive probe timeouts, with no progress between them: a hung stub
+RELOAD_TIMEOUT_S = 180.0
+RELOAD_BACKOFF_S = (2.0, 5.0, 15.0, 60.0)  # least time between two reloads of one model
+PR_SET_PDEATHSIG = 1
+
+try:
+    _prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here: the forked child must not load libraries
+except (OSError, AttributeError):  # not Linux
+    _prctl = None
+
+
+def _child_setup() -> None:
+    """In the forked tritonserver, before exec: die with the supervisor (SIGKILL)."""
+    if _prctl is not None:
+        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def log(message: str) -> None:
+    print(f"[supervisor] {message}", flush=True)
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
+
+
+@dataclass
+class SupervisorConfig:
+    """What the supervisor runs and how closely it watches."""
+
+    model_repository: Path
+    ports: dict[str, int]
+    extra_args: list[str] = field(default_factory=list)
+    admin_key: str | None = None
+    probe_port: int = 8003  # 0: no probe endpoint
+    watchdog_interval_s: float = 2.0
+    probe_timeout_s: float = 5.0
+    exit_timeout_s: int = DEFAULT_EXIT_TIMEOUT_S
+    admin_key_file: Path | None = None  # a generated key's file, removed at exit
+
+    @property
+    def http_url(self) -> str:
+        return f"127.0.0.1:{self.ports['http']}"
+
+    @property
+    def shm_prefix(self) -> str:
+        return server_shm_prefix(self.ports["http"])
+
+    def command(self) -> list[str]:
+        args = hardening_args(self.extra_args, self.ports["http"], self.admin_key, self.exit_timeout_s)
+        return server_command(self.model_repository, self.ports, args + self.extra_args)
+
+
+@dataclass
+class RoundReport:
+    """One watchdog round: each expected model's probe, or why there was none."""
+
+    finished: float  # time.monotonic()
+    results: dict[str, dict]
+    note: str = ""
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.results) and all(result["ok"] for result in self.results.values())
+
+    def as_json(self, max_age_s: float) -> dict:
+        age = time.monotonic() - self.finished
+        return {"passed": self.passed, "age_s": round(age, 3), "fresh": age <= max_age_s, "note": self.note,
+                "models": self.results}
+
+
+class Watchdog:
+    """Probes every model tritonserver has loaded and reloads the ones whose stub died."""
+
+    def __init__(self, config: SupervisorConfig):
+        self.config = config
+        self.headers = {ADMIN_HEADER: config.admin_key} if config.admin_key else {}
+        self.lock = threading.Lock()
+        self.last: RoundReport | None = None
+        self.reloads_done = 0
+        self._expected: set[str] = set()  # models that should answer: loaded once, not unloaded by an admin
+        self._configs: dict[str, dict] = {}
+        self._timeouts: Counter = Counter()
+        self._progress_seen: dict[str, tuple | None] = {}
+        self._reloading: dict[str, threading.Thread] = {}
+        self._reload_failures: Counter = Counter()
+        self._next_reload: dict[str, float] = {}
+        self._generation = 0  # which tritonserver process the state belongs to
+
+    @property
+    def max_age_s(self) -> float:
+        """How old the last round may be for /ready to trust it."""
+        return 3 * self.config.watchdog_interval_s + 2 * self.config.probe_timeout_s
+
+    def reset(self) -> None:
+        """A new tritonserver process: forget what the old one had loaded."""
+        with self.lock:
+            self._generation += 1
+            self._expected.clear()
+            self._configs.clear()
+            self._timeouts.clear()
+            self._progress_seen.clear()
+            self._next_reload.clear()
+            self._reload_failures.clear()
+            self.last = None
+
+    def ready(self) -> tuple[bool, dict]:
+        """(whether the last round passed and is fresh, its report)."""
+        with self.lock:
+            last = self.last
+        if last is None:
+            return False, {"passed": False, "note": "no watchdog round yet (tritonserver starting)", "models": {}}
+        report = last.as_json(self.max_age_s)
+        return report["passed"] and report["fresh"], report
+
+    def _url(self, path: str) -> str:
+        return f"http://{self.config.http_url}{path}"
+
+    def _index(self) -> list[dict]:
+        status, body = http_request("POST", self._url("/v2/repository/index"), b"{}", self.headers,
+                                    self.config.probe_timeout_s)
+        if status != 200:
+            raise ConnectionError(f"repository index: HTTP {status}: {body[:200].decode(errors='replace')}")
+        return json.loads(body)
+
+    def run_round(self) -> RoundReport:
+        """Probe every expected model once; start reloads where a stub is dead or hung."""
+        generation = self._generation
+        try:
+            index = self._index()
+        except (ConnectionError, TimeoutError, ValueError) as error:
+            report = RoundReport(time.monotonic(), {}, f"tritonserver not answering: {error}")
+            self._publish(report, generation)
+            return report
+        states = {entry["name"]: (entry.get("state", ""), entry.get("reason", "")) for entry in index}
+        with self.lock:
+            for name, (state, reason) in states.items():
+                if state == "READY":
+                    self._expected.add(name)
+                elif state == "UNAVAILABLE" and reason == "unloaded" and name not in self._reloading:
+                    self._expected.discard(name)  # an admin unloaded it: not ours to bring back
+            expected = sorted(self._expected)
+        results: dict[str, dict] = {}
+        for name in expected:
+            if name not in states:  # gone from the repository
+                with self.lock:
+                    self._expected.discard(name)
+                continue
+            state, reason = states[name]
+            if name in self._reloading:
+                results[name] = {"ok": False, "detail": "reloading (its stub died)"}
+            elif state != "READY":
+                results[name] = {"ok": False, "detail": f"state {state or 'unknown'}: {reason}"}
+                if state == "UNAVAILABLE":  # a failed (re)load: try again, with backoff
+                    self._start_reload(name, f"it is unavailable ({reason})", generation)
+            else:
+                probe = probe_model(self.config.http_url, name, self.config.probe_timeout_s, self._config_of(name))
+                results[name] = self._judge(name, probe, generation)
+        report = RoundReport(time.monotonic(), results, "" if expected else "no model loaded")
+        self._publish(report, generation)
+        return report
+
+    def _config_of(self, name: str) -> dict | None:
+        if name not in self._configs:
+            try:
+                status, body = http_request("GET", self._url(f"/v2/models/{name}/config"),
+                                            timeout_s=self.config.probe_timeout_s)
+                if status == 200:
+                    self._configs[name] = json.loads(body)
+            except (ConnectionError, TimeoutError, ValueError):
+                pass
+        return self._configs.get(name)
+
+    def _progress(self, name: str) -> tuple | None:
+        """(requests finished, executions) of a model from its statistics, None if unreadable."""
+        try:
+            status, body = http_request("GET", self._url(f"/v2/models/{name}/stats"), timeout_s=self.config.probe_timeout_s)
+            if status != 200:
+                return None
+            stats = json.loads(body).get("model_stats", [])
+            return (sum(int(s.get("inference_count", 0)) + int(s["inference_stats"]["fail"]["count"]) for s in stats),
+                    sum(int(s.get("execution_count", 0)) for s in stats))
+        except (ConnectionError, TimeoutError, ValueError, KeyError, TypeError):
+            return None
+
+    def _judge(self, name: str, probe: ProbeResult, generation: int) -> dict:
+        if probe.timed_out and probe.kind == "sampler":
+            progress = self._progress(name)
+            stuck = self._timeouts[name] > 0 and progress is not None and progress == self._progress_seen.get(name)
+            self._timeouts[name] = self._timeouts[name] + 1 if stuck else 1
+            self._progress_seen[name] = progress
+        else:
+            self._timeouts[name] = 0
+        if probe.unhealthy:
+            self._start_reload(name, f"its stub is dead ({probe.detail})", generation)
+        elif self._timeouts[name] >= TIMEOUTS_BEFORE_RELOAD:
+            self._start_reload(name, f"{self._timeouts[name]} probes in a row got no answer and it finished no "
+                               f"request meanwhile", generation)
+        return {"ok": probe.ok, "detail": probe.detail, "kind": probe.kind, "ms": round(probe.seconds * 1000, 1)}
+
+    def _publish(self, report: RoundReport, generation: int) -> None:
+        with self.lock:
+            if generation != self._generation:
+                return  # the server this round talked to is gone
+            was_ready = self.last is not None and self.last.passed
+            self.last = report
+        if report.passed and not was_ready:
+            log(f"watchdog: every model answers ({', '.join(sorted(report.results))}): ready")
+        elif was_ready and not report.passed:
+            failed = {name: r["detail"] for name, r in report.results.items() if not r["ok"]}
+            log(f"watchdog: not ready: {report.note or failed}")
+
+    def _start_reload(self, name: str, why: str, generation: int) -> None:
+        now = time.monotonic()
+        with self.lock:
+            if name in self._reloading or now < self._next_reload.get(name, 0.0):
+                return
+            thread = threading.Thread(target=self._reload, args=(name, why, generation), daemon=True,
+                                      name=f"reload-{name}")
+            self._reloading[name] = thread
+        thread.start()
+
+    def _reload(self, name: str, why: str, generation: int) -> None:
+        """Unload the model and load it again: a fresh instance with a new stub. (A plain load of
+        a loaded model whose files did not change is a no-op in Triton 2.51.) The dead instance
+        is never released by the backend; it holds Triton's shutdown until the exit timeout."""
+        started = time.monotonic()
+        log(f"watchdog: reloading '{name}': {why}")
+        ok, detail = False, ""
+        try:
+            status, body = http_request("POST", self._url(f"/v2/repository/models/{name}/unload"), b"{}",
+                                        self.headers, RELOAD_TIMEOUT_S)
+            if status == 200:
+                status, body = http_request("POST", self._url(f"/v2/repository/models/{name}/load"), b"{}",
+                                            self.headers, RELOAD_TIMEOUT_S)
+            ok, detail = status == 200, f"HTTP {status} {body[:200].decode(errors='replace')}"
+        except (ConnectionError, TimeoutError) as error:
+            detail = str(error)
+        seconds = time.monotonic() - started
+        with self.lock:
+            self._reloading.pop(name, None)
+            if generation != self._generation:
+                return
+            self._configs.pop(name, None)
+            self._timeouts[name] = 0
+            failures = 0 if ok else self._reload_failures[name] + 1
+            self._reload_failures[name] = failures
+            self._next_reload[name] = time.monotonic() + RELOAD_BACKOFF_S[min(failures, len(RELOAD_BACKOFF_S) - 1)]
+            if ok:
+                self.reloads_done += 1
+        if ok:
+            log(f"watchdog: reloaded '{name}' in {seconds:.1f} s")
+        else:
+            log(f"watchdog: reloading '{name}' failed after {seconds:.1f} s: {detail}")
+        removed = remove_unused_regions(self.config.shm_prefix)
+        if removed:
+            log(f"removed {len(removed)} unused /dev/shm stub region(s)")
+
+    def loop(self, stopping: threading.Event, server_running) -> None:
+        """Rounds every interval while the supervisor runs (none while tritonserver is down)."""
+        while not stopping.is_set():
+            started = time.monotonic()
+            if server_running():
+                try:
+                    self.run_round()
+                except Exception as error:  # the watchdog must outlive any surprise
+                    log(f"watchdog: round failed: {type(error).__name__}: {error}")
+            stopping.wait(max(0.0, self.config.watchdog_interval_s - (time.monotonic() - started)))
+
+
+class _ProbeHandler(BaseHTTPRequestHandler):
+    supervisor: "Supervisor"  # set on the subclass made per server
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        path = self.path.split("?", 1)[0].rstrip("/")
+        if path == "/live":
+            self._answer(200, {"live": True, "restarts": self.supervisor.restarts})
+        elif path in ("/ready", "/status"):
+            ready, report = self.supervisor.watchdog.ready()
+            report = {**report, "ready": ready, "server_running": self.supervisor.server_running(),
+                      "restarts": self.supervisor.restarts, "reloads": self.supervisor.watchdog.reloads_done}
+            ready = ready and report["server_running"]
+            self._answer(200 if ready or path == "/status" else 503, report)
+        else:
+            self._answer(404, {"error": "try /ready, /live or /status"})
+
+    def _answer(self, status: int, payload: dict) -> None:
+        body = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.write(body)
+        self.close_connection = True
+
+    def log_message(self, *args) -> None:  # probes every few seconds: no access log
+        pass
+
+
+class Supervisor:
+    """Runs tritonserver as a child until SIGTERM/SIGINT (see the module docstring)."""
+
+    def __init__(self, config: SupervisorConfig):
+        self.config = config
+        self.watchdog = Watchdog(config)
+        self.stopping = threading.Event()
+        self.stop_requested_at: float | None = None
+        self.child: subprocess.Popen | None = None
+        self.restarts = 0
+        self._probe_server: ThreadingHTTPServer | None = None
+
+    def server_running(self) -> bool:
+        child = self.child
+        return child is not None and child.poll() is None and not self.stopping.is_set()
+
+    def _on_signal(self, signum, frame) -> None:
+        if self.stop_requested_at is None:
+            self.stop_requested_at = time.monotonic()
+            log(f"{signal.Signals(signum).name} received: stopping tritonserver")
+        self.stopping.set()
+
+    def _start_probe_server(self) -> None:
+        if not self.config.probe_port:
+            return
+        handler = type("ProbeHandler", (_ProbeHandler,), {"supervisor": self})
+        self._probe_server = ThreadingHTTPServer(("0.0.0.0", self.config.probe_port), handler)
+        self._probe_server.daemon_threads = True
+        threading.Thread(target=self._probe_server.serve_forever, daemon=True, name="probe-http").start()
+        log(f"readiness on http://0.0.0.0:{self.config.probe_port}/ready (a real inference per model), "
+            f"liveness on /live")
+
+    def _start_child(self) -> None:
+        command = self.config.command()
+        log("+ " + " ".join(redact(command, self.config.admin_key)))
+        self.watchdog.reset()
+        # Its own session: a terminal's Ctrl-C reaches the supervisor only, which forwards it.
+        self.child = subprocess.Popen(command, env=server_environment(), start_new_session=True,
+                                      preexec_fn=_child_setup)
+
+    def _clean_up_after(self, child: subprocess.Popen) -> None:
+        end_process_group(child.pid)  # stubs a dead or timed-out server left running
+        removed = remove_unused_regions(self.config.shm_prefix)
+        if removed:
+            log(f"removed {len(removed)} /dev/shm stub region(s) left by tritonserver (pid {child.pid})")
+
+    def _stop_child(self) -> None:
+        child = self.child
+        if child is None:
+            return
+        asked = self.stop_requested_at or time.monotonic()
+        if child.poll() is None:
+            child.send_signal(signal.SIGTERM)
+            kill_at = asked + self.config.exit_timeout_s + KILL_MARGIN_S
+            try:
+                child.wait(timeout=max(0.0, kill_at - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log(f"tritonserver still running {time.monotonic() - asked:.1f} s after SIGTERM: SIGKILL")
+                end_process_group(child.pid)
+                child.wait()
+        self._clean_up_after(child)
+        log(f"tritonserver stopped ({describe_exit(child.returncode)}) {time.monotonic() - asked:.1f} s after the stop request")
+
+    def run(self) -> int:
+        """Serve until SIGTERM/SIGINT; returns the exit status (0 after a requested stop)."""
+        try:
+            return self._run()
+        finally:
+            if self.config.admin_key_file is not None:
+                self.config.admin_key_file.unlink(missing_ok=True)
+
+    def _run(self) -> int:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, self._on_signal)
+        removed = remove_unused_regions(self.config.shm_prefix)
+        if removed:
+            log(f"removed {len(removed)} /dev/shm stub region(s) an earlier server on this port left")
+        try:
+            self._start_probe_server()
+        except OSError as error:
+            log(f"cannot serve the probe endpoint on port {self.config.probe_port}: {error} "
+                f"(set TRITON_PROBE_PORT, 0 for none)")
+            return 2
+        watchdog = threading.Thread(target=self.watchdog.loop, args=(self.stopping, self.server_running),
+                                    daemon=True, name="watchdog")
+        watchdog.start()
+        backoff = 0
+        try:
+            while not self.stopping.is_set():
+                started = time.monotonic()
+                self._start_child()  # in the main thread: the parent-death signal follows this thread
+                while not self.stopping.is_set() and self.child.poll() is None:
+                    self.stopping.wait(0.2)
+                if self.stopping.is_set():
+                    break
+                ran = time.monotonic() - started
+                self._clean_up_after(self.child)
+                if ran >= STABLE_RUN_S:
+                    backoff = 0
+                delay = RESTART_BACKOFF_S[min(backoff, len(RESTART_BACKOFF_S) - 1)]
+                backoff += 1
+                self.restarts += 1
+                log(f"tritonserver died ({describe_exit(self.child.returncode)}) after {ran:.1f} s; "
+                    f"restart #{self.restarts} in {delay:g} s")
+                self.stopping.wait(delay)
+        finally:
+            self.stopping.set()
+            self._stop_child()
+            if self._probe_server is not None:
+                self._probe_server.shutdown()
+                self._probe_server.server_close()
+        return 0
