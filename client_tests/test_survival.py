@@ -50,7 +50,7 @@ from triton_sampling_mask.client import SamplerClient, SamplerError
 from triton_sampling_mask.client.sampler_client import ADMIN_HEADER as CLIENT_ADMIN_HEADER
 from triton_sampling_mask.client.sampling_params import SamplingParams
 from triton_sampling_mask.ops import launcher
-from triton_sampling_mask.ops.launcher import TritonServer, free_port
+from triton_sampling_mask.ops.launcher import LoopbackUrls, TritonServer, free_port
 from triton_sampling_mask.ops.shm_cleanup import remove_unused_regions, server_shm_prefix
 
 from .generate_client import generate_inputs
@@ -67,20 +67,12 @@ RESTRICTED_GRPC = f"This protocol is restricted, expecting header '{launcher.GRP
 
 
 @dataclass
-class Supervised:
+class Supervised(LoopbackUrls):
     """The launcher's process (the supervisor) and where its server listens."""
 
     process: subprocess.Popen
     ports: dict[str, int]
     log_path: Path
-
-    @property
-    def http_url(self) -> str:
-        return f"127.0.0.1:{self.ports['http']}"
-
-    @property
-    def grpc_url(self) -> str:
-        return f"127.0.0.1:{self.ports['grpc']}"
 
     def log_tail(self, chars: int = 3000) -> str:
         return self.log_path.read_text(errors="replace")[-chars:]

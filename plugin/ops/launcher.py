@@ -195,7 +195,25 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-class TritonServer:
+class LoopbackUrls:
+    """The URLs of a server listening on loopback at `self.ports` (http, grpc, metrics)."""
+
+    ports: dict[str, int]
+
+    @property
+    def http_url(self) -> str:
+        return f"127.0.0.1:{self.ports['http']}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.ports['grpc']}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports['metrics']}/metrics"
+
+
+class TritonServer(LoopbackUrls):
     """A tritonserver child process on free ports, for tests and benchmarks (a context manager).
 
     With `admin_key` the shared-memory and model-repository APIs need that key (`admin_args`);
@@ -212,17 +230,6 @@ class TritonServer:
         self.log_path = log_path or Path(os.environ.get("TMPDIR", "/tmp")) / f"tritonserver-{self.ports['http']}.log"
         self.process: subprocess.Popen | None = None
 
-    @property
-    def http_url(self) -> str:
-        return f"127.0.0.1:{self.ports['http']}"
-
-    @property
-    def grpc_url(self) -> str:
-        return f"127.0.0.1:{self.ports['grpc']}"
-
-    @property
-    def metrics_url(self) -> str:
-        return f"http://127.0.0.1:{self.ports['metrics']}/metrics"
 
     def command(self) -> list[str]:
         """The tritonserver command line this server runs."""
