@@ -150,8 +150,11 @@ export SAMPLER_TEST_DEVICE="$device"
 #    tests/test_gpu_path.py), the rest after the benchmark. Never here: what checks this host rather
 #    than the device (linters, PyPI, this script).
 ignores=(--ignore=tests/test_lint.py --ignore=tests/test_container_image.py --ignore=tests/test_gpu_check.py)
-cuda_tests=(tests -k "cuda or gpu_path")
-other_tests=(tests -k "not (cuda or gpu_path)")
+# The sampler's CUDA cases (-k cuda), the fused kernels and the hot-path counts (they run on CUDA
+# wherever a device is present) and the GPU-path glue.
+cuda_selection="cuda or gpu_path or fused_kernels or hot_path"
+cuda_tests=(tests -k "$cuda_selection")
+other_tests=(tests -k "not ($cuda_selection)")
 # A test or test module that fails only because a third-party package is missing here (its wheel
 # was left out of the budget) is reported as skipped, naming the package, not as a failure.
 mkdir -p "$work/plugins"
