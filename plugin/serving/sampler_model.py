@@ -8,9 +8,6 @@ import traceback
 import numpy as np
 import torch
 
-from . import metrics
-from ..sampling.backends import load_backend
-from ..sampling.batching import BatchSampler
 from ..model_config import (
     LOGITS_DATA_TYPES,
     config_path,
@@ -21,8 +18,11 @@ from ..model_config import (
     output_width,
     string_parameter,
 )
-from .triton_io import error_response, parse_request, sampler_response, wanted_outputs
+from ..sampling.backends import load_backend
+from ..sampling.batching import BatchSampler
 from ..sampling.validation import MaskPolicy, SamplingRequestError
+from . import metrics
+from .triton_io import error_response, parse_request, sampler_response, wanted_outputs
 
 MASK_OUTPUT = "sampling_mask"
 MASK_LENGTH_OUTPUT = "sampling_mask_len"
