@@ -178,3 +178,76 @@ def test_an_unreachable_server_raises_sampler_error(protocol):
 
     with pytest.raises(SamplerError):
         asyncio.run(run())
+
+
+# --- several replicas behind one client (client.replicas) ---------------------------------------
+
+def test_replica_failures_are_told_from_final_answers():
+    from triton_sampling_mask.client.replicas import is_replica_failure
+
+    assert is_replica_failure(None, "could not reach the server: ConnectionRefusedError")
+    assert is_replica_failure("503", "Exceeds maximum queue size")
+    assert is_replica_failure("StatusCode.UNAVAILABLE", "failed to connect to all addresses")
+    assert is_replica_failure("500", "Failed to process the request(s) for model instance 'sampler_0_0', "
+                                     "message: Stub process 'sampler_0_0' is not healthy.")
+    assert not is_replica_failure("400", "top_k must be finite")
+    assert not is_replica_failure("StatusCode.INVALID_ARGUMENT", "top_k must be finite")
+    assert not is_replica_failure("500", "the backend raised")
+
+
+def test_several_urls_skip_a_dead_replica_with_the_same_draws(client, triton_server, logits):
+    expected = client.sample(logits, ROWS)
+    dead = f"127.0.0.1:{free_port()}"
+    live = url_for(triton_server, client.protocol)
+    with SamplerClient([dead, live], protocol=client.protocol) as several:
+        for shm in (False, True, False, True):
+            result = several.sample(logits, ROWS, use_shared_memory=shm)
+            np.testing.assert_array_equal(result.token_ids, expected.token_ids)
+            np.testing.assert_array_equal(result.sampling_mask, expected.sampling_mask)
+        assert several.healthy_replicas() == [live]
+        assert several.replica_shares() == {dead: 0, live: 4}
+
+
+def test_several_urls_never_retry_a_user_error(client, triton_server, logits):
+    dead = f"127.0.0.1:{free_port()}"
+    live = url_for(triton_server, client.protocol)
+    # mask_width and max_batch_size given: no config read, so the first request goes to `live`.
+    with SamplerClient([live, dead], protocol=client.protocol, model_name="sampler_nosupport",
+                       mask_width=client.mask_policy().mask_width, max_batch_size=8) as several:
+        with pytest.raises(SamplerError) as info:
+            several.sample(logits[:1], ROWS[0])
+        assert info.value.is_invalid_argument and info.value.message == backend_mask_message("nosupport")
+        assert several.healthy_replicas() == [live, dead]  # the dead one was never tried
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_every_replica_down_raises_sampler_error_after_the_retries(protocol):
+    urls = [f"127.0.0.1:{free_port()}" for _ in range(2)]
+    with SamplerClient(urls, protocol=protocol, max_attempts=3, eject_backoff_s=0.05) as client:
+        with pytest.raises(SamplerError) as info:
+            client.sample(np.zeros((1, 4), np.float32))
+        assert not info.value.is_invalid_argument and client.healthy_replicas() == []
+
+
+def test_async_several_urls_with_shared_memory(triton_server, logits):
+    expected = None
+    for protocol in ("http", "grpc"):
+        with SamplerClient(url_for(triton_server, protocol), protocol=protocol) as single:
+            expected = expected or single.sample(logits, ROWS).token_ids.tolist()
+
+    async def run(protocol, shm):
+        dead = f"127.0.0.1:{free_port()}"
+        async with AsyncSamplerClient([dead, url_for(triton_server, protocol)], protocol=protocol, max_batch_size=2) as several:
+            results = [await several.sample(logits, ROWS, use_shared_memory=shm) for _ in range(3)]
+            return [r.token_ids.tolist() for r in results], several.replica_shares()[dead]
+
+    for protocol, shm in (("http", False), ("grpc", True), ("http", True)):
+        draws, dead_share = asyncio.run(run(protocol, shm))
+        assert draws == [expected] * 3 and dead_share == 0, (protocol, shm)
+
+
+def test_one_url_keeps_failing_at_once():
+    with SamplerClient(f"127.0.0.1:{free_port()}", protocol="grpc") as client:
+        assert client.max_attempts == 1 and len(client.urls) == 1
+    with pytest.raises(ValueError):
+        SamplerClient([], protocol="grpc")

@@ -8,7 +8,15 @@
 
 Parameters are checked with the server's rules before anything is sent (SamplingRequestError);
 whatever the server refuses surfaces as SamplerError, carrying its status and message. Logits may
-travel through system shared memory (`use_shared_memory=True`) when client and server share a host.
+travel through system shared memory (`use_shared_memory=True`) when client and server share a host;
+a server started by the launcher locks shared-memory registration behind its admin key, which
+the client then needs (`admin_key=`; inference itself needs none).
+
+Past one machine, give several replicas (`replicas` holds the policy):
+
+    with SamplerClient(["h1:8001", "h2:8001", "h3:8001"], protocol="grpc") as client:
+        result = client.sample(logits, params)  # least outstanding requests; a failed replica is
+        client.replica_shares()                 # ejected, probed back in, the request retried elsewhere
 """
 
 from __future__ import annotations
@@ -16,10 +24,10 @@ from __future__ import annotations
 import asyncio
 import importlib
 import os
+import threading
 import time
 import uuid
 import warnings
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -29,22 +37,41 @@ from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 from ..sampling.batching import OUTPUT_NAMES
 from ..model_config import output_width, string_parameter
 from ..sampling.params import LOGITS, MIN_P, RETURN_SAMPLING_MASK, SEED, TEMPERATURE, TOP_K, TOP_P, RowParams
+from .replicas import (DEFAULT_EJECT_BACKOFF_S, DEFAULT_MAX_EJECT_BACKOFF_S, ReplicaSet, is_replica_failure,
+                       round_pause_s, split_urls)
 from .sampling_params import SamplingParams, check_rows_like_server, rows_to_params
 from ..sampling.validation import MaskPolicy, SamplingRequestError
 
 DEFAULT_MODEL = "sampler"
 MASK_OUTPUT = "sampling_mask"
 _PROTOCOLS = ("http", "grpc")
+# Seconds a health probe of an ejected replica may take.
+_PROBE_TIMEOUT_S = 2.0
+# The header the launcher's servers require on the shared-memory and model-repository APIs
+# (tritonserver --http-restricted-api / --grpc-restricted-protocol; ops.launcher.ADMIN_HEADER).
+# Over gRPC Triton expects it with this prefix.
+ADMIN_HEADER = "triton-admin-key"
+GRPC_RESTRICTED_PREFIX = "triton-grpc-protocol-"
+
+
+def admin_headers(protocol: str, admin_key: str | None, header: str = ADMIN_HEADER) -> dict[str, str] | None:
+    """The headers that unlock a restricted Triton API for `protocol`, or None without a key."""
+    if admin_key is None:
+        return None
+    return {(GRPC_RESTRICTED_PREFIX + header if protocol == "grpc" else header): admin_key}
 
 
 def _transport_errors() -> tuple[type[BaseException], ...]:
-    """Failures to reach the server that tritonclient lets through untranslated (HTTP clients)."""
+    """Failures to reach the server that tritonclient lets through untranslated (HTTP clients;
+    geventhttpclient's "connection closed" when a server dies mid-answer is an HTTPException)."""
+    from http.client import HTTPException
+
     try:
         import aiohttp
 
-        return (OSError, aiohttp.ClientError)
+        return (OSError, HTTPException, aiohttp.ClientError)
     except ImportError:
-        return (OSError,)
+        return (OSError, HTTPException)
 
 
 _TRANSPORT_ERRORS = _transport_errors()
@@ -213,13 +240,14 @@ def _unregister_failed(exc: BaseException, deadline: float) -> bool:
     return True
 
 
-def unregister_shared_memory(client, name: str, timeout_s: float = _UNREGISTER_RETRY_S) -> bool:
+def unregister_shared_memory(client, name: str, timeout_s: float = _UNREGISTER_RETRY_S, headers: dict | None = None) -> bool:
     """Unregister a system shared-memory region from a sync tritonclient, retrying while the server
-    still holds it; warns (never raises) on a final failure, so it cannot mask a call's result."""
+    still holds it; warns (never raises) on a final failure, so it cannot mask a call's result.
+    `headers`: see `admin_headers` (servers that lock the shared-memory API)."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            client.unregister_system_shared_memory(name)
+            client.unregister_system_shared_memory(name, headers=headers)
             return True
         except Exception as exc:  # tritonclient raises InferenceServerException
             if _unregister_failed(exc, deadline):
@@ -245,14 +273,39 @@ class _ShmRegion:
 
 
 class _SamplerClientBase:
-    def __init__(self, url, protocol, model_name, mask_width, max_batch_size, asynchronous, **kwargs):
+    def __init__(self, url, protocol, model_name, mask_width, max_batch_size, asynchronous, admin_key=None,
+                 max_attempts=None, eject_backoff_s=DEFAULT_EJECT_BACKOFF_S, max_eject_backoff_s=DEFAULT_MAX_EJECT_BACKOFF_S,
+                 **kwargs):
         self.protocol = protocol
         self.model_name = model_name
+        self._admin_headers = admin_headers(protocol, admin_key)
         self._base, module = _tritonclient_module(protocol, asynchronous)
         self._mask_width = mask_width
         self._max_batch_size = max_batch_size
         self._limits: ServerLimits | None = None
-        self._client = module.InferenceServerClient(url, **kwargs)
+        self.urls = split_urls(url)
+        if max_attempts is None:  # one URL: fail at once, as a plain tritonclient would
+            max_attempts = 1 if len(self.urls) == 1 else 2 * len(self.urls)
+        if max_attempts < 1:
+            raise ValueError(f"max_attempts must be at least 1, got {max_attempts}")
+        self.max_attempts = max_attempts
+        self._client_kwargs = kwargs
+        # gRPC clients and asyncio ones take concurrent requests; tritonclient.http's sync one does not.
+        shared = asynchronous or protocol == "grpc"
+        self._replicas = ReplicaSet(self.urls, lambda u: module.InferenceServerClient(u, **kwargs), shared,
+                                    eject_backoff_s, max_eject_backoff_s)
+
+    def replica_shares(self) -> dict[str, int]:
+        """Inference requests each replica answered so far, by URL (a request split into several
+        chunks counts each chunk)."""
+        return self._replicas.served()
+
+    def healthy_replicas(self) -> list[str]:
+        """The URLs of the replicas not ejected right now."""
+        return self._replicas.healthy_urls()
+
+    def _failure(self, exc: BaseException) -> SamplerError:
+        return exc if isinstance(exc, SamplerError) else SamplerError.from_exception(exc)
 
     def _config_kwargs(self) -> dict:
         return {"as_json": True} if self.protocol == "grpc" else {}
@@ -274,22 +327,47 @@ class _SamplerClientBase:
         return _Prepared(self._base, _wire_arrays(array, row_params), limits.max_batch_size, use_shared_memory)
 
 
+_CLIENT_ARGS_DOC = """`url` is one "host:port" or a list of them, replicas serving the same model repository:
+    each request goes to the healthy replica with the fewest outstanding requests; one that fails
+    (unreachable, 503 / UNAVAILABLE when it sheds load, a model whose stub died) is ejected, probed
+    in the background after `eject_backoff_s` (doubling up to `max_eject_backoff_s`) and readmitted
+    once ready, and the request is retried on another replica, up to `max_attempts` tries in all
+    (default: 1 with one URL, so errors surface at once as before; 2 per replica with several).
+    A seeded row gives the same draw on every replica, so a retry changes nothing; an unseeded
+    request that is retried is a fresh draw. User errors (400 / INVALID_ARGUMENT) are never
+    retried. With `use_shared_memory=True` the region is registered on the replica that serves
+    the call, which answers all of its chunks (retried whole elsewhere on failure): it needs every
+    replica on the client's host. The model config (W, max_batch_size) is read from the first
+    replica that answers: replicas must share it."""
+
+
 class SamplerClient(_SamplerClientBase):
     """Synchronous client for the sampler model over tritonclient HTTP ("host:8000") or gRPC
     ("host:8001"). The mask width W and max_batch_size are read once from the model config;
-    passing both `mask_width` and `max_batch_size` skips that call. Extra keyword arguments go
-    to tritonclient's InferenceServerClient."""
+    passing both `mask_width` and `max_batch_size` skips that call. `admin_key` is sent (as
+    ADMIN_HEADER) when registering shared memory, for servers that lock that API. Extra keyword
+    arguments go to tritonclient's InferenceServerClient. Safe to share between threads (over
+    HTTP each concurrent request borrows a tritonclient of its own).
 
-    def __init__(self, url: str, protocol: str = "http", model_name: str = DEFAULT_MODEL,
-                 mask_width: int | None = None, max_batch_size: int | None = None, **kwargs):
-        super().__init__(url, protocol, model_name, mask_width, max_batch_size, False, **kwargs)
+    """
+
+    __doc__ += _CLIENT_ARGS_DOC
+
+    def __init__(self, url: str | Sequence[str], protocol: str = "http", model_name: str = DEFAULT_MODEL,
+                 mask_width: int | None = None, max_batch_size: int | None = None, *,
+                 admin_key: str | None = None, max_attempts: int | None = None,
+                 eject_backoff_s: float = DEFAULT_EJECT_BACKOFF_S, max_eject_backoff_s: float = DEFAULT_MAX_EJECT_BACKOFF_S,
+                 **kwargs):
+        super().__init__(url, protocol, model_name, mask_width, max_batch_size, False, admin_key,
+                         max_attempts, eject_backoff_s, max_eject_backoff_s, **kwargs)
+        self._probes: list[threading.Thread] = []
 
     def server_limits(self) -> ServerLimits:
         """The deployment's mask rules and batch limit, read once from the model config."""
         if self._limits is None:
             config = {}
             if self._mask_width is None or self._max_batch_size is None:
-                config = self._call(self._client.get_model_config, self.model_name, **self._config_kwargs())
+                config = self._on_a_replica(lambda client: client.get_model_config(self.model_name, **self._config_kwargs()))
             self._limits = _limits_from_config(config, self._mask_width, self._max_batch_size)
         return self._limits
 
@@ -303,35 +381,91 @@ class SamplerClient(_SamplerClientBase):
         per row; more rows than max_batch_size go as several requests, answered in order."""
         array, row_params = self._validated(logits, params)
         prepared = self._prepare(array, row_params, self.server_limits(), use_shared_memory)
-        with self._registered(prepared.region):
+        if prepared.region is None:
             return _concatenate([
-                _parse(self._call(self._client.infer, self.model_name, prepared.inputs(start, stop)))
+                _parse(self._on_a_replica(lambda client, start=start, stop=stop: client.infer(
+                    self.model_name, prepared.inputs(start, stop)), served=True))
                 for start, stop in prepared.bounds
             ])
-
-    @contextmanager
-    def _registered(self, region: _ShmRegion | None):
-        if region is None:
-            yield
-            return
         try:
-            self._call(self._client.register_system_shared_memory, region.name, region.key, region.byte_size)
-            try:
-                yield
-            finally:
-                unregister_shared_memory(self._client, region.name)
+            return self._on_a_replica(lambda client: self._sample_registered(client, prepared), served=True)
         finally:
-            region.close()
+            prepared.region.close()
 
-    @staticmethod
-    def _call(method, *args, **kwargs):
+    def _sample_registered(self, client, prepared: _Prepared) -> SampleResult:
+        """Every chunk of a shared-memory call on one replica, the region registered there."""
+        region = prepared.region
+        client.register_system_shared_memory(region.name, region.key, region.byte_size, headers=self._admin_headers)
         try:
-            return method(*args, **kwargs)
-        except (InferenceServerException, *_TRANSPORT_ERRORS) as exc:
-            raise SamplerError.from_exception(exc) from None
+            return _concatenate([_parse(client.infer(self.model_name, prepared.inputs(start, stop)))
+                                 for start, stop in prepared.bounds])
+        finally:
+            unregister_shared_memory(client, region.name, headers=self._admin_headers)
+
+    def _on_a_replica(self, work, served: bool = False):
+        """`work(tritonclient)` on a chosen replica, retried on another when the replica fails."""
+        tried: set = set()
+        attempts = rounds = 0
+        while True:
+            self._start_probes()
+            lease = self._replicas.acquire(tried)
+            if lease is None:  # every replica failed this round: pause, then try them all again
+                rounds += 1
+                time.sleep(round_pause_s(rounds))
+                tried.clear()
+                continue
+            replica, client = lease
+            attempts += 1
+            try:
+                result = work(client)
+            except (InferenceServerException, SamplerError, *_TRANSPORT_ERRORS) as exc:
+                error = self._failure(exc)
+                failed = is_replica_failure(error.status, error.message)
+                self._replicas.release(replica, client, reachable=not failed)
+                if not failed or attempts >= self.max_attempts:
+                    raise error from None
+                tried.add(replica)
+                continue
+            except BaseException:
+                self._replicas.release(replica, client, reachable=True)
+                raise
+            self._replicas.release(replica, client, reachable=True, served=served)
+            return result
+
+    def _start_probes(self) -> None:
+        for replica in self._replicas.due_for_probe():
+            probe = threading.Thread(target=self._probe, args=(replica,), name=f"probe-{replica.url}", daemon=True)
+            self._probes = [p for p in self._probes if p.is_alive()] + [probe]
+            probe.start()
+
+    def _probe(self, replica) -> None:
+        """Whether the replica's server and model are ready, on a short-lived tritonclient."""
+        ready = False
+        try:
+            if self.protocol == "grpc":
+                probe = self._base.InferenceServerClient(replica.url, **self._client_kwargs)
+                try:
+                    ready = (probe.is_server_ready(client_timeout=_PROBE_TIMEOUT_S)
+                             and probe.is_model_ready(self.model_name, client_timeout=_PROBE_TIMEOUT_S))
+                finally:
+                    probe.close()
+            else:
+                kwargs = {"connection_timeout": _PROBE_TIMEOUT_S, "network_timeout": _PROBE_TIMEOUT_S, **self._client_kwargs}
+                probe = self._base.InferenceServerClient(replica.url, **kwargs)
+                try:
+                    ready = probe.is_server_ready() and probe.is_model_ready(self.model_name)
+                finally:
+                    probe.close()
+        except Exception:  # unreachable, or any answer but ready
+            ready = False
+        self._replicas.probed(replica, ready)
 
     def close(self) -> None:
-        self._client.close()
+        """Close every tritonclient, after the health probes in flight (each bounded by its timeout)."""
+        for probe in self._probes:
+            probe.join(timeout=2 * _PROBE_TIMEOUT_S + 1)
+        for client in self._replicas.all_clients():
+            client.close()
 
     def __enter__(self) -> "SamplerClient":
         return self
@@ -342,18 +476,29 @@ class SamplerClient(_SamplerClientBase):
 
 class AsyncSamplerClient(_SamplerClientBase):
     """The asyncio twin of SamplerClient (tritonclient.http.aio / tritonclient.grpc.aio); the
-    requests of a call larger than max_batch_size are sent concurrently."""
+    requests of a call larger than max_batch_size are sent concurrently, each to its own choice
+    of replica.
 
-    def __init__(self, url: str, protocol: str = "http", model_name: str = DEFAULT_MODEL,
-                 mask_width: int | None = None, max_batch_size: int | None = None, **kwargs):
-        super().__init__(url, protocol, model_name, mask_width, max_batch_size, True, **kwargs)
+    """
+
+    __doc__ += _CLIENT_ARGS_DOC
+
+    def __init__(self, url: str | Sequence[str], protocol: str = "http", model_name: str = DEFAULT_MODEL,
+                 mask_width: int | None = None, max_batch_size: int | None = None, *,
+                 admin_key: str | None = None, max_attempts: int | None = None,
+                 eject_backoff_s: float = DEFAULT_EJECT_BACKOFF_S, max_eject_backoff_s: float = DEFAULT_MAX_EJECT_BACKOFF_S,
+                 **kwargs):
+        super().__init__(url, protocol, model_name, mask_width, max_batch_size, True, admin_key,
+                         max_attempts, eject_backoff_s, max_eject_backoff_s, **kwargs)
+        self._probes: set[asyncio.Task] = set()
+        self._module = importlib.import_module(f"tritonclient.{protocol}.aio")
 
     async def server_limits(self) -> ServerLimits:
         """The deployment's mask rules and batch limit, read once from the model config."""
         if self._limits is None:
             config = {}
             if self._mask_width is None or self._max_batch_size is None:
-                config = await self._call(self._client.get_model_config(self.model_name, **self._config_kwargs()))
+                config = await self._on_a_replica(lambda client: client.get_model_config(self.model_name, **self._config_kwargs()))
             self._limits = _limits_from_config(config, self._mask_width, self._max_batch_size)
         return self._limits
 
@@ -366,44 +511,97 @@ class AsyncSamplerClient(_SamplerClientBase):
         """As SamplerClient.sample, awaited."""
         array, row_params = self._validated(logits, params)
         prepared = self._prepare(array, row_params, await self.server_limits(), use_shared_memory)
-        region = prepared.region
+        if prepared.region is None:
+            return await self._gather_chunks(prepared, lambda start, stop: self._on_a_replica(
+                lambda client: client.infer(self.model_name, prepared.inputs(start, stop)), served=True))
         try:
-            if region is not None:
-                await self._call(self._client.register_system_shared_memory(region.name, region.key, region.byte_size))
-            try:
-                # Every chunk finishes before the region is torn down, even when one fails.
-                results = await asyncio.gather(*(
-                    self._call(self._client.infer(self.model_name, prepared.inputs(start, stop)))
-                    for start, stop in prepared.bounds
-                ), return_exceptions=True)
-                failures = [r for r in results if isinstance(r, BaseException)]
-                if failures:
-                    raise failures[0]
-                return _concatenate([_parse(r) for r in results])
-            finally:
-                if region is not None:
-                    deadline = time.monotonic() + _UNREGISTER_RETRY_S
-                    while True:
-                        try:
-                            await self._client.unregister_system_shared_memory(region.name)
-                            break
-                        except Exception as exc:
-                            if _unregister_failed(exc, deadline):
-                                break
-                            await asyncio.sleep(0.01)
+            return await self._on_a_replica(lambda client: self._sample_registered(client, prepared), served=True)
         finally:
-            if region is not None:
-                region.close()
+            prepared.region.close()
 
     @staticmethod
-    async def _call(awaitable):
+    async def _gather_chunks(prepared: _Prepared, send) -> SampleResult:
+        # Every chunk finishes before the call returns (or a shared-memory region is torn down),
+        # even when one fails.
+        results = await asyncio.gather(*(send(start, stop) for start, stop in prepared.bounds), return_exceptions=True)
+        failures = [r for r in results if isinstance(r, BaseException)]
+        if failures:
+            raise failures[0]
+        return _concatenate([_parse(r) for r in results])
+
+    async def _sample_registered(self, client, prepared: _Prepared) -> SampleResult:
+        """Every chunk of a shared-memory call on one replica, the region registered there."""
+        region = prepared.region
+        await client.register_system_shared_memory(region.name, region.key, region.byte_size, headers=self._admin_headers)
         try:
-            return await awaitable
-        except (InferenceServerException, *_TRANSPORT_ERRORS) as exc:
-            raise SamplerError.from_exception(exc) from None
+            return await self._gather_chunks(prepared, lambda start, stop: client.infer(self.model_name, prepared.inputs(start, stop)))
+        finally:
+            deadline = time.monotonic() + _UNREGISTER_RETRY_S
+            while True:
+                try:
+                    await client.unregister_system_shared_memory(region.name, headers=self._admin_headers)
+                    break
+                except Exception as exc:
+                    if _unregister_failed(exc, deadline):
+                        break
+                    await asyncio.sleep(0.01)
+
+    async def _on_a_replica(self, work, served: bool = False):
+        """`await work(tritonclient)` on a chosen replica, retried on another when the replica fails."""
+        tried: set = set()
+        attempts = rounds = 0
+        while True:
+            self._start_probes()
+            lease = self._replicas.acquire(tried)
+            if lease is None:  # every replica failed this round: pause, then try them all again
+                rounds += 1
+                await asyncio.sleep(round_pause_s(rounds))
+                tried.clear()
+                continue
+            replica, client = lease
+            attempts += 1
+            try:
+                result = await work(client)
+            except (InferenceServerException, SamplerError, *_TRANSPORT_ERRORS) as exc:
+                error = self._failure(exc)
+                failed = is_replica_failure(error.status, error.message)
+                self._replicas.release(replica, client, reachable=not failed)
+                if not failed or attempts >= self.max_attempts:
+                    raise error from None
+                tried.add(replica)
+                continue
+            except BaseException:
+                self._replicas.release(replica, client, reachable=True)
+                raise
+            self._replicas.release(replica, client, reachable=True, served=served)
+            return result
+
+    def _start_probes(self) -> None:
+        for replica in self._replicas.due_for_probe():
+            task = asyncio.get_running_loop().create_task(self._probe(replica))
+            self._probes.add(task)
+            task.add_done_callback(self._probes.discard)
+
+    async def _probe(self, replica) -> None:
+        """Whether the replica's server and model are ready, on a short-lived tritonclient."""
+        ready = False
+        try:
+            probe = self._module.InferenceServerClient(replica.url, **self._client_kwargs)
+            try:
+                ready = await asyncio.wait_for(probe.is_server_ready(), _PROBE_TIMEOUT_S) and \
+                    await asyncio.wait_for(probe.is_model_ready(self.model_name), _PROBE_TIMEOUT_S)
+            finally:
+                await probe.close()
+        except Exception:  # unreachable, or any answer but ready
+            ready = False
+        self._replicas.probed(replica, ready)
 
     async def close(self) -> None:
-        await self._client.close()
+        """Close every tritonclient, after the health probes in flight (each bounded by its timeout)."""
+        if self._probes:
+            await asyncio.gather(*list(self._probes), return_exceptions=True)
+        for client in self._replicas.all_clients():
+            await client.close()
 
     async def __aenter__(self) -> "AsyncSamplerClient":
         return self

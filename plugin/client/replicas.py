@@ -1,0 +1,183 @@
+"""Several replicas of the sampler behind one client: which replica takes the next request, which
+failures eject a replica, and when an ejected one is probed back in.
+
+The choice is the healthy replica with the fewest outstanding requests (ties taken in turn). A
+replica that fails (`is_replica_failure`) is ejected for `eject_backoff_s`; once that passes, the
+client probes it in the background (server and model ready) and readmits it on success, else
+ejects it again for twice as long, up to `max_eject_backoff_s`. A request is never refused on the
+client side: with every untried replica ejected, the call is sent to an ejected one anyway, and an
+answer from it readmits it at once. No Triton import beyond what the caller passes in.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+# The messages of a replica that is up but cannot serve: the Python backend's answer (500 /
+# INTERNAL) when a model's stub process died.
+_UNHEALTHY_MESSAGES = ("is not healthy",)
+# Statuses of a replica that could not take the request: load shed (queue full), unreachable,
+# shutting down.
+_UNAVAILABLE_STATUSES = ("503", "StatusCode.UNAVAILABLE")
+
+DEFAULT_EJECT_BACKOFF_S = 0.5
+DEFAULT_MAX_EJECT_BACKOFF_S = 5.0
+
+
+def is_replica_failure(status: str | None, message: str) -> bool:
+    """Whether a failed request says the replica is unusable right now (so another may answer it):
+    no answer at all (status None: refused, reset), 503 / UNAVAILABLE (shedding load, down), or a
+    model whose stub died ("... is not healthy"). User errors (400 / INVALID_ARGUMENT) and every
+    other server answer are final: another replica would answer the same."""
+    if status is None or status in _UNAVAILABLE_STATUSES:
+        return True
+    return any(text in message for text in _UNHEALTHY_MESSAGES)
+
+
+def split_urls(url: str | Sequence[str]) -> list[str]:
+    """One URL or several as a list, refusing an empty list and repeats."""
+    urls = [url] if isinstance(url, str) else list(url)
+    if not urls or not all(isinstance(u, str) and u for u in urls):
+        raise ValueError(f"url must be a non-empty string or a non-empty list of them, got {url!r}")
+    if len(set(urls)) != len(urls):
+        raise ValueError(f"the replica URLs repeat: {urls}")
+    return urls
+
+
+@dataclass(eq=False)
+class Replica:
+    """One server: its load and health as this client sees them."""
+
+    url: str
+    outstanding: int = 0  # requests sent and not yet answered
+    served: int = 0  # inference requests it answered
+    failures: int = 0  # consecutive failures (sets the ejection backoff)
+    ejected_until: float | None = None  # time.monotonic() of the next probe; None: healthy
+    probing: bool = False
+    # tritonclients: `current` the shared one (shared mode), `by_thread` one per calling thread
+    # (per-thread mode), `made` every one ever created (closed with the client).
+    current: object | None = None
+    by_thread: dict = field(default_factory=dict)
+    made: list = field(default_factory=list)
+
+    @property
+    def healthy(self) -> bool:
+        return self.ejected_until is None
+
+
+class ReplicaSet:
+    """The replicas of one client and their tritonclients, safe to use from several threads.
+
+    `make_client(url)` builds a tritonclient. `shared`: one tritonclient per replica serves every
+    concurrent request (gRPC, asyncio); otherwise each calling thread gets its own per replica
+    (tritonclient.http's sync client is not thread safe, and its gevent sockets stay with the
+    thread that made them)."""
+
+    def __init__(self, urls: Sequence[str], make_client: Callable[[str], object], shared: bool,
+                 eject_backoff_s: float = DEFAULT_EJECT_BACKOFF_S, max_eject_backoff_s: float = DEFAULT_MAX_EJECT_BACKOFF_S):
+        if eject_backoff_s <= 0 or max_eject_backoff_s < eject_backoff_s:
+            raise ValueError("need 0 < eject_backoff_s <= max_eject_backoff_s")
+        self.replicas = [Replica(url) for url in urls]
+        self._make_client = make_client
+        self._shared = shared
+        self._eject_backoff_s = eject_backoff_s
+        self._max_eject_backoff_s = max_eject_backoff_s
+        self._lock = threading.Lock()
+        self._turn = 0
+        for replica in self.replicas:  # made now, so a bad URL or keyword fails at construction
+            client = self._new_client(replica)
+            if shared:
+                replica.current = client
+            else:
+                replica.by_thread[threading.get_ident()] = client
+
+    def _new_client(self, replica: Replica):
+        client = self._make_client(replica.url)
+        replica.made.append(client)
+        return client
+
+    def acquire(self, tried: set) -> tuple[Replica, object] | None:
+        """The replica for the next request and a tritonclient for it, or None when every replica
+        is in `tried`. Healthy ones first, fewest outstanding requests first, ties in turn."""
+        with self._lock:
+            untried = [r for r in self.replicas if r not in tried]
+            if not untried:
+                return None
+            healthy = [r for r in untried if r.healthy]
+            count = len(self.replicas)
+            if healthy:
+                replica = min(healthy, key=lambda r: (r.outstanding, (self.replicas.index(r) - self._turn) % count))
+            else:  # every untried replica is ejected: try the one due back first rather than refuse
+                replica = min(untried, key=lambda r: r.ejected_until)
+            self._turn += 1
+            if self._shared:
+                if replica.current is None:
+                    replica.current = self._new_client(replica)
+                client = replica.current
+            else:
+                client = replica.by_thread.get(threading.get_ident())
+                if client is None:
+                    client = replica.by_thread[threading.get_ident()] = self._new_client(replica)
+            replica.outstanding += 1
+            return replica, client
+
+    def release(self, replica: Replica, client, reachable: bool, served: bool = False) -> None:
+        """Return a lent tritonclient. `reachable`: the replica answered (even with an error),
+        which readmits an ejected one; otherwise it is ejected. `served`: count an inference."""
+        with self._lock:
+            replica.outstanding -= 1
+            if reachable:
+                replica.served += served
+                replica.failures, replica.ejected_until = 0, None
+            elif replica.healthy:  # the first failure ejects; more from requests already in flight add nothing
+                replica.failures = 1
+                replica.ejected_until = time.monotonic() + self._eject_backoff_s
+
+    def due_for_probe(self) -> list[Replica]:
+        """Ejected replicas whose backoff has passed and that nobody probes yet (now marked probing)."""
+        now = time.monotonic()
+        with self._lock:
+            due = [r for r in self.replicas if not r.healthy and not r.probing and r.ejected_until <= now]
+            for replica in due:
+                replica.probing = True
+            return due
+
+    def probed(self, replica: Replica, ready: bool) -> None:
+        """Record a probe: readmit the replica (with fresh tritonclients), or eject it for longer."""
+        with self._lock:
+            replica.probing = False
+            if replica.healthy:  # a request answered meanwhile
+                return
+            if ready:
+                replica.failures, replica.ejected_until = 0, None
+                # Fresh tritonclients from now on: an old gRPC channel may still sit in its reconnect
+                # backoff. The old ones stay in `made`, closed with the client.
+                replica.current = None
+                replica.by_thread.clear()
+            else:
+                replica.failures += 1
+                backoff = min(self._max_eject_backoff_s, self._eject_backoff_s * 2 ** (replica.failures - 1))
+                replica.ejected_until = time.monotonic() + backoff
+
+    def served(self) -> dict[str, int]:
+        """Inference requests answered by each replica, by URL."""
+        with self._lock:
+            return {r.url: r.served for r in self.replicas}
+
+    def healthy_urls(self) -> list[str]:
+        """The replicas not ejected right now."""
+        with self._lock:
+            return [r.url for r in self.replicas if r.healthy]
+
+    def all_clients(self) -> list:
+        """Every tritonclient made, for closing."""
+        with self._lock:
+            return [client for r in self.replicas for client in r.made]
+
+
+def round_pause_s(round_number: int) -> float:
+    """The pause before trying every replica again, after a round where all failed."""
+    return min(1.0, 0.05 * 2 ** round_number)
