@@ -1,63 +1,152 @@
-"""Tokens per second of the `generate` model (default tiny Llama) on a real tritonserver.
+"""Continuous against static batching of the `generate` model (default tiny Llama) on a real tritonserver.
 
-    .venv/bin/python -m client_tests.bench_generate [--tokens 256] [--concurrency 8]
+    .venv/bin/python -m client_tests.bench_generate [--clients 32] [--requests-per-client 3]
 
-Starts a server with only the `generate` model on free ports, warms it up, then times one request
-and `concurrency` requests sent back to back (batched together by the dynamic batcher), each
-streaming and not, with sampling masks on (top_k 20). Prints wall-clock tokens/second.
+Starts one server holding two copies of the shipped `generate` model, `scheduler: "continuous"`
+(the default) and `scheduler: "static"` (each dynamic batch generated to its end, the previous
+behaviour), on free ports. For each scheduler, streaming and not, `clients` closed-loop clients
+(one gRPC stream each, next request sent when the previous one ends) each send
+`requests-per-client` requests whose max_new_tokens are drawn from [16, 256] (the same draws for
+every configuration), sampling masks on (top_k 20); every output is sent, the clients decode
+`output_ids` only. Prints tokens/s, time to first token p50/p99
+(non-streaming: the time to the one response) and inter-token latency p50/p99 (streaming), and
+the machine's load average (the clients share the CPUs with the server).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import tempfile
+import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+
+import numpy as np
 
 from triton_sampling_mask.ops.launcher import TritonServer
 
 from .generate_client import GenerateStream
-from .server import MODEL_REPOSITORY
+from .server import MODEL_REPOSITORY, set_parameter
 
 PARAMS = dict(temperature=1.0, top_k=20, top_p=0.95, return_sampling_mask=True, ignore_eos=True)
+SCHEDULERS = {"continuous": "generate", "static": "generate_static"}
+BUDGET_RANGE = (16, 256)
 
 
-def timed_run(url: str, requests: int, tokens: int, stream: bool) -> tuple[int, float]:
-    """(tokens received, seconds) for `requests` concurrent requests of `tokens` new tokens."""
-    with GenerateStream(url) as client:
-        start = time.perf_counter()
-        for i in range(requests):
-            client.send([5 + i, 6, 7], tokens, request_id=str(i), stream=stream, seed=i, **PARAMS)
-        received = finished = 0
-        while finished < requests:
-            _, outputs, final, error = client.next()
-            if error is not None:
-                raise error
-            received += 0 if outputs is None else len(outputs["output_ids"])
-            finished += final
-        return received, time.perf_counter() - start
+@dataclass
+class LoadStats:
+    """What the clients of one configuration saw."""
+
+    tokens: int = 0
+    seconds: float = 0.0
+    ttft: list = field(default_factory=list)  # seconds, one per request
+    itl: list = field(default_factory=list)  # seconds between a request's consecutive tokens (streaming)
+    errors: list = field(default_factory=list)
+
+    def row(self, label: str) -> str:
+        def pct(values, q):
+            return f"{1000 * np.percentile(values, q):8.1f}" if values else "       -"
+        return (f"{label:<26} {self.tokens / self.seconds:9.1f} {pct(self.ttft, 50)} {pct(self.ttft, 99)} "
+                f"{pct(self.itl, 50)} {pct(self.itl, 99)}   ({self.tokens} tokens in {self.seconds:.1f}s)")
+
+
+def client_loop(url: str, model: str, budgets: list[int], stream: bool, client: int, stats: LoadStats, lock) -> None:
+    """One closed-loop client: its requests one after another on one gRPC stream."""
+    ttft, itl, tokens = [], [], 0
+    with GenerateStream(url, model) as connection:
+        for k, budget in enumerate(budgets):
+            sent = last = time.perf_counter()
+            connection.send([5 + client % 50, 6 + k, 7], budget, request_id=f"{client}-{k}", stream=stream,
+                            seed=client * 1000 + k, **PARAMS)
+            first = True
+            while True:
+                # Every output is sent; only output_ids is decoded, so the CPUs go to the server.
+                result, error = connection.responses.get(timeout=600)
+                now = time.perf_counter()
+                if error is not None:
+                    with lock:
+                        stats.errors.append(error.message())
+                    break
+                final = result.get_response().parameters["triton_final_response"].bool_param
+                ids = result.as_numpy("output_ids")
+                if ids is not None and ids.size:
+                    tokens += ids.size
+                    if first:
+                        ttft.append(now - sent)
+                        first = False
+                    else:
+                        itl.append(now - last)
+                    last = now
+                if final:
+                    break
+    with lock:
+        stats.tokens += tokens
+        stats.ttft += ttft
+        stats.itl += itl
+
+
+def closed_loop(url: str, model: str, budgets: np.ndarray, stream: bool) -> LoadStats:
+    """All clients at once (budgets: [clients, requests per client]); wall time to the last answer."""
+    stats, lock = LoadStats(), threading.Lock()
+    threads = [threading.Thread(target=client_loop, args=(url, model, [int(b) for b in row], stream, c, stats, lock))
+               for c, row in enumerate(budgets)]
+    start = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    stats.seconds = time.perf_counter() - start
+    return stats
+
+
+def build_repository(dest: Path) -> Path:
+    """The shipped generate model twice: continuous (as shipped) and static."""
+    base = (MODEL_REPOSITORY / "generate" / "config.pbtxt").read_text()
+    for scheduler, name in SCHEDULERS.items():
+        shutil.copytree(MODEL_REPOSITORY / "generate", dest / name, ignore=shutil.ignore_patterns("__pycache__"))
+        text = set_parameter(base.replace('name: "generate"', f'name: "{name}"'), "scheduler", scheduler)
+        (dest / name / "config.pbtxt").write_text(text)
+    return dest
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokens", type=int, default=256)
-    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--clients", type=int, default=32)
+    parser.add_argument("--requests-per-client", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the max_new_tokens draws")
     args = parser.parse_args()
-    repository = Path(tempfile.mkdtemp()) / "model_repository"
-    shutil.copytree(MODEL_REPOSITORY / "generate", repository / "generate", ignore=shutil.ignore_patterns("__pycache__"))
+    budgets = np.random.default_rng(args.seed).integers(BUDGET_RANGE[0], BUDGET_RANGE[1] + 1,
+                                                        size=(args.clients, args.requests_per_client))
+    workdir = Path(tempfile.mkdtemp())
     started = time.perf_counter()
-    with TritonServer(repository) as server:
-        print(f"server ready in {time.perf_counter() - started:.1f}s (generate model only)")
-        timed_run(server.grpc_url, 1, 16, stream=False)  # warm-up
-        for requests in (1, args.concurrency):
+    try:
+        with TritonServer(build_repository(workdir / "model_repository")) as server:
+            print(f"server ready in {time.perf_counter() - started:.1f}s; {args.clients} closed-loop clients x "
+                  f"{args.requests_per_client} requests, max_new_tokens in {list(BUDGET_RANGE)} "
+                  f"(mean {budgets.mean():.0f}); load average before: {os.getloadavg()}")
+            for model in SCHEDULERS.values():  # warm-up
+                closed_loop(server.grpc_url, model, np.full((2, 1), 8), stream=False)
+            print(f"{'configuration':<26} {'tokens/s':>9} {'TTFT p50':>8} {'TTFT p99':>8} {'ITL p50':>8} {'ITL p99':>8}   (ms)")
+            results = {}
             for stream in (False, True):
-                tokens, seconds = timed_run(server.grpc_url, requests, args.tokens, stream)
-                print(
-                    f"{requests} request(s) x {args.tokens} tokens, {'streaming' if stream else 'non-streaming'}: "
-                    f"{tokens / seconds:8.1f} tokens/s ({tokens} tokens in {seconds:.2f}s)"
-                )
-    shutil.rmtree(repository.parent, ignore_errors=True)
+                for scheduler, model in SCHEDULERS.items():
+                    stats = closed_loop(server.grpc_url, model, budgets, stream)
+                    label = f"{scheduler}, {'streaming' if stream else 'non-streaming'}"
+                    results[(scheduler, stream)] = stats
+                    print(stats.row(label) + (f"  ERRORS: {len(stats.errors)} e.g. {stats.errors[0]}" if stats.errors else ""),
+                          flush=True)
+            for stream in (False, True):
+                cont, static = results[("continuous", stream)], results[("static", stream)]
+                speedup = (cont.tokens / cont.seconds) / (static.tokens / static.seconds)
+                ttft_gain = np.percentile(static.ttft, 99) / np.percentile(cont.ttft, 99)
+                print(f"{'streaming' if stream else 'non-streaming'}: continuous/static tokens/s x{speedup:.2f}, "
+                      f"TTFT p99 static/continuous x{ttft_gain:.1f}")
+            print(f"load average after: {os.getloadavg()} ({os.cpu_count()} CPUs; the clients run on them too)")
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -42,6 +42,8 @@ def _place(item, external: ExternalTritonServer | None) -> str:
         return "the session's local CPU server"
     if item.nodeid.startswith("client_tests/test_scale_out.py"):
         return "three local CPU servers of its own"
+    if item.nodeid.startswith(("client_tests/test_generate_engine.py", "client_tests/test_load_shedding.py::test_a_burst")):
+        return "a local CPU server of its own"
     if "explicit_server" in item.fixturenames or item.nodeid.split("[")[0] in OWN_SERVER_TESTS:
         return "a local CPU server of its own"
     return "no server (client side only)"

@@ -59,14 +59,15 @@ def generate_inputs(prompt, max_new_tokens: int, **params) -> list:
 class GenerateStream:
     """One gRPC stream to the server (a context manager); requests go out, responses queue up."""
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, model: str = "generate"):
+        self.model = model
         self.client = grpcclient.InferenceServerClient(url)
         self.responses: queue.Queue = queue.Queue()
         self.client.start_stream(callback=lambda result, error: self.responses.put((result, error)))
 
     def send(self, prompt, max_new_tokens: int, request_id: str = "", **params) -> None:
         self.client.async_stream_infer(
-            "generate", generate_inputs(prompt, max_new_tokens, **params), request_id=request_id,
+            self.model, generate_inputs(prompt, max_new_tokens, **params), request_id=request_id,
             enable_empty_final_response=True,
         )
 
@@ -99,9 +100,9 @@ def collect(responses: list[dict]) -> Generation:
     return Generation(**parts, finish_reason=finish.decode() if isinstance(finish, bytes) else str(finish), responses=responses)
 
 
-def grpc_generate(url: str, prompt, max_new_tokens: int, **params) -> Generation:
+def grpc_generate(url: str, prompt, max_new_tokens: int, model: str = "generate", **params) -> Generation:
     """One request over a gRPC stream, read to its final response; raises its error, if any."""
-    with GenerateStream(url) as stream:
+    with GenerateStream(url, model) as stream:
         stream.send(prompt, max_new_tokens, **params)
         responses = []
         while True:
@@ -114,12 +115,13 @@ def grpc_generate(url: str, prompt, max_new_tokens: int, **params) -> Generation
                 return collect(responses)
 
 
-def http_generate(url: str, prompt, max_new_tokens: int, width: int, **params) -> tuple[int, dict | Generation]:
-    """POST /v2/models/generate/generate: (200, Generation) or (status, error JSON)."""
+def http_generate(url: str, prompt, max_new_tokens: int, width: int, model: str = "generate",
+                  **params) -> tuple[int, dict | Generation]:
+    """POST /v2/models/<model>/generate: (200, Generation) or (status, error JSON)."""
     body = {"input_ids": [int(t) for t in prompt], "max_new_tokens": max_new_tokens}
     body.update({k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in params.items()})
     request = urllib.request.Request(
-        f"http://{url}/v2/models/generate/generate", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        f"http://{url}/v2/models/{model}/generate", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
     )
     try:
         with urllib.request.urlopen(request, timeout=120) as response:
@@ -140,7 +142,7 @@ def http_generate(url: str, prompt, max_new_tokens: int, width: int, **params) -
 
 
 def counter(metrics_url: str, name: str, model: str = "generate") -> float:
-    """The value of a custom counter on the metrics endpoint (0 before its first increment)."""
+    """The value of a custom counter or gauge on the metrics endpoint (0 before its first update)."""
     with urllib.request.urlopen(metrics_url, timeout=10) as response:
         text = response.read().decode()
     match = re.search(r'^%s\{model="%s"\} (\S+)$' % (re.escape(name), re.escape(model)), text, re.MULTILINE)

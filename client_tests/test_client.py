@@ -14,7 +14,7 @@ from tritonclient.grpc import model_config_pb2
 from tests.reference import reference_row
 from triton_sampling_mask.client import AsyncSamplerClient, SamplerClient, SamplerError
 from triton_sampling_mask.ops.launcher import free_port
-from triton_sampling_mask.client.replay import replay_logprobs
+from triton_sampling_mask.client.replay import replay_logprobs, replay_support_logprobs
 from triton_sampling_mask.client.sampling_params import SamplingParams
 from triton_sampling_mask.sampling.validation import SPECULATIVE_MASK_MESSAGE, SamplingRequestError, backend_mask_message
 
@@ -66,6 +66,11 @@ def test_results_match_the_reference_and_replay(client, logits):
         temperature, result.token_ids[asked],
     )
     np.testing.assert_allclose(replayed.numpy(), result.sampling_logprobs[asked], rtol=0, atol=1e-5)
+    # The client carries the per-support log-probs; the trainer's replay reproduces them to 1e-5.
+    support = replay_support_logprobs(torch.from_numpy(logits[asked]), result.sampling_mask[asked],
+                                      result.sampling_mask_len[asked], temperature)
+    np.testing.assert_allclose(support.numpy(), result.sampling_mask_logprobs[asked], rtol=0, atol=1e-5)
+    assert np.isneginf(result.sampling_mask_logprobs[~asked]).all()
 
 
 def test_mask_width_comes_from_the_server_config(client):

@@ -56,3 +56,21 @@ def test_fp32_logits_on_a_bf16_deployment_are_refused_naming_logits(http_client)
     with pytest.raises(InferenceServerException) as error:
         http_client.infer("sampler_bf16", sampler_inputs(httpclient, logits, top_k=5))
     assert error.value.status() == "400" and "logits" in error.value.message()
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_the_client_sends_logits_in_the_deployments_dtype(triton_server, protocol):
+    from triton_sampling_mask.client import SamplerClient
+    from triton_sampling_mask.client.sampling_params import SamplingParams
+
+    url = triton_server.http_url if protocol == "http" else triton_server.grpc_url
+    logits = (np.random.default_rng(12).standard_normal((3, 2000)) * 3).astype(np.float32)
+    params = SamplingParams(temperature=0.7, top_k=32, seed=5, return_sampling_mask=True)
+    with SamplerClient(url, protocol=protocol, model_name="sampler_bf16") as client:
+        assert client.server_limits().logits_datatype == "BF16"
+        on_bf16 = client.sample(logits, params)  # float32 in, BF16 on the wire (half the bytes)
+    rounded = logits.astype(ml_dtypes.bfloat16).astype(np.float32)
+    with SamplerClient(url, protocol=protocol) as client:
+        on_fp32 = client.sample(rounded, params)
+    np.testing.assert_array_equal(on_bf16.token_ids, on_fp32.token_ids)
+    np.testing.assert_array_equal(on_bf16.sampling_mask, on_fp32.sampling_mask)

@@ -249,3 +249,151 @@ def test_streaming_and_masks_never_change_the_tokens(seed, temperature, top_k, t
     np.testing.assert_array_equal(np.concatenate([c.sampling_mask for c in streamed]), whole.sampling_mask)
     np.testing.assert_array_equal(sink.ids(2), whole.output_ids)
     assert (sink.chunks[2][0].sampling_mask_len == 0).all()
+
+
+# The continuous engine (in-process, no Triton): joins, cancellation, bounds, stop.
+
+import threading
+import time
+
+from triton_sampling_mask.generation.engine import ContinuousEngine, EngineFull, EngineLimits
+
+
+class RecordingHandle:
+    """A request handle that records chunks; `cancel_after` tokens flips its cancellation flag."""
+
+    def __init__(self, cancel_after: int | None = None):
+        self.chunks, self.finals, self.errors, self.cancelled_at = [], 0, [], None
+        self.cancel_after, self.done = cancel_after, threading.Event()
+        self.first = threading.Event()
+
+    def is_cancelled(self):
+        return self.cancel_after is not None and sum(len(c.output_ids) for c in self.chunks) >= self.cancel_after
+
+    def send(self, chunk, final):
+        self.chunks.append(chunk)
+        self.first.set()
+        if final:
+            self.finals += 1
+            self.done.set()
+
+    def cancelled(self, tokens):
+        self.cancelled_at = tokens
+        self.done.set()
+
+    def fail(self, message, code_name="INTERNAL"):
+        self.errors.append((code_name, message))
+        self.done.set()
+
+    def ids(self):
+        return np.concatenate([c.output_ids for c in self.chunks])
+
+
+class NullObserver:
+    def __init__(self):
+        self.tokens, self.ttft, self.peak_active = 0, [], 0
+
+    def generated(self, tokens):
+        self.tokens += tokens
+
+    def first_token(self, seconds):
+        self.ttft.append(seconds)
+
+    def occupancy(self, active, waiting, kv_tokens):
+        self.peak_active = max(self.peak_active, active)
+
+
+def engine(lm, **limits) -> ContinuousEngine:
+    return ContinuousEngine(generator(lm), EngineLimits(**limits), NullObserver()).start()
+
+
+def solo(lm, req):
+    """The request run alone through the static generator."""
+    sink = RecordingSink()
+    generator(lm).run([req], sink)
+    return sink
+
+
+def test_a_seeded_request_joining_mid_flight_equals_running_alone():
+    lm = load_lm()
+    running = engine(lm)
+    try:
+        long = RecordingHandle()
+        running.submit(request([5, 6, 7, 8, 9], 120, stream=True, ignore_eos=True, **MASKED), long)
+        while len(long.chunks) < 5:
+            time.sleep(0.001)
+        joined = [RecordingHandle() for _ in range(2)]
+        short = [request([40, 41], 12, ignore_eos=True, **MASKED), request([9], 10, stream=True, ignore_eos=True, **dict(MASKED, seed=9))]
+        for handle, req in zip(joined, short):
+            running.submit(req, handle)
+        for handle in [long, *joined]:
+            assert handle.done.wait(60)
+    finally:
+        running.stop()
+    assert running.observer.peak_active == 3, "the newcomers should have joined the running batch"
+    for handle, req in [(long, request([5, 6, 7, 8, 9], 120, ignore_eos=True, **MASKED)), *zip(joined, short)]:
+        alone = solo(lm, replace_stream(req))
+        assert handle.finals == 1 and not handle.errors
+        np.testing.assert_array_equal(handle.ids(), alone.ids(0))
+        got = np.concatenate([c.sampling_mask for c in handle.chunks])
+        np.testing.assert_array_equal(got, alone.chunks[0][0].sampling_mask)
+
+
+def replace_stream(req):
+    from dataclasses import replace
+
+    return replace(req, stream=False)
+
+
+def test_an_lm_without_merge_still_generates_through_the_engine():
+    lm = BigramLM()
+    running = engine(lm)
+    handles = [RecordingHandle() for _ in range(3)]
+    reqs = [request([10 + i], 8 + i, ignore_eos=True, **dict(MASKED, seed=i)) for i in range(3)]
+    try:
+        for handle, req in zip(handles, reqs):
+            running.submit(req, handle)
+        for handle in handles:
+            assert handle.done.wait(30)
+    finally:
+        running.stop()
+    for handle, req in zip(handles, reqs):
+        np.testing.assert_array_equal(handle.ids(), solo(BigramLM(), req).ids(0))
+
+
+def test_cancellation_frees_the_slot_and_others_continue():
+    running = engine(load_lm(), max_active_sequences=2)
+    cancelled, other, waiting = RecordingHandle(cancel_after=3), RecordingHandle(), RecordingHandle()
+    try:
+        running.submit(request([5], 400, stream=True, ignore_eos=True), cancelled)
+        running.submit(request([6], 60, ignore_eos=True), other)
+        running.submit(request([7], 4, ignore_eos=True), waiting)  # needs the cancelled one's slot
+        assert waiting.done.wait(60) and other.done.wait(60)
+    finally:
+        running.stop()
+    assert cancelled.cancelled_at == 3 and cancelled.finals == 0
+    assert len(other.ids()) == 60 and other.finals == 1
+    assert waiting.finals == 1 and len(waiting.ids()) == 4
+
+
+def test_bounds_refuse_with_engine_full_and_stop_ends_every_request():
+    running = engine(load_lm(), max_active_sequences=1, max_waiting=1, kv_budget_tokens=600)
+    first, second = RecordingHandle(), RecordingHandle()
+    try:
+        running.submit(request([5], 500, stream=True, ignore_eos=True), first)
+        assert first.first.wait(30)
+        running.submit(request([6], 500, ignore_eos=True), second)  # waits: one slot, budget 600
+        with pytest.raises(EngineFull, match="max_waiting"):
+            running.submit(request([7], 4), RecordingHandle())
+        with pytest.raises(EngineFull, match="kv_budget_tokens"):
+            running.submit(request([7] * 10, 600), RecordingHandle())
+        zero = RecordingHandle()
+        running.submit(request([7], 0), zero)  # nothing to generate: answered at once
+        assert zero.finals == 1 and len(zero.ids()) == 0
+    finally:
+        running.stop()
+    for handle in (first, second):
+        assert handle.done.is_set() and handle.errors and handle.errors[0][0] == "UNAVAILABLE"
+        assert handle.finals + len(handle.errors) == 1
+    with pytest.raises(EngineFull, match="shutting down"):
+        running.submit(request([5], 4), RecordingHandle())

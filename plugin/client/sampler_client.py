@@ -109,6 +109,9 @@ class SampleResult:
     sampling_mask: np.ndarray  # int32 [B, W], most probable first
     sampling_mask_len: np.ndarray  # int32 [B], 0 for rows that did not ask
     sampling_logprobs: np.ndarray  # float32 [B], renormalised over the mask (0 when not asked)
+    # float32 [B, W]: each mask id's log-prob renormalised over the mask, -inf padded (None from a
+    # server whose config declares no sampling_mask_logprobs output)
+    sampling_mask_logprobs: np.ndarray | None = None
 
     def masks(self) -> list[np.ndarray]:
         """Each row's mask ids without padding."""
@@ -154,6 +157,7 @@ class ServerLimits:
 
     policy: MaskPolicy
     max_batch_size: int  # 0: the model takes any batch size
+    logits_datatype: str = "FP32"  # the deployment's logits input: FP32, BF16 or FP16
 
 
 def _limits_from_config(config: dict, mask_width: int | None, max_batch_size: int | None) -> ServerLimits:
@@ -164,14 +168,26 @@ def _limits_from_config(config: dict, mask_width: int | None, max_batch_size: in
         width_source=f"the dims of output '{MASK_OUTPUT}' in the model's config.pbtxt",
         speculative_algorithm=string_parameter(config, "speculative_algorithm", "none"),
     )
-    return ServerLimits(policy, int(max_batch_size if max_batch_size is not None else config.get("max_batch_size", 0)))
+    logits_type = next((i.get("data_type", "TYPE_FP32") for i in config.get("input", []) if i.get("name") == LOGITS), "TYPE_FP32")
+    return ServerLimits(policy, int(max_batch_size if max_batch_size is not None else config.get("max_batch_size", 0)),
+                        logits_type.removeprefix("TYPE_"))
 
 
-def _wire_arrays(logits: np.ndarray, params: RowParams) -> dict[str, tuple[np.ndarray, str]]:
-    """Every input as (array [B, ...], Triton datatype). A batch mixing seeded and unseeded rows
-    gives the unseeded ones fresh random seeds: the server takes a seed for all rows or none."""
+# The numpy dtype each logits datatype travels as (tritonclient takes BF16 as ml_dtypes.bfloat16).
+def _logits_numpy_dtype(datatype: str):
+    if datatype == "BF16":
+        import ml_dtypes  # a tritonclient dependency
+
+        return ml_dtypes.bfloat16
+    return {"FP32": np.float32, "FP16": np.float16}[datatype]
+
+
+def _wire_arrays(logits: np.ndarray, params: RowParams, logits_datatype: str = "FP32") -> dict[str, tuple[np.ndarray, str]]:
+    """Every input as (array [B, ...], Triton datatype), the logits in the deployment's dtype
+    (half the bytes for BF16 / FP16). A batch mixing seeded and unseeded rows gives the unseeded
+    ones fresh random seeds: the server takes a seed for all rows or none."""
     rows = logits.shape[0]
-    arrays = {LOGITS: (logits, "FP32")}
+    arrays = {LOGITS: (np.ascontiguousarray(logits.astype(_logits_numpy_dtype(logits_datatype), copy=False)), logits_datatype)}
     for spec in (TEMPERATURE, TOP_K, TOP_P, MIN_P, RETURN_SAMPLING_MASK):
         arrays[spec.name] = (getattr(params, spec.name).reshape(rows, 1).astype(spec.dtype), np_to_triton_dtype(np.dtype(spec.dtype)))
     if params.has_seed.any():
@@ -183,13 +199,15 @@ def _wire_arrays(logits: np.ndarray, params: RowParams) -> dict[str, tuple[np.nd
 
 def _parse(result) -> SampleResult:
     # tritonclient may hand read-only views of its buffers; own copies are safe to use with torch.
-    out = {name: np.array(result.as_numpy(name)) for name in OUTPUT_NAMES}
+    out = {name: result.as_numpy(name) for name in OUTPUT_NAMES}
+    out = {name: None if value is None else np.array(value) for name, value in out.items()}
     return SampleResult(
         token_ids=out["output_ids"].reshape(-1),
         logprobs=out["output_logprobs"].reshape(-1),
         sampling_mask=out["sampling_mask"],
         sampling_mask_len=out["sampling_mask_len"].reshape(-1),
         sampling_logprobs=out["sampling_logprobs"].reshape(-1),
+        sampling_mask_logprobs=out["sampling_mask_logprobs"],
     )
 
 
@@ -223,7 +241,11 @@ class _Prepared:
 def _concatenate(parts: list[SampleResult]) -> SampleResult:
     if len(parts) == 1:
         return parts[0]
-    return SampleResult(**{f: np.concatenate([getattr(p, f) for p in parts]) for f in SampleResult.__dataclass_fields__})
+    def joined(field: str):
+        values = [getattr(p, field) for p in parts]
+        return None if any(v is None for v in values) else np.concatenate(values)
+
+    return SampleResult(**{f: joined(f) for f in SampleResult.__dataclass_fields__})
 
 
 # Triton may still hold a region for a moment after answering the last request that used it
@@ -324,7 +346,8 @@ class _SamplerClientBase:
         """Apply the deployment's mask rules, then lay out the requests."""
         if row_params.return_sampling_mask.any():
             check_rows_like_server(row_params, array.shape[1], limits.policy)
-        return _Prepared(self._base, _wire_arrays(array, row_params), limits.max_batch_size, use_shared_memory)
+        return _Prepared(self._base, _wire_arrays(array, row_params, limits.logits_datatype), limits.max_batch_size,
+                         use_shared_memory)
 
 
 _CLIENT_ARGS_DOC = """`url` is one "host:port" or a list of them, replicas serving the same model repository:

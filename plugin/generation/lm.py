@@ -4,6 +4,11 @@ An LM turns a batch of prompts into next-token logits and then, one token per ro
 extends every row with a KV cache. Rows of a batch are left-padded to one length with an
 attention mask, and rows that finish leave the batch (`keep`), so the LM never computes for them.
 
+Continuous batching (the engine) also needs `merge(states)`: one state holding the rows of
+several, in order, so a request prefilled on its own can join a running decode batch. It is
+optional: an LM without it still works, the engine then admits new requests only when its batch
+is empty.
+
 Built in: any `transformers` causal LM in a local directory (`model_path`), or, when no path is
 given, the default tiny Llama built from `lm_configs/tiny_llama.json` with fixed-seed random
 weights (deterministic on a given torch build, no download). A custom LM is named by the
@@ -44,6 +49,11 @@ class CausalLM(Protocol):
     def keep(self, state: Any, rows: torch.Tensor) -> Any:
         """The state restricted to `rows` (int64 indices into the current rows, in order)."""
         ...
+
+
+def can_merge(lm: CausalLM) -> bool:
+    """Whether the LM offers the optional `merge(states) -> state` that continuous batching uses."""
+    return callable(getattr(lm, "merge", None))
 
 
 @dataclass
@@ -104,9 +114,64 @@ class HFCausalLM:
     def keep(self, state: PaddedBatchState, rows: torch.Tensor) -> PaddedBatchState:
         rows = rows.to(self.device)
         state.cache.batch_select_indices(rows)  # in place
-        # Padding columns stay in the cache (masked): caches offer no way to drop left columns.
+        # Columns that are padding in every remaining row are trimmed; others stay masked.
         mask = state.attention_mask.index_select(0, rows)
-        return PaddedBatchState(state.cache, mask, state.next_position.index_select(0, rows))
+        state = PaddedBatchState(state.cache, mask, state.next_position.index_select(0, rows))
+        return _trim_left_padding(state)
+
+    def merge(self, states: list[PaddedBatchState]) -> PaddedBatchState:
+        """The rows of every state, in order: shorter caches are left-padded (masked) to the longest.
+
+        A padded column is masked out of attention, so each row's logits stay those of the row
+        alone (within float noise); `keep` trims columns that only padding still holds.
+        """
+        width = max(s.attention_mask.shape[1] for s in states)
+        masks = [torch.nn.functional.pad(s.attention_mask, (width - s.attention_mask.shape[1], 0)) for s in states]
+        layers = [_layer_tensors(s.cache) for s in states]
+        merged = []
+        for per_state in zip(*layers):  # one model layer: (keys, values) of every state
+            keys = torch.cat([_pad_seq(k, width) for k, _ in per_state])
+            values = torch.cat([_pad_seq(v, width) for _, v in per_state])
+            merged.append((keys, values))
+        _set_layer_tensors(states[0].cache, merged)
+        return PaddedBatchState(states[0].cache, torch.cat(masks), torch.cat([s.next_position for s in states]))
+
+
+def _pad_seq(tensor: torch.Tensor, width: int) -> torch.Tensor:
+    """Left-pad a [rows, heads, positions, dim] cache tensor with zeros to `width` positions."""
+    return torch.nn.functional.pad(tensor, (0, 0, width - tensor.shape[2], 0))
+
+
+def _layer_tensors(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(keys, values) per layer of a transformers dynamic cache (>= 4.56 `layers`, else key_cache)."""
+    if hasattr(cache, "layers"):
+        return [(layer.keys, layer.values) for layer in cache.layers]
+    if hasattr(cache, "key_cache"):
+        return list(zip(cache.key_cache, cache.value_cache))
+    raise NotImplementedError(f"cannot merge a {type(cache).__name__}; use scheduler 'static'")
+
+
+def _set_layer_tensors(cache, tensors: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    if hasattr(cache, "layers"):
+        for layer, (keys, values) in zip(cache.layers, tensors):
+            layer.keys, layer.values = keys, values
+    else:
+        cache.key_cache[:] = [k for k, _ in tensors]
+        cache.value_cache[:] = [v for _, v in tensors]
+
+
+def _trim_left_padding(state: PaddedBatchState) -> PaddedBatchState:
+    """Drop leading cache columns that are padding in every row (left by rows that left the batch)."""
+    used = state.attention_mask.any(dim=0)
+    start = int(used.to(torch.int8).argmax()) if used.any() else 0
+    if start == 0:
+        return state
+    try:
+        tensors = _layer_tensors(state.cache)
+    except NotImplementedError:  # an unknown cache: keep its (masked) padding
+        return state
+    _set_layer_tensors(state.cache, [(k[:, :, start:], v[:, :, start:]) for k, v in tensors])
+    return PaddedBatchState(state.cache, state.attention_mask[:, start:], state.next_position)
 
 
 def _cache_of(output) -> Any:

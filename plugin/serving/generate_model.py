@@ -1,13 +1,19 @@
 """The `generate` model's lifecycle (decoupled Python backend), kept out of model.py.
 
-Each execute call takes the requests the dynamic batcher grouped, answers the invalid ones with a
-per-request 400 before any token is generated, and runs the rest through the LM as one padded
-batch. Every request ends with exactly one response flagged COMPLETE_FINAL: its last token
-(streaming), its whole result (non-streaming), its error, or an empty final once it is cancelled.
+Each execute call takes the requests the dynamic batcher grouped and answers the invalid ones with
+a per-request 400 before any token is generated. With `scheduler: "continuous"` (the default) it
+then only enqueues the rest on the instance's `ContinuousEngine`, whose background loop admits
+them into the running decode batch (a request beyond the engine's bounds gets UNAVAILABLE at
+once); with `scheduler: "static"` it generates them as one padded batch before returning (the old
+path, kept for comparison). Every request ends with exactly one response flagged COMPLETE_FINAL:
+its last token (streaming), its whole result (non-streaming), its error, or an empty final once it
+is cancelled.
 """
 
 from __future__ import annotations
 
+import queue
+import threading
 import traceback
 
 import numpy as np
@@ -15,12 +21,17 @@ import torch
 
 from ..sampling.backends import load_backend
 from ..sampling.batching import BatchSampler
+from ..generation.engine import ContinuousEngine, EngineFull, EngineLimits
 from ..generation.generator import GenerationChunk, GenerationRequest, Generator, check_generation_request
 from ..generation.lm import load_lm
 from ..model_config import config_path, instance_device, int_parameter, load_model_config, string_parameter
 from .triton_io import error_response, read_input, read_params, wanted_outputs
 from .sampler_model import declared_outputs, mask_policy
 from ..sampling.validation import SamplingRequestError
+
+SCHEDULERS = ("continuous", "static")
+# Time-to-first-token histogram bounds, seconds (from enqueue to the first sampled token).
+TTFT_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 
 
 def _input(request, pb_utils, name: str, dtype, required: bool = False) -> np.ndarray | None:
@@ -78,47 +89,149 @@ def chunk_response(pb_utils, chunk: GenerationChunk, wanted: set[str] | None = N
     return pb_utils.InferenceResponse(output_tensors=tensors)
 
 
-class _TritonSink:
-    """Sends the generator's results through each request's response sender."""
+class _Outbox:
+    """Sends the engine's responses on a thread of its own, in order (one FIFO for all requests, so
+    a request's final always follows its tokens): the engine computes its next step meanwhile."""
 
-    def __init__(self, model: "GenerateModel", requests: list, senders: list):
-        self.model, self.requests, self.senders = model, requests, senders
-        self.final = model.pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-        self.done = [False] * len(requests)
-        self.broken: set[int] = set()
+    def __init__(self, logger):
+        self.logger = logger
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name="generate-outbox", daemon=True)
+        self.thread.start()
 
-    def is_cancelled(self, position: int) -> bool:
-        # A request whose sender failed is dropped like a cancelled one, so its batch-mates go on.
-        return position in self.broken or self.requests[position].is_cancelled()
+    def put(self, call, *args) -> None:
+        self.queue.put((call, args))
 
-    def send(self, position: int, chunk: GenerationChunk, final: bool) -> None:
+    def _run(self) -> None:
+        while (item := self.queue.get()) is not None:
+            call, args = item
+            try:
+                call(*args)
+            except Exception as exc:  # one response lost must not stop the others
+                self.logger.log_error(f"generate: response not sent ({type(exc).__name__}: {exc})")
+
+    def stop(self) -> None:
+        """Send everything queued, then end the thread."""
+        self.queue.put(None)
+        self.thread.join()
+
+
+class _RequestHandle:
+    """One request's response sender: tokens, its error, or the empty final after cancellation.
+
+    With an outbox the responses are built and sent on the outbox thread; `done` is set at once."""
+
+    def __init__(self, model: "GenerateModel", request, outbox: _Outbox | None = None):
+        self.model, self.request, self.outbox = model, request, outbox
+        self.sender = request.get_response_sender()
+        self.final_flag = model.pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        self.done = False
+        self.broken = False  # its sender failed: dropped like a cancelled request, batch-mates go on
+        self._wanted: set[str] | None = None
+
+    def _dispatch(self, call, *args) -> None:
+        if self.outbox is None:
+            call(*args)
+        else:
+            self.outbox.put(call, *args)
+
+    def is_cancelled(self) -> bool:
+        return self.broken or self.request.is_cancelled()
+
+    def send(self, chunk: GenerationChunk, final: bool) -> None:
+        self.done = self.done or final
+        self._dispatch(self._send_now, chunk, final)
+
+    def _send_now(self, chunk: GenerationChunk, final: bool) -> None:
+        if self.broken:
+            return
         try:
-            wanted = wanted_outputs(self.requests[position], self.model.declared_outputs)
-            self.senders[position].send(chunk_response(self.model.pb_utils, chunk, wanted), flags=self.final if final else 0)
+            if self._wanted is None:  # the same for every response of the request
+                self._wanted = wanted_outputs(self.request, self.model.declared_outputs)
+            self.sender.send(chunk_response(self.model.pb_utils, chunk, self._wanted), flags=self.final_flag if final else 0)
         except Exception as exc:  # e.g. the client went away: fail this request only
             self.model.logger.log_error(f"generate: response for one request not sent ({type(exc).__name__}: {exc}); dropping it")
-            self.broken.add(position)
-            self.done[position] = True
-            return
-        self.done[position] = final
+            self.broken = self.done = True
 
-    def cancelled(self, position: int, tokens: int) -> None:
-        if position in self.broken:
+    def cancelled(self, tokens: int) -> None:
+        if self.broken:
             return
+        self.done = True
         self.model.cancelled_counter.increment(1)
         self.model.logger.log_info(f"generate: request cancelled by the client after {tokens} tokens; stopped")
-        self.done[position] = True
+        self._dispatch(self._final_flag_now)
+
+    def _final_flag_now(self) -> None:
         try:  # the final flag releases the request; the client may already be gone
-            self.senders[position].send(flags=self.final)
+            self.sender.send(flags=self.final_flag)
         except Exception as exc:
             self.model.logger.log_verbose(f"generate: final flag after cancellation not sent: {exc}")
+
+    def fail(self, message: str, code_name: str = "INTERNAL") -> None:
+        if self.done:
+            return
+        self.done = True
+        self._dispatch(self._fail_now, message, code_name)
+
+    def _fail_now(self, message: str, code_name: str) -> None:
+        if not self.broken:
+            self.sender.send(error_response(self.model.pb_utils, message, code_name), flags=self.final_flag)
+
+
+class _TritonSink:
+    """The static generator's sink over the handles of one execute's admitted requests."""
+
+    def __init__(self, model: "GenerateModel", handles: list[_RequestHandle]):
+        self.model, self.handles = model, handles
+
+    def is_cancelled(self, position: int) -> bool:
+        return self.handles[position].is_cancelled()
+
+    def send(self, position: int, chunk: GenerationChunk, final: bool) -> None:
+        self.handles[position].send(chunk, final)
+
+    def cancelled(self, position: int, tokens: int) -> None:
+        self.handles[position].cancelled(tokens)
 
     def generated(self, tokens: int) -> None:
         self.model.tokens_counter.increment(tokens)
 
-    def fail(self, position: int, message: str, code_name: str = "INTERNAL") -> None:
-        self.senders[position].send(error_response(self.model.pb_utils, message, code_name), flags=self.final)
-        self.done[position] = True
+    def fail(self, position: int, message: str) -> None:
+        self.handles[position].fail(message)
+
+
+class _EngineMetrics:
+    """The engine's gauges and time-to-first-token histogram; a gauge is set only when it changes."""
+
+    def __init__(self, model: "GenerateModel", pb_utils, labels: dict):
+        families = {
+            name: pb_utils.MetricFamily(name=name, description=description, kind=kind)
+            for name, description, kind in (
+                ("generate_active_sequences", "Requests in the running decode batch", pb_utils.MetricFamily.GAUGE),
+                ("generate_waiting_requests", "Requests queued for admission", pb_utils.MetricFamily.GAUGE),
+                ("generate_kv_tokens", "KV-cache positions held by active requests (prompt + generated)", pb_utils.MetricFamily.GAUGE),
+                ("generate_time_to_first_token_seconds", "Seconds from enqueue to a request's first token",
+                 pb_utils.MetricFamily.HISTOGRAM),
+            )
+        }
+        self.families = families  # the families must outlive their metrics
+        self.model = model
+        self.gauges = [families[name].Metric(labels=labels) for name in
+                       ("generate_active_sequences", "generate_waiting_requests", "generate_kv_tokens")]
+        self.ttft = families["generate_time_to_first_token_seconds"].Metric(labels=labels, buckets=TTFT_BUCKETS)
+        self.last = [None, None, None]
+
+    def generated(self, tokens: int) -> None:
+        self.model.tokens_counter.increment(tokens)
+
+    def first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
+    def occupancy(self, active: int, waiting: int, kv_tokens: int) -> None:
+        for i, value in enumerate((active, waiting, kv_tokens)):
+            if value != self.last[i]:
+                self.gauges[i].set(value)
+                self.last[i] = value
 
 
 class GenerateModel:
@@ -151,67 +264,69 @@ class GenerateModel:
         self.metric_families = (tokens, cancelled)
         self.tokens_counter = tokens.Metric(labels=labels)
         self.cancelled_counter = cancelled.Metric(labels=labels)
+        self.scheduler = string_parameter(model_config, "scheduler", "continuous")
+        if self.scheduler not in SCHEDULERS:
+            raise ValueError(f"config parameter 'scheduler' must be one of {list(SCHEDULERS)}, got {self.scheduler!r}")
+        self.engine = None
+        if self.scheduler == "continuous":
+            limits = EngineLimits(
+                max_active_sequences=int_parameter(model_config, "max_active_sequences", EngineLimits.max_active_sequences),
+                max_waiting=int_parameter(model_config, "max_waiting", EngineLimits.max_waiting),
+                kv_budget_tokens=int_parameter(model_config, "kv_budget_tokens", EngineLimits.kv_budget_tokens),
+            )
+            self.engine_metrics = _EngineMetrics(self, pb_utils, labels)
+            self.outbox = _Outbox(self.logger)
+            self.engine = ContinuousEngine(self.generator, limits, self.engine_metrics, self.logger.log_error).start()
         self.logger.log_info(
             f"generate ready on {device}: lm={model_path or 'built-in tiny llama'}, vocab={self.lm.vocab_size}, "
             f"context={self.lm.context_length}, eos={list(self.lm.eos_token_ids)}, mask width={policy.mask_width}, "
-            f"torch threads={torch.get_num_threads()}"
+            f"torch threads={torch.get_num_threads()}, scheduler={self.scheduler}"
+            + (f" ({self.engine.limits})" if self.engine else "")
         )
 
     def execute(self, requests) -> None:
         """Answers every request through its response sender; nothing escapes (decoupled: returns None)."""
-        senders = [request.get_response_sender() for request in requests]
-        sink = _TritonSink(self, requests, senders)
+        handles, engine_owned = [], set()  # once submitted, only the engine answers a request
         try:
-            parsed, positions = [], []
-            for position, request in enumerate(requests):
+            outbox = self.outbox if self.engine is not None else None
+            handles = [_RequestHandle(self, request, outbox) for request in requests]
+            parsed, admitted_handles = [], []
+            for handle in handles:
                 try:
-                    parsed.append(parse_generation_request(request, self.pb_utils, self.lm.vocab_size, self.lm.context_length))
-                    positions.append(position)
+                    parsed.append(parse_generation_request(handle.request, self.pb_utils, self.lm.vocab_size, self.lm.context_length))
+                    admitted_handles.append(handle)
                 except SamplingRequestError as exc:
-                    sink.fail(position, exc.message, "INVALID_ARG")
-            admitted, admitted_positions = [], []
-            for item, position, error in zip(parsed, positions, self.generator.admission_errors(parsed)):
+                    handle.fail(exc.message, "INVALID_ARG")
+            admitted, checked_handles = [], []
+            for item, handle, error in zip(parsed, admitted_handles, self.generator.admission_errors(parsed)):
                 if error is not None:
-                    sink.fail(position, error, "INVALID_ARG")
+                    handle.fail(error, "INVALID_ARG")
                 else:
                     admitted.append(item)
-                    admitted_positions.append(position)
-            if admitted:
-                batch_sink = _PositionMap(sink, admitted_positions)
-                self.generator.run(admitted, batch_sink)
+                    checked_handles.append(handle)
+            if self.engine is not None:
+                for item, handle in zip(admitted, checked_handles):
+                    try:
+                        self.engine.submit(item, handle)
+                        engine_owned.add(id(handle))
+                    except EngineFull as exc:  # load shedding: refused now, never queued unboundedly
+                        handle.fail(exc.message, "UNAVAILABLE")
+            elif admitted:
+                self.generator.run(admitted, _TritonSink(self, checked_handles))
         except Exception as exc:  # an internal fault: end every unanswered request, never raise
             self.logger.log_error(f"generate internal error: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
             message = f"internal generate error ({type(exc).__name__}); see the server log"
-            for position, done in enumerate(sink.done):
-                if not done:
+            for handle in handles:
+                if not handle.done and id(handle) not in engine_owned:
                     try:
-                        sink.fail(position, message)
+                        handle.fail(message)
                     except Exception:  # the sender may already be closed
                         pass
         return None
 
     def finalize(self) -> None:
-        """execute generates to completion before returning, so nothing is left in flight."""
+        """Stop the engine loop: requests still in flight or waiting end with an UNAVAILABLE final."""
+        if self.engine is not None:
+            self.engine.stop()
+            self.outbox.stop()
         self.logger.log_info("generate finalized")
-
-
-class _PositionMap:
-    """A sink over a subset of the batch: generator position i is batch position positions[i]."""
-
-    def __init__(self, sink: _TritonSink, positions: list[int]):
-        self.sink, self.positions = sink, positions
-
-    def is_cancelled(self, i: int) -> bool:
-        return self.sink.is_cancelled(self.positions[i])
-
-    def send(self, i: int, chunk, final: bool) -> None:
-        self.sink.send(self.positions[i], chunk, final)
-
-    def cancelled(self, i: int, tokens: int) -> None:
-        self.sink.cancelled(self.positions[i], tokens)
-
-    def fail(self, i: int, message: str) -> None:
-        self.sink.fail(self.positions[i], message)
-
-    def generated(self, tokens: int) -> None:
-        self.sink.generated(tokens)

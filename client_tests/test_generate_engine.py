@@ -1,0 +1,208 @@
+"""The continuous-batching engine of `generate` through a real tritonserver of its own.
+
+The server holds three variants of the shipped `generate` model: `generate` (continuous, shipped
+bounds), `generate_tight` (one active sequence, one waiting: the refusal beyond the bounds) and
+`generate_static` (the previous static batching). Joins, cancellation, refusals, one final each.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+
+import numpy as np
+import pytest
+from tritonclient.utils import InferenceServerException
+
+from triton_sampling_mask.ops.launcher import TritonServer
+
+from .generate_client import GenerateStream, collect, counter, grpc_generate, http_generate
+from .server import MODEL_REPOSITORY, ExternalTritonServer, set_parameter
+
+SAMPLED = dict(temperature=0.7, top_k=10, top_p=0.9, min_p=0.03, return_sampling_mask=True, ignore_eos=True)
+VARIANTS = {
+    "generate": {},
+    "generate_tight": {"max_active_sequences": "1", "max_waiting": "1"},
+    "generate_static": {"scheduler": "static"},
+}
+
+
+def build_engine_repository(dest, variants: dict[str, dict[str, str]]):
+    """A repository with one copy of the shipped generate model per variant (config overrides)."""
+    base = (MODEL_REPOSITORY / "generate" / "config.pbtxt").read_text()
+    for name, overrides in variants.items():
+        shutil.copytree(MODEL_REPOSITORY / "generate", dest / name, ignore=shutil.ignore_patterns("__pycache__"))
+        text = base.replace('name: "generate"', f'name: "{name}"')
+        for key, value in overrides.items():
+            text = set_parameter(text, key, value)
+        (dest / name / "config.pbtxt").write_text(text)
+    return dest
+
+
+@pytest.fixture(scope="module")
+def engine_server(tmp_path_factory):
+    if ExternalTritonServer.from_environment() is not None:
+        pytest.skip("starts a local CPU tritonserver with generate variants of its own")
+    repository = build_engine_repository(tmp_path_factory.mktemp("engine_models"), VARIANTS)
+    # Explicit model control: the last test unloads a variant while it generates.
+    control = ["--model-control-mode=explicit", *(f"--load-model={name}" for name in VARIANTS)]
+    with TritonServer(repository, extra_args=control, log_path=tmp_path_factory.mktemp("engine_logs") / "tritonserver.log") as server:
+        yield server
+
+
+def read_to_final(stream: GenerateStream, expected: int) -> dict[str, dict]:
+    """Responses of `expected` requests on one stream by request id: outputs, finals, errors."""
+    results: dict[str, dict] = {}
+    finished = 0
+    while finished < expected:
+        request_id, outputs, final, error = stream.next()
+        entry = results.setdefault(request_id or "?", {"outputs": [], "finals": 0, "errors": []})
+        if error is not None:
+            entry["errors"].append(error)
+        if outputs is not None:
+            entry["outputs"].append(outputs)
+        entry["finals"] += final
+        finished += final
+    return results
+
+
+def test_a_request_joining_a_running_batch_equals_it_run_alone(engine_server):
+    long_stream, short_stream = GenerateStream(engine_server.grpc_url), GenerateStream(engine_server.grpc_url)
+    try:
+        long_stream.send([5, 6, 7], 480, request_id="long", stream=True, **dict(SAMPLED, seed=3))
+        for _ in range(5):  # the long request is generating
+            _, outputs, final, error = long_stream.next()
+            assert error is None and not final
+        short_stream.send([40, 41, 42, 43], 12, request_id="short", **dict(SAMPLED, seed=11))
+        short = read_to_final(short_stream, 1)["short"]
+        assert short["finals"] == 1 and not short["errors"]
+        # It finished while the long one still runs: it joined the batch instead of waiting for it.
+        assert counter(engine_server.metrics_url, "generate_active_sequences") >= 1
+        long_rest = read_to_final(long_stream, 1)["long"]
+        assert long_rest["finals"] == 1 and not long_rest["errors"]
+    finally:
+        long_stream.close()
+        short_stream.close()
+    joined = collect(short["outputs"])
+    alone = grpc_generate(engine_server.grpc_url, [40, 41, 42, 43], 12, **dict(SAMPLED, seed=11))
+    np.testing.assert_array_equal(joined.output_ids, alone.output_ids)
+    np.testing.assert_array_equal(joined.sampling_mask, alone.sampling_mask)
+    # Batch-mates change the logits within float noise only: same tokens and masks, logprobs close.
+    np.testing.assert_allclose(joined.sampling_mask_logprobs, alone.sampling_mask_logprobs, atol=1e-4)
+    np.testing.assert_allclose(joined.output_logprobs, alone.output_logprobs, atol=1e-4)
+    streamed_alone = grpc_generate(engine_server.grpc_url, [40, 41, 42, 43], 12, stream=True, **dict(SAMPLED, seed=11))
+    np.testing.assert_array_equal(streamed_alone.output_ids, alone.output_ids)
+    static = grpc_generate(engine_server.grpc_url, [40, 41, 42, 43], 12, model="generate_static", **dict(SAMPLED, seed=11))
+    np.testing.assert_array_equal(static.output_ids, alone.output_ids)
+
+
+def test_cancellation_frees_its_slot_while_others_continue(engine_server):
+    cancelled_before = counter(engine_server.metrics_url, "generate_cancelled_total")
+    doomed, other = GenerateStream(engine_server.grpc_url), GenerateStream(engine_server.grpc_url)
+    try:
+        doomed.send([5, 6, 7], 480, request_id="doomed", stream=True, **dict(SAMPLED, seed=1))
+        other.send([8, 9], 120, request_id="other", stream=True, **dict(SAMPLED, seed=2))
+        for _ in range(3):
+            assert doomed.next()[3] is None
+        doomed.close(cancel=True)
+        deadline = time.monotonic() + 60  # a wait for the server's counter, not a timing assertion
+        while counter(engine_server.metrics_url, "generate_cancelled_total") == cancelled_before:
+            assert time.monotonic() < deadline, "the server never saw the cancellation"
+            time.sleep(0.05)
+        survivor = read_to_final(other, 1)["other"]
+    finally:
+        other.close()
+    assert survivor["finals"] == 1 and not survivor["errors"]
+    alone = grpc_generate(engine_server.grpc_url, [8, 9], 120, **dict(SAMPLED, seed=2))
+    np.testing.assert_array_equal(collect(survivor["outputs"]).output_ids, alone.output_ids)
+    # The slot is free: the tight variant (one slot) shows it best, below; here the batch empties.
+    deadline = time.monotonic() + 30
+    while counter(engine_server.metrics_url, "generate_active_sequences") != 0:
+        assert time.monotonic() < deadline, "a cancelled or finished sequence kept its slot"
+        time.sleep(0.05)
+    assert counter(engine_server.metrics_url, "generate_kv_tokens") == 0
+
+
+def test_beyond_the_bounds_requests_are_refused_unavailable_and_each_ends_once(engine_server):
+    model = "generate_tight"  # one active sequence, one waiting request
+    stream = GenerateStream(engine_server.grpc_url, model)
+    try:
+        stream.send([5, 6, 7], 480, request_id="running", stream=True, **dict(SAMPLED, seed=1))
+        assert stream.next()[3] is None  # it holds the only slot
+        stream.send([5, 6, 7], 4, request_id="waiting", **dict(SAMPLED, seed=2))
+        deadline = time.monotonic() + 30
+        while counter(engine_server.metrics_url, "generate_waiting_requests", model) != 1:
+            assert time.monotonic() < deadline, "the second request never queued"
+            time.sleep(0.02)
+        stream.send([5, 6, 7], 4, request_id="refused", **dict(SAMPLED, seed=3))
+        with pytest.raises(InferenceServerException) as refused:
+            grpc_generate(engine_server.grpc_url, [5], 4, model=model)
+        assert "max_waiting" in refused.value.message()
+        status, body = http_generate(engine_server.http_url, [5], 4, 128, model=model)
+        assert status == 503 and "max_waiting" in body["error"]
+        # The refused request ends at once; the waiting one gets the slot only after a cancel.
+        first = read_to_final(stream, 1)
+        refused_entry = first.get("?") or first.get("refused")
+        assert refused_entry is not None and refused_entry["errors"] and refused_entry["finals"] == 1
+    finally:
+        stream.close(cancel=True)
+    # A fresh request is served once the cancelled ones have left (waiting one cancelled too).
+    deadline = time.monotonic() + 60
+    while counter(engine_server.metrics_url, "generate_active_sequences", model) != 0:
+        assert time.monotonic() < deadline, "the cancelled requests kept the slot"
+        time.sleep(0.05)
+    assert len(grpc_generate(engine_server.grpc_url, [5], 3, model=model, ignore_eos=True).output_ids) == 3
+
+
+def test_exactly_one_final_per_request_in_a_mixed_stream(engine_server):
+    requests = {
+        "stream": ([5, 6], 9, dict(SAMPLED, seed=1, stream=True)),
+        "whole": ([7, 8, 9, 10, 11, 12], 7, dict(SAMPLED, seed=2)),
+        "zero": ([5], 0, dict(SAMPLED, seed=3)),
+        "bad": ([5, 2000], 4, {}),
+        "greedy": ([9], 5, dict(temperature=0.0, ignore_eos=True)),
+    }
+    ttft_before = counter(engine_server.metrics_url, "generate_time_to_first_token_seconds_count")
+    with GenerateStream(engine_server.grpc_url) as stream:
+        for name, (prompt, budget, params) in requests.items():
+            stream.send(prompt, budget, request_id=name, **params)
+        results = read_to_final(stream, len(requests))
+        time.sleep(0.2)  # nothing more may arrive on the stream after every final
+        assert stream.responses.empty()
+    errors = {name: entry["errors"] for name, entry in results.items() if entry["errors"]}
+    assert len(errors) == 1 and "input_ids" in next(iter(errors.values()))[0].message()
+    assert sum(entry["finals"] for entry in results.values()) == len(requests)
+    for name in ("stream", "whole", "zero", "greedy"):
+        assert results[name]["finals"] == 1
+    assert len(collect(results["stream"]["outputs"]).output_ids) == 9
+    assert len(results["stream"]["outputs"]) == 9
+    assert counter(engine_server.metrics_url, "generate_time_to_first_token_seconds_count") == ttft_before + 3
+
+
+def test_unloading_ends_every_in_flight_request_with_one_final(engine_server):
+    import tritonclient.http as httpclient
+
+    model = "generate_tight"
+    stream = GenerateStream(engine_server.grpc_url, model)
+    admin = httpclient.InferenceServerClient(engine_server.http_url)
+    try:
+        stream.send([5, 6, 7], 200, request_id="running", stream=True, **dict(SAMPLED, seed=1))
+        stream.send([5, 6, 7], 200, request_id="waiting", **dict(SAMPLED, seed=2))
+        assert stream.next()[3] is None  # generating
+        admin.unload_model(model)
+        results = read_to_final(stream, 2)
+        time.sleep(0.2)
+        assert stream.responses.empty(), "a response after a request's final"
+    finally:
+        stream.close()
+        admin.close()
+    # Each ended once. Triton 2.51 lets in-flight requests finish before it calls finalize, so
+    # here both complete; finalize's UNAVAILABLE final for leftovers is tested in-process.
+    assert sum(entry["finals"] for entry in results.values()) == 2
+    for entry in results.values():
+        for error in entry["errors"]:
+            assert "unloaded" in error.message(), error.message()
+    deadline = time.monotonic() + 60  # the unload completes in the background
+    while "generate finalized" not in engine_server.log_tail(200_000):
+        assert time.monotonic() < deadline, "the model never finalized"
+        time.sleep(0.1)
