@@ -1,6 +1,6 @@
 """Sampler memory is bounded whatever the logits: all-equal rows (every id ties at the top-k
 boundary, so the tie repair scans whole rows) peak within 1.5x of random rows, measured as the
-peak RSS of a fresh process (torch's CPU allocations are invisible to tracemalloc)."""
+peak RSS (VmHWM) of a fresh process (torch's CPU allocations are invisible to tracemalloc)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ ROWS, VOCAB = 256, 262144  # the issue's case: 256 x 262144 logits, top_k 512, m
 
 PROBE = textwrap.dedent(
     """
-    import json, resource, sys
+    import json, sys
     import numpy as np, torch
     from triton_sampling_mask.sampling.sampler import SamplingBatch, sample
 
@@ -22,10 +22,16 @@ PROBE = textwrap.dedent(
     params = lambda n: (np.full(n, 0.8, np.float32), np.full(n, 512), np.full(n, 0.95, np.float32),
                         np.zeros(n, np.float32), np.arange(n), np.ones(n, bool))
     sample(SamplingBatch(torch.randn(2, 4096), *params(2)), 512)  # imports and first-call set-up
-    start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    def peak_kib():
+        # VmHWM: this process image's own peak RSS. (ru_maxrss would start at the parent's RSS,
+        # which exec folds into it: a large pytest parent would hide the growth.)
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
+
+    start = peak_kib()
     logits = torch.zeros(rows, vocab) if kind == "equal" else torch.randn(rows, vocab)
     result = sample(SamplingBatch(logits, *params(rows)), 512)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak = peak_kib()
     print(json.dumps({"peak_kib": peak - start, "mask_len": int(result.mask_len.min())}))
     """
 )
