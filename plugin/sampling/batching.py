@@ -15,7 +15,7 @@ import torch
 from .backends import SamplingBackend
 from .params import RowParams
 from .sampler import SamplingBatch, SamplingResult
-from .validation import MaskPolicy, check_rows, first_error
+from .validation import MaskPolicy, check_logit_rows, check_rows, first_error
 
 OUTPUT_NAMES = ("output_ids", "output_logprobs", "sampling_mask", "sampling_mask_len", "sampling_logprobs",
                 "sampling_mask_logprobs")
@@ -63,14 +63,17 @@ class BatchSampler:
         owner = np.repeat(np.arange(len(group)), rows_per_request)
         sampled = ~_failed_requests(errors, owner, len(group))[owner]
         result_arrays = None
+        row_max = np.empty(len(owner), np.float32)
         if sampled.any():
             rows = logits if sampled.all() else logits[torch.from_numpy(np.flatnonzero(sampled)).to(logits.device)]
-            result = self.sample(rows, params.take(sampled))
-            result_arrays = result.host()
-            errors[sampled] = check_rows(params.take(sampled), result_arrays["row_max"], vocab, self.policy)
+            result_arrays = self.sample(rows, params.take(sampled)).host()
+            row_max[sampled] = result_arrays["row_max"]
         if (~sampled).any():  # error path only: the refused requests' other rows, for "first failing row"
             unsampled = torch.from_numpy(np.flatnonzero(~sampled)).to(logits.device)
-            errors[~sampled] = check_rows(params.take(~sampled), logits[unsampled].amax(dim=-1).float().cpu().numpy(), vocab, self.policy)
+            row_max[~sampled] = logits[unsampled].amax(dim=-1).float().cpu().numpy()
+        # The logits rules come last (check_rows' order): only rows every parameter rule passed.
+        passed = np.equal(errors, None).astype(bool)
+        errors[passed] = check_logit_rows(row_max[passed])
 
         request_failed = _failed_requests(errors, owner, len(group))
         outcomes = [RequestOutcome() for _ in group]

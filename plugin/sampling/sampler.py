@@ -163,20 +163,25 @@ def sample(batch: SamplingBatch, mask_width: int, fused: bool | None = None) -> 
             _write(result, index, _sample_fused(batch, plan, index, mask_width).host())
         else:
             _sample_ranked(batch, plan, index, int(plan.k_eff[index].max()), mask_width, result)
-    full_vocab_rows = max(1, _FULL_VOCAB_BLOCK_ELEMENTS // max(batch.logits.shape[1], 1))
     if plan.top_p_first.any():
         index = np.flatnonzero(plan.top_p_first)
         candidates = _TOP_P_CANDIDATES
         support_len = _sample_ranked(batch, plan, index, candidates, mask_width, result)
         # A support that fills every candidate may continue past them: rank those rows fully.
         plan.full_sort[index[support_len >= candidates]] = True
-    for index in np.array_split(np.flatnonzero(plan.full_sort), max(1, -(-int(plan.full_sort.sum()) // full_vocab_rows))):
-        if index.size:  # full-vocabulary groups run in row blocks: [rows, V] temporaries stay bounded
-            _sample_ranked(batch, plan, index, int(plan.k_eff[index].max()), mask_width, result)
-    for index in np.array_split(np.flatnonzero(plan.unranked), max(1, -(-int(plan.unranked.sum()) // full_vocab_rows))):
-        if index.size:
-            _sample_unranked(batch, plan, index, result)
+    # Full-vocabulary groups run in row blocks: their [rows, V] temporaries stay bounded.
+    for index in _row_blocks(plan.full_sort, batch.logits.shape[1]):
+        _sample_ranked(batch, plan, index, int(plan.k_eff[index].max()), mask_width, result)
+    for index in _row_blocks(plan.unranked, batch.logits.shape[1]):
+        _sample_unranked(batch, plan, index, result)
     return result
+
+
+def _row_blocks(selected: np.ndarray, vocab: int) -> list[np.ndarray]:
+    """The indices of the `selected` rows in blocks of at most _FULL_VOCAB_BLOCK_ELEMENTS logits."""
+    index = np.flatnonzero(selected)
+    block_rows = max(1, _FULL_VOCAB_BLOCK_ELEMENTS // max(vocab, 1))
+    return [index[start : start + block_rows] for start in range(0, index.size, block_rows)]
 
 
 def _fused_available() -> bool:
@@ -190,8 +195,7 @@ def _fused_available() -> bool:
 def _sample_fused(batch: SamplingBatch, plan: RowPlan, index: np.ndarray, mask_width: int) -> SamplingResult:
     from . import fused
 
-    whole = index.size == batch.logits.shape[0]
-    logits = batch.logits if whole else batch.logits[torch.from_numpy(index).to(batch.logits.device)]
+    logits = _rows(batch, index)
     params = fused.pack_params(batch.temperature[index], batch.top_k[index], batch.top_p[index], batch.min_p[index],
                                batch.seed[index], batch.want_mask[index], batch.logits.shape[1])
     k_max = int(plan.k_eff[index].max())
