@@ -397,3 +397,23 @@ def test_bounds_refuse_with_engine_full_and_stop_ends_every_request():
         assert handle.finals + len(handle.errors) == 1
     with pytest.raises(EngineFull, match="shutting down"):
         running.submit(request([5], 4), RecordingHandle())
+
+
+def test_the_engine_fails_only_the_row_whose_logits_broke():
+    # Both requests start together (BigramLM cannot merge); at its second decode the LM returns
+    # NaN logits for the first row: that request fails naming the step, the other one finishes
+    # with the tokens it gets alone.
+    lm = BigramLM(nan_after=2)
+    running = engine(lm)
+    try:
+        handles = [RecordingHandle(), RecordingHandle()]
+        reqs = [request([10], 6, ignore_eos=True, **MASKED), request([11], 6, ignore_eos=True, **dict(MASKED, seed=6))]
+        for handle, req in zip(handles, reqs):
+            running.submit(req, handle)
+        for handle in handles:
+            assert handle.done.wait(60)
+    finally:
+        running.stop()
+    assert handles[0].errors and "unusable logits at step 2" in handles[0].errors[0][1] and handles[0].finals == 0
+    assert not handles[1].errors and handles[1].finals == 1
+    np.testing.assert_array_equal(handles[1].ids(), solo(BigramLM(), reqs[1]).ids(0))

@@ -202,22 +202,21 @@ class ContinuousEngine:
             self._join(fresh)
         if not self._rows:
             return
-        logits = self._logits
-        broken = ~np.equal(check_logit_rows(logits.amax(dim=-1).cpu().numpy()), None).astype(bool)
+        result = self.sampler.sample(self._logits, self._step_params())
+        # The sampler returns each row's max with its outputs: rows whose logits the LM broke
+        # (NaN, +inf, all -inf) fail here, without a separate pass over the logits.
+        broken = ~np.equal(check_logit_rows(result.host()["row_max"]), None).astype(bool)
         for i in np.flatnonzero(broken):
             _quietly(self._rows[i].handle.fail, f"the language model produced unusable logits at step {self._rows[i].step}")
-        self._drop(broken)
-        if not self._rows:
-            return
-
-        result = self.sampler.sample(self._logits, self._step_params())
         arrays = outputs_to_numpy(result)
-        self.observer.generated(len(self._rows))
+        self.observer.generated(int((~broken).sum()))
         tokens = result.token_ids.cpu()
         token_list = tokens.tolist()
-        finished = np.zeros(len(self._rows), bool)
+        finished = broken.copy()
         now = time.monotonic()
         for i, sequence in enumerate(self._rows):
+            if broken[i]:
+                continue
             if sequence.step == 0:
                 self.observer.first_token(now - sequence.enqueued)
             sequence.step += 1
