@@ -19,6 +19,7 @@ from triton_sampling_mask.client.wire import sampler_inputs
 from triton_sampling_mask.ops.launcher import TritonServer
 
 from .server import MODEL_REPOSITORY, set_parameter
+from .slow_backend import EXECUTE_SECONDS
 
 MODEL = "sampler_slow"
 
@@ -80,5 +81,6 @@ def test_a_burst_beyond_the_queue_is_refused_quickly(slow_server, protocol, shed
     assert set(statuses) <= {"ok", shed_status}, statuses
     assert statuses.count("ok") >= 1 and statuses.count(shed_status) >= 1, statuses
     shed_seconds = [seconds for status, seconds in outcomes if status == shed_status]
-    # Refused ones are refused at once or after the queue timeout (1 s), not after the whole burst.
-    assert np.median(shed_seconds) < 2.0, shed_seconds
+    # Beyond the queue a request is refused at once: faster than a single execute of the slowed
+    # sampler, let alone the whole burst (the others are refused at the queue timeout).
+    assert min(shed_seconds) < EXECUTE_SECONDS, shed_seconds
