@@ -294,6 +294,50 @@ class _ShmRegion:
         self._shm.destroy_shared_memory_region(self.handle)
 
 
+class _Attempts:
+    """One request's retry policy, shared by the sync and asyncio clients: which replica next,
+    when a whole round failed, and whether an error ends the request or moves it on."""
+
+    def __init__(self, client: "_SamplerClientBase"):
+        self.client = client
+        self.tried: set = set()
+        self.attempts = self.rounds = 0
+
+    def next_lease(self):
+        """(replica, tritonclient) not yet tried this round, or None when every replica failed
+        this round (the caller pauses `pause_s()`, then all are tried again)."""
+        self.client._start_probes()
+        lease = self.client._replicas.acquire(self.tried)
+        if lease is None:
+            self.rounds += 1
+            self.tried.clear()
+        else:
+            self.attempts += 1
+        return lease
+
+    def pause_s(self) -> float:
+        return round_pause_s(self.rounds)
+
+    def failed(self, lease, exc: BaseException) -> None:
+        """Release the replica after `exc`; re-raise it (as SamplerError for server and transport
+        errors) unless it says the replica failed and attempts remain."""
+        replica, tritonclient = lease
+        if not isinstance(exc, (InferenceServerException, SamplerError, *_TRANSPORT_ERRORS)):
+            self.client._replicas.release(replica, tritonclient, reachable=True)
+            raise exc
+        error = self.client._failure(exc)
+        failed = is_replica_failure(error.status, error.message)
+        self.client._replicas.release(replica, tritonclient, reachable=not failed)
+        if not failed or self.attempts >= self.client.max_attempts:
+            raise error from None
+        self.tried.add(replica)
+
+    def served(self, lease, result, served: bool):
+        """Release the replica after a success and pass the result on."""
+        self.client._replicas.release(*lease, reachable=True, served=served)
+        return result
+
+
 class _SamplerClientBase:
     def __init__(self, url, protocol, model_name, mask_width, max_batch_size, asynchronous, admin_key=None,
                  max_attempts=None, eject_backoff_s=DEFAULT_EJECT_BACKOFF_S, max_eject_backoff_s=DEFAULT_MAX_EJECT_BACKOFF_S,
@@ -427,33 +471,18 @@ class SamplerClient(_SamplerClientBase):
 
     def _on_a_replica(self, work, served: bool = False):
         """`work(tritonclient)` on a chosen replica, retried on another when the replica fails."""
-        tried: set = set()
-        attempts = rounds = 0
+        attempts = _Attempts(self)
         while True:
-            self._start_probes()
-            lease = self._replicas.acquire(tried)
+            lease = attempts.next_lease()
             if lease is None:  # every replica failed this round: pause, then try them all again
-                rounds += 1
-                time.sleep(round_pause_s(rounds))
-                tried.clear()
+                time.sleep(attempts.pause_s())
                 continue
-            replica, client = lease
-            attempts += 1
             try:
-                result = work(client)
-            except (InferenceServerException, SamplerError, *_TRANSPORT_ERRORS) as exc:
-                error = self._failure(exc)
-                failed = is_replica_failure(error.status, error.message)
-                self._replicas.release(replica, client, reachable=not failed)
-                if not failed or attempts >= self.max_attempts:
-                    raise error from None
-                tried.add(replica)
+                result = work(lease[1])
+            except BaseException as exc:
+                attempts.failed(lease, exc)  # raises unless another replica should be tried
                 continue
-            except BaseException:
-                self._replicas.release(replica, client, reachable=True)
-                raise
-            self._replicas.release(replica, client, reachable=True, served=served)
-            return result
+            return attempts.served(lease, result, served)
 
     def _start_probes(self) -> None:
         for replica in self._replicas.due_for_probe():
@@ -571,33 +600,18 @@ class AsyncSamplerClient(_SamplerClientBase):
 
     async def _on_a_replica(self, work, served: bool = False):
         """`await work(tritonclient)` on a chosen replica, retried on another when the replica fails."""
-        tried: set = set()
-        attempts = rounds = 0
+        attempts = _Attempts(self)
         while True:
-            self._start_probes()
-            lease = self._replicas.acquire(tried)
+            lease = attempts.next_lease()
             if lease is None:  # every replica failed this round: pause, then try them all again
-                rounds += 1
-                await asyncio.sleep(round_pause_s(rounds))
-                tried.clear()
+                await asyncio.sleep(attempts.pause_s())
                 continue
-            replica, client = lease
-            attempts += 1
             try:
-                result = await work(client)
-            except (InferenceServerException, SamplerError, *_TRANSPORT_ERRORS) as exc:
-                error = self._failure(exc)
-                failed = is_replica_failure(error.status, error.message)
-                self._replicas.release(replica, client, reachable=not failed)
-                if not failed or attempts >= self.max_attempts:
-                    raise error from None
-                tried.add(replica)
+                result = await work(lease[1])
+            except BaseException as exc:
+                attempts.failed(lease, exc)  # raises unless another replica should be tried
                 continue
-            except BaseException:
-                self._replicas.release(replica, client, reachable=True)
-                raise
-            self._replicas.release(replica, client, reachable=True, served=served)
-            return result
+            return attempts.served(lease, result, served)
 
     def _start_probes(self) -> None:
         for replica in self._replicas.due_for_probe():
