@@ -63,3 +63,102 @@ def test_mask_is_the_reference_support_under_ties(kind):
         np.testing.assert_array_equal(result.mask_ids[row, :length].numpy(), ref.support)
         assert int(result.token_ids[row]) in set(ref.support.tolist())
     assert checked >= 3, "too few rows with an unambiguous reference support to test anything"
+
+
+def _selection_rows(vocab: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """Rows for the CPU's threshold selection (V large next to k): three it settles (continuous,
+    bf16 ties at the k-th place, -0.0 / 0.0 ties at the k-th place) and three it must hand to the
+    top-k fallback: a run of equal logits at the k-th place far longer than the candidates, a row
+    whose strided sample sees only its largest logits (too few reach the threshold), and a row of
+    mostly banned tokens (the threshold is -inf, so every id reaches it)."""
+    rows = np.empty((6, vocab), np.float32)
+    rows[0] = rng.standard_normal(vocab) * 3
+    rows[1] = torch.from_numpy(rng.standard_normal(vocab) * 3).bfloat16().float().numpy()
+    rows[2] = rng.standard_normal(vocab) - 20
+    rows[2, rng.permutation(vocab)[: k + 20]] = rng.choice([0.0, -0.0], k + 20)
+    rows[2, rng.permutation(vocab)[:k // 2]] = 1.0
+    rows[3] = rng.standard_normal(vocab) - 10
+    rows[3, rng.permutation(vocab)[:k // 2]] = 0.0
+    rows[3, rng.permutation(vocab)[:3000]] = -1.0  # the boundary run: the top-k fallback repairs it
+    rows[4] = rng.standard_normal(vocab)
+    rows[4, :: vocab // 2048] = 10 + rng.standard_normal(rows[4, :: vocab // 2048].size)
+    rows[5] = -np.inf
+    rows[5, rng.permutation(vocab)[: 4 * k]] = rng.integers(0, 3, 4 * k)
+    return rows
+
+
+def test_threshold_selection_is_exact_and_hands_the_rows_it_cannot_settle_to_top_k(monkeypatch):
+    from triton_sampling_mask.sampling import sampler
+
+    vocab, k = 40000, 50
+    logits = _selection_rows(vocab, k, np.random.default_rng(11))
+    fallback_rows = []
+    by_topk = sampler._ranked_by_topk_cpu
+    monkeypatch.setattr(sampler, "_ranked_by_topk_cpu",
+                        lambda lg, kk: fallback_rows.append(lg.shape[0]) or by_topk(lg, kk))
+    values, ids = ranked_candidates(torch.from_numpy(logits), k)
+    assert fallback_rows == [3], "rows 3, 4 and 5 (only they) go to the top-k fallback, as one group"
+    expected = _expected(logits, k)
+    finite = np.take_along_axis(logits, expected, 1) > -np.inf
+    np.testing.assert_array_equal(ids.numpy()[finite], expected[finite])
+    np.testing.assert_array_equal(values.numpy(), np.take_along_axis(logits, expected, 1))
+    for row in range(logits.shape[0]):  # one row at a time: the B=1 form of the selection
+        _, alone = ranked_candidates(torch.from_numpy(logits[row : row + 1]), k)
+        np.testing.assert_array_equal(alone.numpy()[0][finite[row]], expected[row][finite[row]])
+    assert fallback_rows == [3, 1, 1, 1]
+
+
+@pytest.mark.parametrize("kind", ["bf16", "long_run", "coarse"])
+def test_top_k_fetches_one_past_k_and_repairs_boundary_ties(monkeypatch, kind):
+    # The top-k path alone (threshold selection off): k + 1 candidates, so a tie at the k-th place
+    # must go through the repair, whose result the reference order checks.
+    from triton_sampling_mask.sampling import sampler
+
+    monkeypatch.setattr(sampler, "_THRESHOLD_MIN_RATIO", 10**9)
+    repaired = []
+    repair = sampler._repair_boundary_ties_cpu
+    monkeypatch.setattr(sampler, "_repair_boundary_ties_cpu", lambda *a: repaired.append(a[3].size) or repair(*a))
+    logits = _tied_logits(kind, 4, 3000, np.random.default_rng(3))
+    k = 100
+    _, ids = ranked_candidates(torch.from_numpy(logits), k)
+    assert repaired and repaired[0] >= 1
+    expected = _expected(logits, k)
+    finite = np.take_along_axis(logits, expected, 1) > -np.inf
+    np.testing.assert_array_equal(ids.numpy()[finite], expected[finite])
+
+
+def test_mask_is_the_reference_support_on_both_cpu_selection_paths():
+    vocab, k = 40000, 50
+    logits = _selection_rows(vocab, k, np.random.default_rng(12))
+    rows = logits.shape[0]
+    top_p, temperature = np.float32(0.9), np.float32(0.7)
+    batch = SamplingBatch(
+        logits=torch.from_numpy(logits), temperature=np.full(rows, temperature), top_k=np.full(rows, k),
+        top_p=np.full(rows, top_p), min_p=np.zeros(rows, np.float32), seed=np.arange(rows),
+        want_mask=np.ones(rows, bool),
+    )
+    result = sample(batch, mask_width=k)
+    for row in range(rows):
+        ref = reference_row(logits[row], temperature, k, top_p)
+        assert ref.support_min == ref.support_max
+        length = int(result.mask_len[row])
+        np.testing.assert_array_equal(result.mask_ids[row, :length].numpy(), ref.support)
+        assert int(result.token_ids[row]) in set(ref.support.tolist())
+        assert float(result.row_max[row]) == logits[row].max()
+
+
+def test_row_max_of_broken_rows_is_their_amax():
+    # Threshold selection never picks a NaN: the row max must still say NaN (the logits checks
+    # refuse the row from it), and +inf / all -inf as `amax` gives them.
+    logits = np.random.default_rng(1).standard_normal((6, 20000)).astype(np.float32)
+    logits[0, 123] = np.nan
+    logits[1, 7] = np.inf
+    logits[2] = -np.inf
+    logits[3, [5, 9]] = [np.nan, np.inf]
+    logits[4, :100] = np.nan
+    batch = SamplingBatch(
+        logits=torch.from_numpy(logits), temperature=np.full(6, 0.8, np.float32), top_k=np.full(6, 50),
+        top_p=np.full(6, 0.9, np.float32), min_p=np.zeros(6, np.float32), seed=np.arange(6),
+        want_mask=np.ones(6, bool),
+    )
+    np.testing.assert_array_equal(sample(batch, 64).host()["row_max"], torch.from_numpy(logits).amax(dim=-1).numpy())

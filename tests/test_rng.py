@@ -58,3 +58,17 @@ def test_step_seeds_use_all_64_bits():
     steps = torch.stack([rng.step_seeds(torch.tensor([7]), s) for s in range(2000)]).flatten().numpy()
     assert (steps < 0).any() and (steps > 0).any()  # the sign bit (bit 63) varies
     assert np.unique(steps).size == steps.size
+
+
+def test_numpy_gumbel_is_minus_log_minus_log_u_bit_for_bit():
+    # The CPU epilogue draws with scaled - negated_gumbel_numpy: it must be the Gumbel noise
+    # -log(-log(u)) exactly, u the uniforms every device shares.
+    seeds = np.array([0, -1, 2**62, 12345], np.int64)
+    ids = np.arange(0, 200_000, 7, dtype=np.int64)[None].repeat(seeds.size, 0)
+    state = rng.seed_state_numpy(seeds)[:, None]
+    u = rng.uniform_numpy(state, ids)
+    expected = -np.log(-np.log(u))
+    assert np.array_equal(rng.gumbel_numpy(state, ids), expected)
+    assert np.array_equal(np.float64(1.5) - rng.negated_gumbel_numpy(state, ids), np.float64(1.5) + expected)
+    mixed = rng.mix64(torch.from_numpy(ids)).numpy().view(np.uint64)
+    assert np.array_equal(rng.mix64_numpy(ids.view(np.uint64)), mixed)

@@ -68,17 +68,23 @@ def step_seeds(seeds: torch.Tensor, step: int) -> torch.Tensor:
 
 # The same hash on host numpy arrays (uint64 arithmetic wraps and shifts logically by itself):
 # the CPU sampler's epilogue runs in numpy, whose per-op cost is a fraction of torch's. The
-# constants are numpy scalars made once: building them per call would cost more than the hash.
+# constants are 0-d uint64 arrays made once: building them per call would cost more than the hash,
+# and a ufunc takes a 0-d array without the conversion a numpy scalar needs on every call.
 _MASK64 = (1 << 64) - 1
-_NP_MUL_1, _NP_MUL_2 = np.uint64(MIX_MUL_1 & _MASK64), np.uint64(MIX_MUL_2 & _MASK64)
-_NP_GOLDEN = np.uint64(GOLDEN_GAMMA & _MASK64)
-_NP_SHIFTS = tuple(np.uint64(bits) for bits in (30, 27, 31, 64 - UNIFORM_BITS))
+
+
+def _u64(value: int) -> np.ndarray:
+    return np.array(value & _MASK64, np.uint64)
+
+
+_NP_MUL_1, _NP_MUL_2, _NP_GOLDEN = _u64(MIX_MUL_1), _u64(MIX_MUL_2), _u64(GOLDEN_GAMMA)
+_NP_SHIFTS = tuple(_u64(bits) for bits in (30, 27, 31, 64 - UNIFORM_BITS))
 _NP_UNIFORM_SCALE = 1.0 / (1 << (UNIFORM_BITS + 1))
 
 
-def mix64_numpy(x: np.ndarray) -> np.ndarray:
-    """`mix64` on uint64 numpy arrays, bit for bit."""
-    x = x ^ (x >> _NP_SHIFTS[0])
+def _mix64_numpy_inplace(x: np.ndarray) -> np.ndarray:
+    """`mix64` on a uint64 array the caller owns, overwritten: fewer temporaries than `mix64_numpy`."""
+    x ^= x >> _NP_SHIFTS[0]
     x *= _NP_MUL_1
     x ^= x >> _NP_SHIFTS[1]
     x *= _NP_MUL_2
@@ -86,22 +92,37 @@ def mix64_numpy(x: np.ndarray) -> np.ndarray:
     return x
 
 
+def mix64_numpy(x: np.ndarray) -> np.ndarray:
+    """`mix64` on uint64 numpy arrays, bit for bit (the input is left as it is)."""
+    return _mix64_numpy_inplace(np.array(x, np.uint64))
+
+
 def seed_state_numpy(seeds: np.ndarray) -> np.ndarray:
     """`seed_state` on the int64 (or uint64) bit patterns of seeds; returns uint64 keys."""
-    return mix64_numpy(np.asarray(seeds).view(np.uint64) ^ _NP_GOLDEN)
+    return _mix64_numpy_inplace(np.asarray(seeds).view(np.uint64) ^ _NP_GOLDEN)
 
 
 def uniform_numpy(state: np.ndarray, token_ids: np.ndarray) -> np.ndarray:
     """`uniform` on uint64 keys [rows, 1] and int64 ids [rows, n], as float64 (same values)."""
     bits = np.asarray(token_ids).view(np.uint64) * _NP_GOLDEN
     bits += state
-    top = (mix64_numpy(bits) >> _NP_SHIFTS[3]).astype(np.float64)
-    return (top * 2 + 1) * _NP_UNIFORM_SCALE
+    bits = _mix64_numpy_inplace(bits) >> _NP_SHIFTS[3]
+    # (2 * top + 1) * 2**-24 as top * 2**-23 + 2**-24: every step is exact in float64, so the
+    # values are `uniform`'s bit for bit, in two numpy calls instead of four.
+    uniform = bits * (2 * _NP_UNIFORM_SCALE)
+    uniform += _NP_UNIFORM_SCALE
+    return uniform
 
 
 def gumbel_numpy(state: np.ndarray, token_ids: np.ndarray) -> np.ndarray:
     """Gumbel noise from `uniform_numpy`, in float64 (the same uniforms as every other device)."""
-    noise = np.log(uniform_numpy(state, token_ids))
-    np.negative(noise, out=noise)
+    return np.negative(negated_gumbel_numpy(state, token_ids))
+
+
+def negated_gumbel_numpy(state: np.ndarray, token_ids: np.ndarray) -> np.ndarray:
+    """log(-log(u)), minus `gumbel_numpy`: `x - negated` is `x + gumbel` bit for bit, one numpy call
+    fewer (the CPU sampler's draw counts its calls)."""
+    noise = uniform_numpy(state, token_ids)
     np.log(noise, out=noise)
-    return np.negative(noise, out=noise)
+    np.negative(noise, out=noise)
+    return np.log(noise, out=noise)

@@ -88,6 +88,14 @@ class SamplingResult:
                    full(rows, 0, np.int32), full(rows, 0, np.float32), full((rows, mask_width), -np.inf, np.float32),
                    full(rows, 0, np.float32))
 
+    @classmethod
+    def of_host(cls, arrays: dict[str, np.ndarray]) -> "SamplingResult":
+        """A result made of host numpy arrays (the CPU path): `host()` returns them as they are, and
+        each field reads as a tensor sharing their memory."""
+        result = cls()
+        result._host = {name: arrays[name] for name in cls.FIELDS}
+        return result
+
     def host(self) -> dict[str, np.ndarray]:
         """Every field as numpy, with one device-to-host copy for a packed result."""
         if self._host is None:
@@ -101,7 +109,7 @@ class SamplingResult:
 
     def __getattr__(self, name):
         if name in SamplingResult.FIELDS:
-            if self.packed is None:
+            if self.packed is None and self._host is None:
                 return self._fields[name]
             return torch.from_numpy(self.host()[name])
         raise AttributeError(name)
@@ -130,16 +138,24 @@ class RowPlan:
 
 def plan_rows(batch: SamplingBatch) -> RowPlan:
     """Which path each row takes, from the host-side parameters alone."""
-    vocab = batch.logits.shape[1]
-    greedy = batch.temperature == 0
-    temperature = np.where(greedy, np.float32(1), batch.temperature)
-    top_k = np.where(greedy, 1, batch.top_k)
-    k_eff = np.where(top_k == TOP_K_ALL, vocab, np.minimum(top_k, vocab))
-    unranked = (top_k == TOP_K_ALL) & (batch.top_p >= 1) & ~batch.want_mask
+    rows, vocab = batch.logits.shape
+    temperature, top_k = batch.temperature, batch.top_k
+    greedy = temperature == 0
+    if greedy.any():
+        temperature = np.where(greedy, np.float32(1), temperature)
+        top_k = np.where(greedy, 1, top_k)
+    everything = top_k == TOP_K_ALL
+    k_eff = np.minimum(top_k, vocab)  # a new array: the batch's top_k stays as it came
+    if not everything.any():  # the decode step's common case: a handful of numpy calls, not two dozen
+        small_k = k_eff <= _SMALL_TOP_K
+        return RowPlan(temperature, k_eff, small_k, np.zeros(rows, bool), ~small_k, np.zeros(rows, bool))
+    k_eff[everything] = vocab
+    unranked = everything & (batch.top_p >= 1) & ~batch.want_mask
     small_k = ~unranked & (k_eff <= _SMALL_TOP_K)
-    top_p_first = ~unranked & ~small_k & (top_k == TOP_K_ALL) & (vocab > _TOP_P_CANDIDATES)
-    full_sort = ~unranked & ~small_k & ~top_p_first
-    return RowPlan(temperature, k_eff.astype(np.int64), small_k, top_p_first, full_sort, unranked)
+    # k_eff = V there: such a row is small-k only when V <= _SMALL_TOP_K < _TOP_P_CANDIDATES.
+    top_p_first = everything & ~unranked & (vocab > _TOP_P_CANDIDATES)
+    full_sort = ~(unranked | small_k | top_p_first)
+    return RowPlan(temperature, k_eff, small_k, top_p_first, full_sort, unranked)
 
 
 def sample(batch: SamplingBatch, mask_width: int, fused: bool | None = None) -> SamplingResult:
@@ -153,9 +169,13 @@ def sample(batch: SamplingBatch, mask_width: int, fused: bool | None = None) -> 
     plan = plan_rows(batch)
     if fused is None:
         fused = device.type == "cuda" and _fused_available()
-    if fused and rows and plan.small_k.all():
-        # The decode step's common case: one group, no sync, a handful of launches (fused.py).
-        return _sample_fused(batch, plan, np.arange(rows), mask_width)
+    if rows and plan.small_k.all():
+        # The decode step's common case: one group. On the GPU no sync and a handful of launches
+        # (fused.py); on the CPU its padded numpy outputs are the result, with no scatter.
+        if fused:
+            return _sample_fused(batch, plan, np.arange(rows), mask_width)
+        if device.type == "cpu":
+            return SamplingResult.of_host(_ranked_outputs(batch, plan, None, int(plan.k_eff.max()), mask_width))
     result = SamplingResult.empty(rows, mask_width, device)
     if plan.small_k.any():
         index = np.flatnonzero(plan.small_k)
@@ -219,45 +239,194 @@ def _write(result: SamplingResult, index: np.ndarray, values: dict) -> None:
             target[rows] = source
 
 
-def _rows(batch: SamplingBatch, index: np.ndarray) -> torch.Tensor:
-    """The logits of a row group (no copy when it is the whole batch)."""
-    if index.size == batch.logits.shape[0]:
+def _rows(batch: SamplingBatch, index: np.ndarray | None) -> torch.Tensor:
+    """The logits of a row group (no copy when it is the whole batch; index None means that)."""
+    if index is None or index.size == batch.logits.shape[0]:
         return batch.logits
     return batch.logits.index_select(0, torch.from_numpy(index).to(batch.logits.device))
 
 
 def ranked_candidates(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k highest logits of each row in the total order (logit desc, id asc): values, ids."""
-    rows, vocab = logits.shape
+    """The k highest logits of each row in the total order (logit desc, id asc): values, ids.
+    On the CPU, rows holding NaN may rank without it (the sampler takes their max apart)."""
+    vocab = logits.shape[1]
     if k >= vocab:
         # A stable descending sort keeps equal logits in ascending id order.
         return torch.sort(logits, dim=-1, descending=True, stable=True)
+    if logits.device.type == "cpu":
+        return _ranked_candidates_cpu(logits, k)
     # Fetch a few candidates past k: a run of equal logits at the k-th place (common with bf16
     # logits) then usually ends inside the fetched set, and ranking the set by (logit, id) is
-    # exact without another pass over the vocabulary.
+    # exact without another pass over the vocabulary (on a GPU the margin costs next to nothing).
     fetched = k + min(vocab - k, 16 + k // 4)
     values, ids = torch.topk(logits, fetched, dim=-1, sorted=True)
-    # On the CPU the small [rows, fetched] bookkeeping runs in numpy (views, no copies): a numpy
-    # op costs a few microseconds where a torch op's dispatch costs several times that.
-    array = np if logits.device.type == "cpu" else torch
-    view = (lambda tensor: tensor.numpy()) if array is np else (lambda tensor: tensor)  # noqa: E731
-    values_view = view(values.float() if values.dtype != torch.float32 and array is np else values)
-    boundary = values_view[:, k - 1]
-    overflows = (values_view[:, -1] == boundary) & (boundary > float("-inf"))
+    boundary = values[:, k - 1]
+    overflows = (values[:, -1] == boundary) & (boundary > float("-inf"))
     if bool(overflows.any()):  # the run reaches past the fetched set: find its lowest ids
-        ids = _repair_boundary_ties(logits, values, ids, torch.as_tensor(overflows).to(logits.device))
+        ids = _repair_boundary_ties(logits, values, ids, overflows)
     # topk already ranks by value, so only ids inside runs of equal values may be out of order:
     # one sort of the key (run index, id), nearly sorted already, replaces two full sorts.
-    changes = values_view[:, 1:] != values_view[:, :-1]
-    if array is np:
-        run = np.zeros((rows, fetched), np.int64)
-        np.cumsum(changes, axis=1, out=run[:, 1:])
-        run *= vocab
-        ids = torch.from_numpy(np.sort(run + ids.numpy(), axis=1) - run)
-    else:
-        run = torch.cat([changes.new_zeros(rows, 1, dtype=torch.int64), torch.cumsum(changes, dim=-1)], dim=-1) * vocab
-        ids = torch.sort(run + ids, dim=-1).values - run
+    changes = values[:, 1:] != values[:, :-1]
+    run = torch.cat([changes.new_zeros(logits.shape[0], 1, dtype=torch.int64), torch.cumsum(changes, dim=-1)], dim=-1)
+    run *= vocab
+    ids = torch.sort(run + ids, dim=-1).values - run
     return values[:, :k], ids[:, :k]
+
+
+# Threshold selection, the CPU's top-k (`_select_by_threshold`): logits sampled per row to place the
+# threshold, the least sample rank it may take, and the smallest V / (k + 1) worth it.
+_THRESHOLD_SAMPLE = 2048
+_THRESHOLD_MIN_RANK = 16
+_THRESHOLD_MIN_RATIO = 8
+
+
+def _ranked_candidates_cpu(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`ranked_candidates` on the CPU, for k < V.
+
+    torch's CPU top-k copies each row into a buffer of (value, index) pairs (2.4 MB at V=151936),
+    which costs more than the selection itself and evicts the caches the rest of the step needs.
+    Where V is large next to k, rows are ranked by threshold selection instead (a few numpy passes
+    over the row, then a sort of ~2k candidates); the rows it cannot settle, and small
+    vocabularies, take one top-(k + 1). Both give the same exact order.
+    """
+    rows, vocab = logits.shape
+    if vocab < _THRESHOLD_MIN_RATIO * (k + 1):
+        return _ranked_by_topk_cpu(logits, k)
+    block_rows = max(1, _FULL_VOCAB_BLOCK_ELEMENTS // vocab)
+    if block_rows < rows:
+        values, ids = np.empty((rows, k), np.float32), np.empty((rows, k), np.int64)
+    for start in range(0, rows, block_rows):  # a loop over memory blocks, not over requests
+        block = logits if block_rows >= rows else logits[start : start + block_rows]
+        block_values, block_ids, settled = _select_by_threshold(
+            (block if block.dtype == torch.float32 else block.float()).numpy(), k)
+        if not settled.all():  # the rest by top-k, within the block: memory stays bounded
+            index = np.flatnonzero(~settled)
+            rest = block if index.size == block.shape[0] else block[torch.from_numpy(index)]
+            rest_values, rest_ids = _ranked_by_topk_cpu(rest, k)
+            block_values[index], block_ids[index] = rest_values.float().numpy(), rest_ids.numpy()
+        if block_rows >= rows:  # one block: its arrays are the result (no copy at B=1)
+            values, ids = block_values, block_ids
+        else:
+            values[start : start + block_rows], ids[start : start + block_rows] = block_values, block_ids
+    ranked_values = torch.from_numpy(values)
+    return ranked_values if logits.dtype == torch.float32 else ranked_values.to(logits.dtype), torch.from_numpy(ids)
+
+
+def _select_by_threshold(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The k first (logit desc, id asc) of each row of float32 `logits` [rows, V], by threshold:
+    values [rows, k], ids [rows, k] and `settled` [rows]; where settled is False the row's values
+    and ids are meaningless (its caller ranks it by top-k).
+
+    A strided sample of each row places a threshold that about 2(k + 1) logits reach; one
+    comparison and one flat nonzero collect them. Every logit at or above the threshold is a
+    candidate, so a run of equal logits at the k-th place is whole among them, and one sort of
+    unique keys (row, logit descending, id) gives the exact order with no repair. A row is not
+    settled when k or fewer logits reach its threshold (the sample misled it, or NaN) or too many
+    do (a long run of equal logits at the threshold, such as -inf): sorting those would cost more
+    than a top-k. Rows*V is at most _FULL_VOCAB_BLOCK_ELEMENTS (or one row), so keys fit in int64.
+    """
+    rows, vocab = logits.shape
+    sample = logits[:, :: max(1, vocab // _THRESHOLD_SAMPLE)]
+    points = sample.shape[1]
+    rank = min(points, max(_THRESHOLD_MIN_RANK, -(-2 * (k + 1) * points // vocab)))  # ceil
+    threshold = np.partition(sample, points - rank, axis=1)[:, points - rank]
+    flat = np.flatnonzero(logits >= threshold[:, None])
+    most = 4 * rank * vocab // points  # four times the count expected: more is a long run of ties
+    if rows == 1:  # the B=1 decode step: none of the per-row bookkeeping below
+        settled = np.array([k < flat.size <= most])
+        if not settled[0]:
+            return np.empty((rows, k), np.float32), np.empty((rows, k), np.int64), settled
+        key, places = _descending_key(logits.ravel()[flat]), np.arange(k)
+    else:
+        row = flat // vocab
+        counts = np.bincount(row, minlength=rows)
+        settled = (counts > k) & (counts <= most)
+        if not settled.all():  # drop the unsettled rows' candidates: they may be the whole row
+            kept = settled[row]
+            if not kept.any():
+                return np.empty((rows, k), np.float32), np.empty((rows, k), np.int64), settled
+            flat, row = flat[kept], row[kept]
+            counts = np.where(settled, counts, 0)
+        # Each row's first k keys, clipped in range for unsettled rows (their result is not used).
+        places = np.minimum((np.cumsum(counts) - counts)[:, None] + np.arange(k), flat.size - 1)
+        key = _descending_key(logits.ravel()[flat])
+        key |= row << 32  # the row leads the key
+        flat = flat - row * vocab  # the ids
+    id_bits = (vocab - 1).bit_length()
+    key <<= id_bits
+    key |= flat  # ties rank by lower id
+    key.sort()
+    ids = key[places].reshape(rows, k)
+    ids &= (1 << id_bits) - 1
+    return logits[np.arange(rows)[:, None], ids], ids, settled
+
+
+def _descending_key(values: np.ndarray) -> np.ndarray:
+    """Non-negative int64 keys, below 2**32, whose ascending order is the float32 `values`' descending
+    order, equal values (-0.0 and 0.0 too) getting equal keys. NaN is not expected."""
+    negated = np.float32(0) - values  # 0 - x: -0.0 and 0.0 both become 0.0
+    bits = negated.view(np.int32)
+    # Negative floats order backwards as integers: flipping their magnitude bits fixes that.
+    bits ^= (bits >> 31) & 0x7FFFFFFF
+    key = bits.astype(np.int64)
+    key += 1 << 31
+    return key
+
+
+def _ranked_by_topk_cpu(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`ranked_candidates` on the CPU by one top-(k + 1) and numpy bookkeeping, for k < V.
+
+    On the CPU a top-k's cost grows with k, so no margin is fetched past k: the one extra
+    candidate only tells whether a run of equal logits crosses the k-th place. Such a run (common
+    with bf16 logits) is then given its lowest ids by one comparison pass over the rows concerned
+    (`_repair_boundary_ties_cpu`), still cheaper than the margin's larger top-k. The small
+    [rows, k + 1] bookkeeping runs in numpy on views: a numpy call costs a few microseconds where
+    a torch op's dispatch costs several times that.
+    """
+    values, ids = torch.topk(logits, k + 1, dim=-1, sorted=True)
+    values_view = (values if values.dtype == torch.float32 else values.float()).numpy()
+    ids_view = ids.numpy()
+    boundary = values_view[:, k - 1]
+    overflows = (values_view[:, k] == boundary) & (boundary > -np.inf)
+    if overflows.any():
+        _repair_boundary_ties_cpu(logits, values_view, ids_view, np.flatnonzero(overflows))
+    # topk already ranks by value, so only ids inside runs of equal values may be out of order;
+    # with continuous logits there is no such run and nothing to sort.
+    changes = values_view[:, 1:k] != values_view[:, : k - 1]
+    if not changes.all():
+        # One sort of the key (run index, id), nearly sorted already, orders every run at once.
+        run = np.zeros((values_view.shape[0], k), np.int64)
+        np.cumsum(changes, axis=1, out=run[:, 1:])
+        run *= logits.shape[1]
+        ids_view[:, :k] = np.sort(run + ids_view[:, :k], axis=1) - run
+    values = torch.from_numpy(values_view[:, :k]) if values.dtype == torch.float32 else values[:, :k]
+    return values, torch.from_numpy(ids_view[:, :k])
+
+
+def _repair_boundary_ties_cpu(logits: torch.Tensor, values: np.ndarray, ids: np.ndarray, rows: np.ndarray) -> None:
+    """Give the places holding the last fetched value, in `rows`, to the lowest tied ids (in place).
+
+    `values` [*, fetched] is sorted descending, so each row holds `above` candidates strictly above
+    its last value, then ones equal to it; those places go to the first ids, in id order, whose
+    logit equals that value. numpy's flat nonzero lists them in (row, id) order in one pass (a
+    sort or a top-k would cost several passes); the rows are scanned in blocks of bounded memory.
+    """
+    fetched = values.shape[1]
+    vocab = logits.shape[1]
+    block_rows = max(1, _FULL_VOCAB_BLOCK_ELEMENTS // max(vocab, 1))
+    for start in range(0, rows.size, block_rows):  # a loop over memory blocks, not over requests
+        block = rows[start : start + block_rows]
+        tied_value = values[block, -1]
+        above = (values[block] > tied_value[:, None]).sum(axis=1)
+        consecutive = block[-1] - block[0] + 1 == block.size  # then a view, not a copy of the rows
+        selected = logits[block[0] : block[-1] + 1] if consecutive else logits[torch.from_numpy(block)]
+        block_logits = (selected if selected.dtype == torch.float32 else selected.float()).numpy()
+        flat = np.flatnonzero(block_logits == tied_value[:, None])
+        row, tied_id = np.divmod(flat, vocab)
+        # Each tied id's place: `above` plus its rank among its row's tied ids.
+        place = np.arange(flat.size) - np.searchsorted(row, row) + above[row]
+        taken = place < fetched
+        ids[block[row[taken]], place[taken]] = tied_id[taken]
 
 
 def _repair_boundary_ties(logits, values, ids, overflows):
@@ -287,47 +456,73 @@ def _repair_boundary_ties(logits, values, ids, overflows):
 # Rows of logits processed per scratch block in the normaliser: a few MiB keeps the block in
 # cache and under the allocator's mmap threshold, so no page faults on every call.
 _NORMALISER_BLOCK_ELEMENTS = 1 << 20
+_LOG2_E = 1.4426950408889634
 
 
 def _log_normaliser(logits: torch.Tensor, row_max: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
-    """log sum exp((logits - max) / T) per row in float64, one pass over cache-sized row blocks."""
+    """log sum exp((logits - max) / T) per row in float64, on the GPU: one fused-enough pass
+    (memory traffic is not the cost there)."""
+    scratch = logits - row_max.float().unsqueeze(1)  # bf16 / fp16 logits: the exp-sum runs in float32
+    scratch.div_(temperature.unsqueeze(1)).exp_()
+    return scratch.sum(dim=-1).to(torch.float64).log()
+
+
+def _normaliser_cpu(logits: torch.Tensor, row_max: np.ndarray, temperature: np.ndarray) -> np.ndarray:
+    """sum exp((logits - max) / T) per row, as float32 numpy (the epilogue widens it to float64), in
+    one pass over cache-sized row blocks. row_max float32 [rows] (each row's largest logit),
+    temperature float32 [rows].
+
+    exp((x - max) / T) is computed as exp2((x - max) * (log2(e) / T)): torch's float32 exp2 costs
+    about half its exp on the CPU. The subtraction comes first, so the largest terms stay exact.
+    """
     rows, vocab = logits.shape
-    row_max = row_max.float()  # bf16 / fp16 logits: the exp-sum runs in float32
-    if logits.device.type != "cpu":  # one fused-enough pass; GPU memory traffic is not the cost
-        scratch = logits - row_max.unsqueeze(1)
-        scratch.div_(temperature.unsqueeze(1)).exp_()
-        return scratch.sum(dim=-1).to(torch.float64).log()
-    if rows * vocab <= _NORMALISER_BLOCK_ELEMENTS:  # small batches: one fused library call
-        scaled_max = (row_max / temperature).unsqueeze(1)
-        return (torch.logsumexp(logits / temperature.unsqueeze(1), dim=-1, keepdim=True) - scaled_max).squeeze(1).to(torch.float64)
+    shift = torch.from_numpy(row_max[:, None])
+    scale = torch.from_numpy((_LOG2_E / temperature)[:, None])  # float32 (a Python float does not widen it)
     block = max(1, min(rows, _NORMALISER_BLOCK_ELEMENTS // max(vocab, 1)))
     scratch = torch.empty(block, vocab, dtype=torch.float32)
+    if block == rows:  # one block: no slicing (at B=1 every torch call's dispatch shows)
+        return _exp_sum(logits, shift, scale, scratch).numpy()
     sums = torch.empty(rows, dtype=torch.float32)
-    row_max, temperature = row_max.unsqueeze(1), temperature.unsqueeze(1)
     for start in range(0, rows, block):  # a loop over memory blocks, not over requests
         stop = min(rows, start + block)
-        part = scratch[: stop - start]
-        torch.sub(logits[start:stop], row_max[start:stop], out=part)
-        part.div_(temperature[start:stop]).exp_()
-        torch.sum(part, dim=-1, out=sums[start:stop])
-    return sums.to(torch.float64).log()
+        sums[start:stop] = _exp_sum(logits[start:stop], shift[start:stop], scale[start:stop], scratch[: stop - start])
+    return sums.numpy()
+
+
+def _exp_sum(logits: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    """sum exp2((logits - shift) * scale) per row, through `scratch` (four calls, one small allocation)."""
+    torch.sub(logits, shift, out=scratch)
+    scratch.mul_(scale).exp2_()
+    return scratch.sum(dim=-1)
 
 
 def _sample_ranked(batch: SamplingBatch, plan: RowPlan, index: np.ndarray, k: int, mask_width: int,
                    result: SamplingResult) -> np.ndarray:
     """Rows whose support is a prefix of their top-k ranking (k = the largest effective top_k, or
     the candidate count); writes their outputs and returns their support lengths (numpy)."""
-    logits = _rows(batch, index)
-    values, ids = ranked_candidates(logits, k)
-    temperature = plan.temperature[index]
-    log_z = _log_normaliser(logits, values[:, 0], torch.from_numpy(temperature).to(logits.device))
-    rows = _RowParams(temperature, plan.k_eff[index], batch.top_p[index], batch.min_p[index], batch.seed[index],
-                      batch.want_mask[index])
-    epilogue = _epilogue_numpy if logits.device.type == "cpu" else _epilogue_torch
-    outputs = epilogue(values, ids, log_z, rows, mask_width)
+    outputs = _ranked_outputs(batch, plan, index, k, mask_width)
     _write(result, index, outputs)
     support_len = outputs["support_len"]
     return support_len.cpu().numpy() if isinstance(support_len, torch.Tensor) else support_len
+
+
+def _ranked_outputs(batch: SamplingBatch, plan: RowPlan, index: np.ndarray | None, k: int, mask_width: int) -> dict:
+    """`_sample_ranked`'s outputs, and "support_len", for the rows `index` (None: every row)."""
+    logits = _rows(batch, index)
+    values, ids = ranked_candidates(logits, k)
+    rows = _RowParams.of(batch, plan, index)
+    if logits.device.type == "cpu":
+        values32 = (values if values.dtype == torch.float32 else values.float()).numpy()  # bf16 / fp16: exact
+        z = _normaliser_cpu(logits, values32[:, 0], rows.temperature)
+        outputs = _epilogue_numpy(values32, ids.numpy(), z, rows, mask_width)
+        # z is NaN where the row holds a NaN or an inf, or no finite logit. Threshold selection
+        # never selects a NaN, so such rows (refused later) take their max as `amax` gives it.
+        if np.isnan(z.sum()):
+            broken = np.isnan(z)
+            outputs["row_max"][broken] = logits[torch.from_numpy(broken)].amax(dim=-1).float().numpy()
+        return outputs
+    log_z = _log_normaliser(logits, values[:, 0], torch.from_numpy(rows.temperature).to(logits.device))
+    return _epilogue_torch(values, ids, log_z, rows, mask_width)
 
 
 @dataclass
@@ -341,48 +536,69 @@ class _RowParams:
     seed: np.ndarray
     want_mask: np.ndarray
 
+    @classmethod
+    def of(cls, batch: SamplingBatch, plan: RowPlan, index: np.ndarray | None) -> "_RowParams":
+        """The parameters of the rows `index`; None: every row, without copies."""
+        fields = (plan.temperature, plan.k_eff, batch.top_p, batch.min_p, batch.seed, batch.want_mask)
+        return cls(*(fields if index is None else (field[index] for field in fields)))
 
-def _epilogue_numpy(values: torch.Tensor, ids: torch.Tensor, log_z: torch.Tensor, rows: _RowParams, mask_width: int) -> dict:
-    """The prefix rules, the seeded draw and the outputs over [rows, k] ranked candidates, in float64
-    numpy: on CPU a numpy op costs a fraction of a torch op's dispatch, and these arrays are small.
-    Returned mask columns stop at the longest support (the caller's arrays are padded already)."""
-    values32 = (values if values.dtype == torch.float32 else values.float()).numpy()  # bf16 / fp16: exact
-    ids = ids.numpy()
+
+def _epilogue_numpy(values32: np.ndarray, ids: np.ndarray, z: np.ndarray, rows: _RowParams, mask_width: int) -> dict:
+    """The prefix rules, the seeded draw and the outputs over [rows, k] ranked candidates (float32
+    values, int64 ids, float32 normalisers z = sum exp((x - max) / T)), in float64 numpy: on CPU a
+    numpy op costs a fraction of a torch op's dispatch, and these arrays are small. Even so each
+    call costs about a microsecond, most of the epilogue at B=1, so calls are counted: each rule
+    keeps a prefix of the ranking, so the support length is the least of the rules' prefix
+    lengths (a rule no row uses is skipped), work past the longest support is skipped, and the
+    masks are written straight into their padded [rows, mask_width] arrays."""
     count, k = values32.shape
-    rank = np.arange(k)
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):  # NaN / inf rows: refused later
-        scaled = values32.astype(np.float64)
-        scaled -= scaled[:, :1]
-        scaled /= rows.temperature.astype(np.float64)[:, None]
+        # (x - max) / T in float64; the float32 operands are widened exactly.
+        scaled = np.subtract(values32, values32[:, :1], dtype=np.float64)
+        scaled /= rows.temperature[:, None]
         relative = np.exp(scaled)  # p / p_max
-        keep = (rank < rows.k_eff[:, None]) & (values32 > -np.inf)
-        if (rows.top_p < 1).any():
-            probs = relative * np.exp(-log_z.numpy())[:, None]
-            top_p = rows.top_p.astype(np.float64)[:, None]
-            keep &= (top_p >= 1) | (np.cumsum(probs, axis=1) - probs <= top_p)
-        if (rows.min_p > 0).any():
-            keep &= relative >= rows.min_p.astype(np.float64)[:, None]
-        support_len = keep.sum(axis=1)  # each rule keeps a prefix
+        support_len = np.minimum(rows.k_eff, k)
+        if values32[:, -1].min() == -np.inf:  # banned tokens among the candidates
+            support_len = np.minimum(support_len, (values32 > -np.inf).sum(axis=1))
+        if rows.top_p.min() < 1:  # the mass ranked strictly before a token must not pass top_p
+            probs = relative / z[:, None]  # z widens to float64 exactly
+            mass_before = np.cumsum(probs, axis=1)
+            mass_before -= probs
+            top_p = rows.top_p
+            if top_p.max() >= 1:  # top_p >= 1 disables the rule in its rows
+                top_p = np.where(top_p >= 1, np.inf, top_p)
+            support_len = np.minimum(support_len, (mass_before <= top_p[:, None]).sum(axis=1))
+        if rows.min_p.max() > 0:
+            support_len = np.minimum(support_len, (relative >= rows.min_p[:, None]).sum(axis=1))
         # Past the longest support nothing can be drawn or returned: the rest of the work stops there.
         longest = max(1, int(support_len.max()))
-        keep, scaled, relative, ids_kept = keep[:, :longest], scaled[:, :longest], relative[:, :longest], ids[:, :longest]
-        score = np.where(keep, scaled + rng.gumbel_numpy(rng.seed_state_numpy(rows.seed)[:, None], ids_kept), -np.inf)
-        pick = score.argmax(axis=1)
-        token_scaled = scaled[np.arange(count), pick]
+        scaled, relative, ids = scaled[:, :longest], relative[:, :longest], ids[:, :longest]
+        keep = np.arange(longest) < support_len[:, None]
+        # Gumbel-max: scaled - log(-log u) is scaled + Gumbel noise, bit for bit.
+        score = np.subtract(scaled, rng.negated_gumbel_numpy(rng.seed_state_numpy(rows.seed)[:, None], ids))
+        at = np.arange(count), np.where(keep, score, -np.inf).argmax(axis=1)
+        token_scaled = scaled[at]
         # log of the support's mass relative to p_max: a singleton's renormalised log-prob is 0 exactly.
         support_log_mass = np.log(np.where(keep, relative, 0.0).sum(axis=1))
-        width = min(longest, mask_width)
         mask_len = np.where(rows.want_mask, np.minimum(support_len, mask_width), 0)
-        in_mask = rank[:width] < mask_len[:, None]
-        support_logprobs = np.where(in_mask, scaled[:, :width] - support_log_mass[:, None], -np.inf)
+        width = min(longest, mask_width)
+        in_mask = keep[:, :width] & rows.want_mask[:, None]
+        # Outside the mask the padding stays: -1 ids, -inf log-probs, 0 where no mask was asked.
+        mask_ids = np.full((count, mask_width), -1, np.int32)
+        np.copyto(mask_ids[:, :width], ids[:, :width], casting="same_kind", where=in_mask)
+        support_logprobs = np.full((count, mask_width), -np.inf, np.float32)
+        np.subtract(scaled[:, :width], support_log_mass[:, None], out=support_logprobs[:, :width], where=in_mask,
+                    casting="same_kind")
+        mask_logprobs = np.zeros(count, np.float32)
+        np.subtract(token_scaled, support_log_mass, out=mask_logprobs, where=rows.want_mask, casting="same_kind")
     return {
-        "token_ids": ids_kept[np.arange(count), pick],
-        "logprobs": (token_scaled - log_z.numpy()).astype(np.float32),
-        "mask_ids": np.where(in_mask, ids_kept[:, :width], -1).astype(np.int32),
+        "token_ids": ids[at],
+        "logprobs": (token_scaled - np.log(z, dtype=np.float64)).astype(np.float32),
+        "mask_ids": mask_ids,
         "mask_len": mask_len.astype(np.int32),
-        "mask_logprobs": np.where(rows.want_mask, token_scaled - support_log_mass, 0).astype(np.float32),
-        "mask_support_logprobs": support_logprobs.astype(np.float32),
-        "row_max": values32[:, 0],
+        "mask_logprobs": mask_logprobs,
+        "mask_support_logprobs": support_logprobs,
+        "row_max": values32[:, 0].copy(),
         "support_len": support_len,
     }
 
