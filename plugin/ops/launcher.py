@@ -20,7 +20,8 @@ model-repository APIs locked behind the admin key (TRITON_ADMIN_KEY; generated w
 Environment: MODEL_REPOSITORY; TRITON_HTTP_PORT / TRITON_GRPC_PORT / TRITON_METRICS_PORT
 (8000/8001/8002); TRITON_PROBE_PORT (8003, 0 = no probe endpoint); TRITON_ADMIN_KEY,
 TRITON_ADMIN_KEY_FILE (where a generated key is written); TRITON_EXIT_TIMEOUT_S (5);
-TRITON_WATCHDOG_INTERVAL_S (2).
+TRITON_WATCHDOG_INTERVAL_S (2); TRITON_HTTP_THREAD_COUNT (half the cores, 2 to 8; see
+`resource_args`, which also sizes the Python backend's /dev/shm pool).
 """
 
 from __future__ import annotations
@@ -109,12 +110,69 @@ def server_environment() -> dict[str, str]:
     if has_pytriton():
         libs = pytriton_root().parent / "nvidia_pytriton.libs"
         env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in [str(libs), env.get("LD_LIBRARY_PATH", "")] if p)
+    # The stubs' OpenMP threads (torch) spin after each parallel region by default. Spinning, they
+    # starve Triton's own threads, and Triton 2.51's dynamic batcher then misses the wake-up of a
+    # request that arrives while the instance is finishing its last execute: that request waits the
+    # batcher's 500 ms idle timeout in the queue. Measured here, sequential B=1 gRPC calls: 13-18 of
+    # 600-1000 stalled 500 ms with spinning, 0 of 1800 with passive waits, and execute no slower.
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     return with_allocator(env)  # jemalloc where installed: glibc's malloc fragments under load
+
+
+# The Python backend moves every tensor through a /dev/shm pool per stub, which never shrinks. Its
+# own default starts at 1 MiB and grows by what each allocation lacks (rounded to 1 MiB), so under
+# large requests it grows in many small steps, and every growth maps the whole region again, in
+# tritonserver and in the stub, keeping the old mappings (python_backend's
+# SharedMemoryManager::GrowIfNeeded): 128 clients of 16 x 151936 rows grew it 20 times to 201 MB
+# and VmRSS counted it about ten times (935 MB in tritonserver, 1015 MB in the stub, +15% a round).
+# 64 MiB holds a batch of preferred_batch_size (64) rows at the largest vocabulary (262144); it
+# grows 64 MiB at a time, so the largest batch a single request can make (256 x 262144) takes 4
+# steps. docker/serve.sh passes the same numbers. A caller's own flag wins.
+SHM_DEFAULT_BYTES = 64 * 2**20
+SHM_GROWTH_BYTES = 64 * 2**20
+# Triton's HTTP frontend threads (its default: 8). They receive and parse whole request bodies,
+# including those the queue policy then sheds, and on a small machine they take the cores the stubs
+# need to sample: with 128 clients of 9.7 MB bodies on 2 cores, 8 threads left the sampler 5-9x
+# slower than alone and admitted half as many requests as 1 or 2 threads did. Half the cores, 2 to
+# 8: never 1, since one thread busy with one pathological body (client_tests/test_survival.py's
+# JSON shape [1, 2**40]) then stalls every HTTP request, health and readiness included.
+MIN_HTTP_THREADS, MAX_HTTP_THREADS = 2, 8
+
+
+def http_thread_count(cores: int | None = None) -> int:
+    """Triton HTTP threads: TRITON_HTTP_THREAD_COUNT, else half of `cores` (default: the cores this
+    process may use), MIN_HTTP_THREADS to MAX_HTTP_THREADS."""
+    if os.environ.get("TRITON_HTTP_THREAD_COUNT", "").strip():
+        return max(1, int(os.environ["TRITON_HTTP_THREAD_COUNT"]))
+    cores = cores or len(os.sched_getaffinity(0))
+    return max(MIN_HTTP_THREADS, min(MAX_HTTP_THREADS, cores // 2))
+
+
+def _backend_settings(args: list[str], backend: str = "python") -> set[str]:
+    """The setting names given as --backend-config=<backend>,<name>=<value> in `args`."""
+    prefix = f"--backend-config={backend},"
+    return {arg[len(prefix):].split("=", 1)[0] for arg in args if arg.startswith(prefix)}
+
+
+def resource_args(extra_args: list[str] = ()) -> list[str]:
+    """The sizing flags every server started here gets unless `extra_args` sets them: the Python
+    backend's /dev/shm pool (SHM_DEFAULT_BYTES, growing SHM_GROWTH_BYTES) and the HTTP threads."""
+    given = {arg.split("=", 1)[0] for arg in extra_args}
+    settings = _backend_settings(list(extra_args))
+    args = []
+    if "shm-default-byte-size" not in settings:
+        args.append(f"--backend-config=python,shm-default-byte-size={SHM_DEFAULT_BYTES}")
+    if "shm-growth-byte-size" not in settings:
+        args.append(f"--backend-config=python,shm-growth-byte-size={SHM_GROWTH_BYTES}")
+    if "--http-thread-count" not in given:
+        args.append(f"--http-thread-count={http_thread_count()}")
+    return args
 
 
 def server_command(model_repository: Path, ports: dict[str, int], extra_args: list[str] = ()) -> list[str]:
     """The tritonserver command line for a repository and ports: the nvidia-pytriton wheel's server
-    with the backends prepared for this Python, or else the Triton image's own with its backends."""
+    with the backends prepared for this Python, or else the Triton image's own with its backends;
+    `resource_args` first, then `extra_args`."""
     if has_pytriton():
         binary = [str(pytriton_root() / "tritonserver" / "bin" / "tritonserver"), f"--backend-directory={prepare_backends()}"]
     else:
@@ -126,6 +184,7 @@ def server_command(model_repository: Path, ports: dict[str, int], extra_args: li
         f"--http-port={ports['http']}",
         f"--grpc-port={ports['grpc']}",
         f"--metrics-port={ports['metrics']}",
+        *resource_args(extra_args),
         *extra_args,
     ]
 

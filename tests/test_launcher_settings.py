@@ -1,0 +1,36 @@
+"""The launcher's server settings: the sizing flags every server gets unless the caller sets them,
+and the environment its stubs inherit."""
+
+from __future__ import annotations
+
+from triton_sampling_mask.ops import launcher
+
+
+def test_resource_args_default_the_pool_and_the_http_threads(monkeypatch):
+    monkeypatch.delenv("TRITON_HTTP_THREAD_COUNT", raising=False)
+    args = launcher.resource_args([])
+    assert f"--backend-config=python,shm-default-byte-size={64 * 2**20}" in args
+    assert f"--backend-config=python,shm-growth-byte-size={64 * 2**20}" in args
+    assert sum(arg.startswith("--http-thread-count=") for arg in args) == 1
+
+
+def test_a_callers_flags_win_over_the_defaults():
+    given = ["--backend-config=python,shm-default-byte-size=1048576", "--http-thread-count=5"]
+    args = launcher.resource_args(given)
+    assert not any("shm-default-byte-size" in arg or arg.startswith("--http-thread-count") for arg in args)
+    assert any("shm-growth-byte-size" in arg for arg in args)  # the one not given keeps its default
+
+
+def test_http_threads_are_half_the_cores_within_bounds(monkeypatch):
+    monkeypatch.delenv("TRITON_HTTP_THREAD_COUNT", raising=False)
+    assert [launcher.http_thread_count(cores) for cores in (1, 2, 6, 64)] == [2, 2, 3, 8]
+    monkeypatch.setenv("TRITON_HTTP_THREAD_COUNT", "1")
+    assert launcher.http_thread_count(16) == 1
+
+
+def test_stub_openmp_threads_wait_passively_unless_the_user_chose(monkeypatch):
+    """Spinning OpenMP threads made Triton's batcher miss wake-ups (500 ms queue stalls)."""
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert launcher.server_environment()["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert launcher.server_environment()["OMP_WAIT_POLICY"] == "ACTIVE"
