@@ -50,8 +50,20 @@ soak: setup
 
 # Kernel + served benchmark (not part of the tests): table on stdout, bench/results/latest.json and
 # ratios.png. matplotlib comes from the `bench` extra, installed here only, not by `make setup`.
+# perf_analyzer 2.51 (Triton's C++ load generator) drives the served points: its binary ships in the
+# tritonclient==2.51.0 wheel (the server's line; later wheels dropped it), installed without its Python
+# dependencies into a venv of its own so the project's newer tritonclient (BF16 via ml_dtypes) stays;
+# it needs libcudart.so.12 (nvidia-cuda-runtime-cu12, found by bench/perf_analyzer.py) and
+# libb64.so.0d (Debian libb64-0d). Where any of it is missing, bench/ uses its Python load generator.
+PA_VENV := $(VENV)/perf-analyzer
 bench: setup
 	$(PYTHON) -c "import matplotlib" 2>/dev/null || $(PYTHON) -m pip install --quiet -e '.[bench]'
+	@test -x $(PA_VENV)/bin/perf_analyzer || { $(SYSTEM_PYTHON) -m venv $(PA_VENV) && \
+	  $(PA_VENV)/bin/pip install --quiet --no-deps tritonclient==2.51.0 'nvidia-cuda-runtime-cu12>=12,<13'; } || \
+	  echo "note: perf_analyzer not installed; the served points use the Python load generator"
+	@ldconfig -p 2>/dev/null | grep -q libb64.so.0d || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  { apt-get update -qq >/dev/null && apt-get install -y -qq libb64-0d >/dev/null; } ; } || \
+	  echo "note: libb64-0d not installed; the served points use the Python load generator"
 	$(PYTHON) -m bench.run $(BENCH_ARGS)
 
 clean:

@@ -12,6 +12,11 @@ TARGETS = {
     "b3": "B=64, V=151936, top_k=512: ours <= 1.0x the floor (topk + logsumexp)",
     "c": "masks on <= 1.15x masks off",
     "d": "served via gRPC + system shared memory >= 50% of in-process rows/s at concurrency 16",
+    # Issue 13, on the one-call table (bench/served_call.py).
+    "e": "BF16 over gRPC <= 0.6x the FP32 gRPC time (one call, p50)",
+    "f": "gRPC + system shared memory <= 1.5x in-process (one call, FP32, p50 over the in-process median)",
+    "g": "masks on with per-support log-probs requested <= 1.10x without, in-process (the sampler computes "
+         "them either way: the ratio is what asking for them costs)",
 }
 # The floor targets: (B, V, top_k) of the case, and the largest ours/floor (masks on) that meets it.
 FLOOR_TARGETS = {"b1": ((1, 151936, 512), 1.5), "b2": ((1, 32000, 512), 2.0), "b3": ((64, 151936, 512), 1.0)}
@@ -39,7 +44,27 @@ def floor_target_case(kernel: list[dict], rows: int, vocab: int, top_k: int) -> 
     return next(c for c in fp32 if all(c[dim] == v for dim, v in want.items())), True
 
 
-def verdicts(kernel: list[dict], served: dict | None) -> dict:
+def call_verdicts(call: dict) -> dict:
+    """Targets (e), (f), (g) on the one-call table, each on its ratio (p50 per call; in-process medians)."""
+    served = {(e["path"], e["logits"]): e for e in call["served"] if not e.get("noop")}
+    ip = call["in_process"]
+    case = f"B={call['rows']} V={call['vocab']}"
+    bf16 = served["grpc", "bf16"]["p50_ms"] / served["grpc", "fp32"]["p50_ms"]
+    shm = served["grpc_shm", "fp32"]["p50_ms"] / ip["ms"]["fp32"]
+    return {
+        "e": {"target": TARGETS["e"], "case": case + " over gRPC", "value": bf16, "threshold": 0.6, "met": bf16 <= 0.6,
+              "of_means": served["grpc", "bf16"]["mean_ms"] / served["grpc", "fp32"]["mean_ms"],
+              "http": served["http", "bf16"]["p50_ms"] / served["http", "fp32"]["p50_ms"]},
+        "f": {"target": TARGETS["f"], "case": case + " (fp32)", "value": shm, "threshold": 1.5, "met": shm <= 1.5,
+              "http_shm": served["http_shm", "fp32"]["p50_ms"] / ip["ms"]["fp32"],
+              "bf16": served["grpc_shm", "bf16"]["p50_ms"] / ip["ms"]["bf16"]},
+        "g": {"target": TARGETS["g"], "case": case + " (fp32)", "value": ip["support_logprobs_ratio"],
+              "paired_median": ip["support_logprobs_paired"], "best_of_rounds": ip["support_logprobs_best_of"],
+              "threshold": 1.10, "met": ip["support_logprobs_ratio"] <= 1.10},
+    }
+
+
+def verdicts(kernel: list[dict], served: dict | None, call: dict | None = None) -> dict:
     """Each target as measured: the value at its case (ratio of medians), the median of per-round
     ratios and the best-of-rounds ratio where the timing gives them, and pass/fail (on the value)."""
     head = headline_case(kernel)
@@ -63,6 +88,8 @@ def verdicts(kernel: list[dict], served: dict | None) -> dict:
         out["d"] = {"target": TARGETS["d"], "concurrency": top, "value": shm_rate / batched,
                     "vs_one_row_per_call": shm_rate / in_process[1], "threshold": 0.5,
                     "met": shm_rate / batched >= 0.5}
+    if call:
+        out.update(call_verdicts(call))
     return out
 
 
@@ -118,6 +145,8 @@ def print_tables(results: dict) -> None:
         for e in served["served"]:
             print(f"{e['protocol']:>12} {e['concurrency']:>5} | {e['rows_per_s']:>8.1f} {e['p50_ms']:>8.2f} "
                   f"{e['p99_ms']:>8.2f} {e['requests']:>8}")
+    if results.get("served_call"):
+        print_call_table(results["served_call"])
     print("\nTargets")
     for key, v in results["targets"].items():
         best = f", best-of-rounds {v['best_of_rounds']:.3f}" if "best_of_rounds" in v else ""
@@ -125,6 +154,50 @@ def print_tables(results: dict) -> None:
         where = f" [at {v['case']}{', stand-in' if v.get('stand_in') else ''}]" if "case" in v else ""
         print(f"  ({key}) {'MET ' if v['met'] else 'MISS'} {v['value']:.3f}{best} (threshold {v['threshold']}): "
               f"{v['target']}{where}")
+
+
+def _call_title(call: dict) -> str:
+    bw = call["memcpy"]
+    return (f"Served call: one request of B={call['rows']} x V={call['vocab']}, {call['params']}, seeded, every output "
+            f"sent; client {call['client']} ({call['perf_analyzer']}), {call['requests_per_point']} calls per point "
+            f"at concurrency 1, p50 = ms per call. memcpy {bw['bytes_per_s'] / 1e9:.1f} GB/s (numpy copy of "
+            f"{bw['bytes'] / 1e6:.1f} MB, best of {bw['repeats']}); floor = MB moved (request + response tensors) / "
+            f"memcpy bandwidth; /in-proc = p50 / in-process median (same dtype); copies = (p50 - in-process) / floor; "
+            f"srv input / infer = the server's compute_input (Triton's copy into the Python stub) and compute_infer "
+            f"(the stub's execute, and for non-BF16 inputs its own copy before it); the no-op model reads nothing")
+
+
+def _call_rows(call: dict) -> list[list[str]]:
+    """The call table's cells: in-process rows, then every served point."""
+    ip = call["in_process"]
+    rows = []
+    for name, ms in ip["ms"].items():
+        dtype, note = name.split("_", 1)[0], (" (no support logprobs)" if "no_support" in name else "")
+        rows.append([f"in_process{note}", dtype, "-", f"{ms:.1f}", f"{ip['min_ms'][name]:.1f} (best)", "-",
+                     f"{call['bytes'][dtype]['payload'] / 1e6:.1f}", "0", "-", "1.00", "-", "-", "-"])
+    for e in call["served"]:
+        server = e.get("server", {})
+        noop = e.get("noop", False)
+        rows.append([e["path"] + (" no-op model" if noop else ""), e["logits"], e["client"], f"{e['p50_ms']:.1f}",
+                     f"{e['mean_ms']:.1f}", f"{e['p99_ms']:.1f}",
+                     f"{e['bytes']['payload'] / 1e6:.1f}", f"{e['socket_bytes'] / 1e6:.1f}", f"{e['floor_ms']:.2f}",
+                     "-" if noop else f"{e['over_in_process']:.2f}", "-" if noop else f"{e['copies_over_in_process']:.1f}",
+                     f"{server['compute_input_ms']:.1f}" if server else "-",
+                     f"{server['compute_infer_ms']:.1f}" if server else "-"])
+    return rows
+
+
+_CALL_HEADER = ["path", "logits", "client", "p50 ms", "mean ms", "p99 ms", "MB moved", "MB socket", "floor ms",
+                "/in-proc", "copies", "srv input ms", "srv infer ms"]
+
+
+def print_call_table(call: dict) -> None:
+    """The one-call B=64 table on stdout."""
+    print(f"\n{_call_title(call)}")
+    widths = [32, 6, 13, 8, 13, 7, 8, 9, 8, 8, 6, 12, 12]
+    print(" ".join(f"{h:>{w}}" for h, w in zip(_CALL_HEADER, widths)))
+    for cells in _call_rows(call):
+        print(" ".join(f"{c:>{w}}" for c, w in zip(cells, widths)))
 
 
 # Timed functions of the gpu grid beyond the five of every grid, in table order, with short titles.
@@ -170,7 +243,9 @@ def plot(results: dict, path: Path) -> None:
         ("mask_on_over_off", "ours: masks on / off", 1.15, False),
     ]
     served = results.get("served")
-    fig, axes = plt.subplots(1, 4 if served else 3, figsize=(22 if served else 16, 5))
+    call = results.get("served_call")
+    panels_count = 3 + bool(served) + bool(call)
+    fig, axes = plt.subplots(1, panels_count, figsize=(5.5 * panels_count, 5))
     for ax, (key, title, threshold, log) in zip(axes, panels):
         ax.bar(range(len(kernel)), [c[key] for c in kernel], color="tab:blue")
         if threshold is None:  # the floor targets: one line each, at its threshold
@@ -194,6 +269,18 @@ def plot(results: dict, path: Path) -> None:
         ax.set_xticks(range(len(entries)), [f"c={e['concurrency']}" for e in entries])
         ax.axhline(0.5, color="tab:red", linestyle="--", label="target 0.5 (grpc_shm, c=16)")
         ax.set_title("served rows/s / in-process rows/s")
+        ax.legend(fontsize=8)
+    if call:
+        ax = axes[-1]
+        points = [e for e in call["served"] if not e.get("noop")]
+        colors = {"fp32": "tab:blue", "bf16": "tab:orange"}
+        ax.bar(range(len(points)), [e["p50_ms"] for e in points], color=[colors[e["logits"]] for e in points])
+        for dtype, color in colors.items():
+            ax.axhline(call["in_process"]["ms"][dtype], color=color, linestyle="--", label=f"in-process {dtype}")
+        ax.axhline(1.5 * call["in_process"]["ms"]["fp32"], color="tab:red", linestyle=":", label="(f) 1.5x in-process fp32")
+        ax.set_xticks(range(len(points)), [f"{e['path']} {e['logits']}" for e in points], rotation=70, fontsize=7)
+        ax.set_yscale("log")
+        ax.set_title(f"one call B={call['rows']} V={call['vocab']}: p50 ms")
         ax.legend(fontsize=8)
     fig.suptitle(f"triton-sampling-mask on {results['machine']['cpu']} ({results['device']}, "
                  f"{results['machine']['torch_threads']} threads)")
@@ -253,6 +340,10 @@ def markdown_summary(results: dict) -> str:
             lines.append(f"| in-process | {e['rows_per_call']} rows/call | {e['rows_per_s']:.0f} | {e['p50_ms']:.2f} | {e['p99_ms']:.2f} |")
         for e in served["served"]:
             lines.append(f"| {e['protocol']} | {e['concurrency']} | {e['rows_per_s']:.0f} | {e['p50_ms']:.2f} | {e['p99_ms']:.2f} |")
+    call = results.get("served_call")
+    if call:
+        lines += ["", _call_title(call) + ".", "", "| " + " | ".join(_CALL_HEADER) + " |", "|" + "---|" * len(_CALL_HEADER)]
+        lines += ["| " + " | ".join(cells) + " |" for cells in _call_rows(call)]
     lines += ["", "| target | case | measured (ratio of medians) | median of per-round ratios | best-of-rounds "
                   "| met (ratio of medians) |",
               "|---|---|---|---|---|---|"]

@@ -1,13 +1,16 @@
 """`make bench`: kernel benchmark, then the served one; prints tables, writes JSON and the plot.
 
     python -m bench.run [--device cpu|cuda] [--grid cpu|gpu] [--tiny] [--skip-served] [--skip-top-p]
+                        [--skip-served-call] [--call-requests N] [--no-perf-analyzer]
                         [--output PATH] [--plot PATH] [--no-plot] [--flashinfer-timeout S] [--note TEXT]
 
 --grid cpu (default): B {1, 8, 64} x V {32000, 151936} x top_k {50, 512}, ~3 s per case; writes
 bench/results/latest.json. --grid gpu: B {1, 8, 64, 256} x V {32000, 151936, 262144} x top_k
 {50, 512}, ~2 s per case, plus rivals (ours on the plain torch path, a vLLM-style sampler,
 FlashInfer where it imports); writes bench/results/gpu.json. Both add the top-p case without a
-mask. --tiny shrinks either grid to seconds. The JSON is rewritten after every case
+mask. The served part (cpu device only) times B=1 rows at concurrency 1/4/16 and one call of
+B=64 x V=151936 over gRPC, HTTP and system shared memory, FP32 and BF16 logits (bench/served_call.py),
+with perf_analyzer as the client where it runs (bench/perf_analyzer.py). --tiny shrinks it all to seconds. The JSON is rewritten after every case
 ("complete": false until the end), so a run cut short keeps what finished.
 """
 
@@ -46,6 +49,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--skip-served", action="store_true", help="kernel benchmark only")
     parser.add_argument("--skip-top-p", action="store_true", help="no top-p-without-mask case")
     parser.add_argument("--served-seconds", type=float, default=4.0, help="measured seconds per served point")
+    parser.add_argument("--skip-served-call", action="store_true", help="no one-call B=64 x V=151936 table")
+    parser.add_argument("--call-requests", type=int, default=None,
+                        help="calls per point of the one-call table (default 10; 3 with --tiny)")
+    parser.add_argument("--no-perf-analyzer", action="store_true",
+                        help="the Python load generator even where perf_analyzer runs")
     parser.add_argument("--output", type=Path, default=None, help="JSON path (default by grid, in bench/results/)")
     parser.add_argument("--plot", type=Path, default=None, help="PNG path (default by grid, in bench/results/)")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG (no matplotlib needed)")
@@ -95,20 +103,24 @@ def main(argv: list[str] | None = None) -> dict:
         results["top_p"] = kernel.run_top_p_case(rows, vocab, width, device, timing, rivals=rivals)
         progress(f"  top-p B={rows} V={vocab}: " + ", ".join(f"{n} {ms:.2f} ms" for n, ms in results["top_p"]["ms"].items()))
         report.write_json(results, output)
-    served = None
+    served = served_call = None
     if not args.skip_served and device.type == "cpu":
         from .served import run_served_benchmark
 
         print("served benchmark (real tritonserver)", flush=True)
+        options = {"call_tiny": None if args.skip_served_call else args.tiny, "call_requests": args.call_requests,
+                   "use_perf_analyzer": not args.no_perf_analyzer, "progress": progress}
         if args.tiny:
             # 0.8 s per point: one stalled request (~0.5 s stalls were seen with the machine loaded)
             # must not leave a point with no request recorded, which served.py cannot summarise.
-            served = run_served_benchmark(width, 1000, (1, 2), duration_s=0.8, warmup_s=0.1)
+            served, served_call = run_served_benchmark(width, 1000, (1, 2), duration_s=0.8, warmup_s=0.1, **options)
         else:
-            served = run_served_benchmark(width, 151936, (1, 4, 16), duration_s=args.served_seconds, warmup_s=0.5,
-                                          progress=progress)
+            served, served_call = run_served_benchmark(width, 151936, (1, 4, 16), duration_s=args.served_seconds,
+                                                       warmup_s=0.5, **options)
         results["served"] = served
-    results["targets"] = report.verdicts(results["kernel"], served)
+        if served_call is not None:
+            results["served_call"] = served_call
+    results["targets"] = report.verdicts(results["kernel"], served, served_call)
     results["machine"]["load_average_1m_after"] = machine_facts()["load_average_1m"]
     results["wall_s"] = time.perf_counter() - started
     results["complete"] = True

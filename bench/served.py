@@ -1,16 +1,21 @@
 """Served benchmark: B=1 rows through a real tritonserver vs the same rows sampled in-process.
 
-perf_analyzer's PyPI wheel is only a placeholder on this platform, so a small bounded load
-generator runs here: `concurrency` threads, each with its own client, each sending one request at
-a time for a fixed duration. Protocols: HTTP, gRPC, and gRPC with the logits in system shared
-memory (tritonclient.utils.shared_memory). The in-process reference runs the model's own path
-(BatchSampler.run) on the same rows, one row per call and `concurrency` rows per call.
+The load comes from perf_analyzer (Triton's C++ client, bench/perf_analyzer.py) where its binary
+runs: `concurrency` synchronous streams for three windows of a third of the duration each, on the
+`bench_sampler` model (the shipped config with every input required: perf_analyzer's shared-memory
+mode refuses optional inputs), the rows and parameters given as real input data. Where it cannot
+run, a small bounded Python load generator does: `concurrency` threads, each with its own client,
+each sending one request at a time for a fixed duration, on the shipped `sampler`. Protocols:
+HTTP, gRPC, and gRPC with the logits in system shared memory. The in-process reference runs the
+model's own path (BatchSampler.run) on the same rows, one row per call and `concurrency` rows per
+call. The same server then serves the one-call B=64 table (bench/served_call.py).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import tempfile
 import threading
 import time
@@ -29,6 +34,8 @@ from triton_sampling_mask.client.wire import sampler_inputs
 from triton_sampling_mask.ops.launcher import TritonServer
 from triton_sampling_mask.sampling.params import RowParams
 
+from . import perf_analyzer as pa_module
+from . import served_call
 from .common import MODEL_REPOSITORY
 
 MODEL = "sampler"
@@ -171,11 +178,11 @@ def cpu_seconds(pid: int, descendants: bool = True) -> float:
     return total
 
 
-def model_statistics(server: TritonServer) -> dict:
-    """The sampler's cumulative server-side statistics (counts and nanoseconds per phase)."""
+def model_statistics(server: TritonServer, model: str = MODEL) -> dict:
+    """A model's cumulative server-side statistics (counts and nanoseconds per phase)."""
     client = httpclient.InferenceServerClient(server.http_url)
     try:
-        return client.get_inference_statistics(MODEL)["model_stats"][0]
+        return client.get_inference_statistics(model)["model_stats"][0]
     finally:
         client.close()
 
@@ -193,32 +200,95 @@ def server_breakdown(before: dict, after: dict) -> dict:
     return out
 
 
+def perf_analyzer_load(pa, server: TritonServer, protocol: str, concurrency: int, input_data: Path, vocab: int,
+                       width: int, duration_s: float, work_dir: Path) -> dict:
+    """One point of the B=1 table through perf_analyzer: three windows of duration_s / 3 when that is
+    at least a second (a shorter window may hold no completed request across a ~0.5 s stall), else
+    (--tiny) three windows of 4 x concurrency requests."""
+    window_ms = int(duration_s * 1000 / 3)
+    windows = {"window_ms": window_ms} if window_ms >= 1000 else {"window_requests": 4 * concurrency}
+    measured = pa_module.measure(
+        pa, server.grpc_url if protocol.startswith("grpc") else server.http_url, protocol.split("_")[0],
+        pa_module.BENCH_MODELS["FP32"], input_data, 1, vocab, protocol.endswith("_shm"), output_bytes=4 * width,
+        work_dir=work_dir, concurrency=concurrency, timeout_s=120 + 10 * duration_s, **windows)
+    return {"protocol": protocol, "concurrency": concurrency, "sent": measured["requests"], **measured}
+
+
+def _pa_input_data(rows: np.ndarray, work_dir: Path) -> Path:
+    """The B=1 rows as perf_analyzer input data: ROW_PARAMS, min_p 0 and a seed per row."""
+    count = rows.shape[0]
+    params = {"temperature": np.full(count, ROW_PARAMS["temperature"], np.float32),
+              "top_k": np.full(count, ROW_PARAMS["top_k"], np.int32),
+              "top_p": np.full(count, ROW_PARAMS["top_p"], np.float32),
+              "min_p": np.zeros(count, np.float32), "seed": np.arange(count, dtype=np.uint64),
+              "return_sampling_mask": np.full(count, ROW_PARAMS["return_sampling_mask"], np.bool_)}
+    return pa_module.write_input_data(work_dir / "rows_b1.json", rows.reshape(count, -1), params)
+
+
 def run_served_benchmark(width: int, vocab: int, concurrencies, duration_s: float, warmup_s: float,
-                         progress=print) -> dict:
-    """In-process first (server not yet up), then every protocol x concurrency on one server."""
+                         progress=print, *, call_tiny: bool | None = None, call_requests: int | None = None,
+                         use_perf_analyzer: bool = True) -> tuple[dict, dict | None]:
+    """In-process first (server not yet up), then every protocol x concurrency on one server, then
+    (unless `call_tiny` is None) the one-call B x V table of served_call on the same server.
+    Returns the B=1 results and the call table (None when not run)."""
     rows = make_rows(32, vocab)
     in_process = [in_process_load(rows, c, width, duration_s) for c in sorted({1, *concurrencies})]
     for entry in in_process:
         progress(f"  in-process {entry['rows_per_call']} rows/call: {entry['rows_per_s']:.1f} rows/s")
-    served = []
+    prepared = None if call_tiny is None else served_call.prepare(call_tiny, width, progress=progress)
+    pa, pa_status = pa_module.locate() if use_perf_analyzer else (None, "disabled (--no-perf-analyzer)")
+    progress(f"  load generator: {'perf_analyzer, ' + pa_status if pa else 'Python (perf_analyzer: ' + pa_status + ')'}")
+    served, call = [], None
     with tempfile.TemporaryDirectory(prefix="bench-models-") as tmp:
         repository = Path(tmp) / "model_repository"
         shutil.copytree(MODEL_REPOSITORY, repository, ignore=shutil.ignore_patterns("__pycache__"))
-        with TritonServer(repository, log_path=Path(tmp) / "tritonserver.log") as server:
+        models = [MODEL, *pa_module.bench_models(repository)]
+        if prepared is not None:
+            models += pa_module.noop_models(repository)
+        input_data = _pa_input_data(rows, Path(tmp)) if pa else None
+        with TritonServer(repository, extra_args=served_call.explicit_models(models),
+                          log_path=Path(tmp) / "tritonserver.log") as server:
+            if pa is not None:  # the first call of a model grows its stub's pool: not in a timed point
+                served_call.warm_up(server, pa_module.BENCH_MODELS["FP32"], rows[0], "FP32")
             for protocol in PROTOCOLS:
                 for concurrency in concurrencies:
-                    before = model_statistics(server)
+                    model = pa_module.BENCH_MODELS["FP32"] if pa else MODEL
+                    before = model_statistics(server, model)
                     cpu_before = (cpu_seconds(server.process.pid), cpu_seconds(os.getpid(), descendants=False))
-                    entry = served_load(server, protocol, concurrency, rows, duration_s, warmup_s)
-                    entry["server"] = server_breakdown(before, model_statistics(server))
-                    # CPU milliseconds per row (warm-up included) on each side of the wire:
-                    # client and server share the 2 cores, so this shows what the client costs.
+                    entry = None
+                    if pa is not None:
+                        try:
+                            entry = perf_analyzer_load(pa, server, protocol, concurrency, input_data, vocab, width,
+                                                       duration_s, Path(tmp))
+                            entry["client"] = "perf_analyzer"
+                        except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
+                            progress(f"  perf_analyzer failed at {protocol} c={concurrency}; Python load instead: "
+                                     f"{str(exc)[:300]}")
+                            model = MODEL
+                            before = model_statistics(server, model)
+                            cpu_before = (cpu_seconds(server.process.pid), cpu_seconds(os.getpid(), descendants=False))
+                    if entry is None:
+                        entry = served_load(server, protocol, concurrency, rows, duration_s, warmup_s)
+                        entry["client"] = "python"
+                    entry["model"] = model
+                    entry["server"] = server_breakdown(before, model_statistics(server, model))
+                    # CPU milliseconds per row (warm-up included) on each side of the wire: client
+                    # and server share the 2 cores, so this shows what the client costs. The
+                    # perf_analyzer client's figure includes its start-up (reading the input data).
                     done = max(entry["sent"], 1)
+                    client_cpu = (entry["client_cpu_s"] if entry["client"] == "perf_analyzer"
+                                  else cpu_seconds(os.getpid(), descendants=False) - cpu_before[1])
                     entry["cpu_ms_per_row"] = {
                         "server": (cpu_seconds(server.process.pid) - cpu_before[0]) * 1e3 / done,
-                        "client": (cpu_seconds(os.getpid(), descendants=False) - cpu_before[1]) * 1e3 / done,
+                        "client": client_cpu * 1e3 / done,
                     }
                     served.append(entry)
-                    progress(f"  {protocol} c={concurrency}: {entry['rows_per_s']:.1f} rows/s, "
+                    progress(f"  {protocol} c={concurrency} ({entry['client']}): {entry['rows_per_s']:.1f} rows/s, "
                              f"p50 {entry['p50_ms']:.2f} ms, p99 {entry['p99_ms']:.2f} ms, server {entry['server']}")
-    return {"vocab": vocab, "row_params": ROW_PARAMS, "duration_s": duration_s, "in_process": in_process, "served": served}
+            if prepared is not None:
+                requests = call_requests or (3 if call_tiny else 10)
+                call = served_call.run_on_server(prepared, server, requests, Path(tmp), pa, pa_status, progress,
+                                                 statistics=model_statistics)
+    clients = sorted({e["client"] for e in served})
+    return ({"vocab": vocab, "row_params": ROW_PARAMS, "duration_s": duration_s, "load_generator": ", ".join(clients),
+             "perf_analyzer": pa_status, "in_process": in_process, "served": served}, call)

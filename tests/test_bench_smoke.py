@@ -116,6 +116,12 @@ def test_tiny_benchmark_writes_results(tmp_path):
     protocols = {entry["protocol"] for entry in results["served"]["served"]}
     assert protocols == {"http", "grpc", "grpc_shm"}
     assert all(entry["requests"] > 0 for entry in results["served"]["served"])
+    # The one-call table: every path with both logits dtypes, each point answered, (e)-(g) reported.
+    call = results["served_call"]
+    sampled = {(entry["path"], entry["logits"]) for entry in call["served"] if not entry.get("noop")}
+    assert sampled == {(path, dtype) for path in ("grpc", "http", "grpc_shm", "http_shm") for dtype in ("fp32", "bf16")}
+    assert all(entry["requests"] > 0 and _positive_finite(entry["p50_ms"]) for entry in call["served"])
+    assert all(_positive_finite(results["targets"][key]["value"]) for key in ("e", "f", "g"))
     assert plot_args == ["--no-plot"] or plot.stat().st_size > 0
 
 
