@@ -72,7 +72,7 @@ class SamplerModel:
         self.logger.log_info(
             f"sampler ready on {self.device}: backend={backend.name}, mask width={self.policy.mask_width}, "
             f"logits {str(self.logits_dtype).removeprefix('torch.')}, "
-            f"speculative_algorithm={self.policy.speculative_algorithm}"
+            f"speculative_algorithm={self.policy.speculative_algorithm}, torch threads={torch.get_num_threads()}"
         )
 
     def execute(self, requests) -> list:
