@@ -314,6 +314,17 @@ def solo(lm, req):
     return sink
 
 
+def submit_and_finish(running, handles, reqs, timeout_s: float) -> None:
+    """Submit each request with its handle, wait until every one is done, then stop the engine."""
+    try:
+        for handle, req in zip(handles, reqs):
+            running.submit(req, handle)
+        for handle in handles:
+            assert handle.done.wait(timeout_s)
+    finally:
+        running.stop()
+
+
 def test_a_seeded_request_joining_mid_flight_equals_running_alone():
     lm = load_lm()
     running = engine(lm)
@@ -350,13 +361,7 @@ def test_an_lm_without_merge_still_generates_through_the_engine():
     running = engine(lm)
     handles = [RecordingHandle() for _ in range(3)]
     reqs = [request([10 + i], 8 + i, ignore_eos=True, **dict(MASKED, seed=i)) for i in range(3)]
-    try:
-        for handle, req in zip(handles, reqs):
-            running.submit(req, handle)
-        for handle in handles:
-            assert handle.done.wait(30)
-    finally:
-        running.stop()
+    submit_and_finish(running, handles, reqs, 30)
     for handle, req in zip(handles, reqs):
         np.testing.assert_array_equal(handle.ids(), solo(BigramLM(), req).ids(0))
 
@@ -405,15 +410,9 @@ def test_the_engine_fails_only_the_row_whose_logits_broke():
     # with the tokens it gets alone.
     lm = BigramLM(nan_after=2)
     running = engine(lm)
-    try:
-        handles = [RecordingHandle(), RecordingHandle()]
-        reqs = [request([10], 6, ignore_eos=True, **MASKED), request([11], 6, ignore_eos=True, **dict(MASKED, seed=6))]
-        for handle, req in zip(handles, reqs):
-            running.submit(req, handle)
-        for handle in handles:
-            assert handle.done.wait(60)
-    finally:
-        running.stop()
+    handles = [RecordingHandle(), RecordingHandle()]
+    reqs = [request([10], 6, ignore_eos=True, **MASKED), request([11], 6, ignore_eos=True, **dict(MASKED, seed=6))]
+    submit_and_finish(running, handles, reqs, 60)
     assert handles[0].errors and "unusable logits at step 2" in handles[0].errors[0][1] and handles[0].finals == 0
     assert not handles[1].errors and handles[1].finals == 1
     np.testing.assert_array_equal(handles[1].ids(), solo(BigramLM(), reqs[1]).ids(0))
