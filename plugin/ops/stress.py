@@ -38,16 +38,17 @@ from pathlib import Path
 
 import numpy as np
 
-from .soak import mapped_shm_regions, process_tree_memory, process_tree_rss
+from ..client.replicas import DEFAULT_EJECT_BACKOFF_S, DEFAULT_MAX_EJECT_BACKOFF_S
+from .soak import ProcessMemory, mapped_shm_regions, process_tree_memory
 
 MODEL = "sampler"
 OUTPUTS = ("output_ids", "output_logprobs", "sampling_mask", "sampling_mask_len", "sampling_logprobs")
 P99_LIMIT_S = 5.0
 RSS_GROWTH_LIMIT = 0.15
-# After a 503 a client waits BACKOFF_S, doubling while it keeps being shed, up to MAX_BACKOFF_S
-# (the values of SamplerClient's replica ejection, client/replicas.py).
-BACKOFF_S = 0.5
-MAX_BACKOFF_S = 5.0
+# After a 503 a client waits BACKOFF_S, doubling while it keeps being shed, up to MAX_BACKOFF_S:
+# the pauses SamplerClient gives a replica it ejected.
+BACKOFF_S = DEFAULT_EJECT_BACKOFF_S
+MAX_BACKOFF_S = DEFAULT_MAX_EJECT_BACKOFF_S
 # Triton's per-model counters (metrics port) that say where an admitted request's time went.
 TRITON_DURATIONS = {"request": "nv_inference_request_duration_us", "queue": "nv_inference_queue_duration_us",
                     "compute_input": "nv_inference_compute_input_duration_us",
@@ -169,6 +170,13 @@ def triton_counters(metrics_url: str | None, model: str = MODEL) -> dict[str, fl
     return counters
 
 
+def tree_memory_mb(pid: int) -> tuple[list[ProcessMemory], float, float]:
+    """The server tree's processes (`process_tree_memory`, one read of each) with their RSS and PSS
+    totals in MB."""
+    memories = process_tree_memory(pid)
+    return memories, sum(m.rss for m in memories) / 2**20, sum(m.pss for m in memories) / 2**20
+
+
 def _server_cpu_s(pid: int) -> float:
     return sum(memory.cpu_s for memory in process_tree_memory(pid))
 
@@ -216,9 +224,7 @@ def run_round(number: int, http_url: str, pid: int, clients: int, duration_s: fl
     if successes > 0:
         report.server_ms = {key: (counters.get(name, 0.0) - counters_before.get(name, 0.0)) / successes / 1e3
                             for key, name in TRITON_DURATIONS.items()}
-    report.rss_mb = process_tree_rss(pid) / 2**20
-    memories = process_tree_memory(pid)
-    report.pss_mb = sum(m.pss for m in memories) / 2**20
+    memories, report.rss_mb, report.pss_mb = tree_memory_mb(pid)
     report.processes = [{"pid": m.pid, "name": m.name, "rss_mb": m.rss / 2**20, "anon_mb": m.anon / 2**20,
                          "file_mb": m.file / 2**20, "shmem_mb": m.shmem / 2**20, "pss_mb": m.pss / 2**20,
                          "shm_mappings": m.shm_mappings} for m in memories]
@@ -285,8 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     body, headers = binary_request(args.rows, args.vocab)
 
     def stress(http_url: str, pid: int, metrics_url: str | None) -> tuple[list[RoundReport], float, float]:
-        idle = process_tree_rss(pid) / 2**20
-        idle_pss = sum(m.pss for m in process_tree_memory(pid)) / 2**20
+        _, idle, idle_pss = tree_memory_mb(pid)
         rounds = []
         for number in range(1, args.rounds + 1):
             rounds.append(run_round(number, http_url, pid, args.clients, args.duration, body, headers,
