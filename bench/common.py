@@ -84,3 +84,16 @@ def machine_facts() -> dict:
     if torch.cuda.is_available():
         facts["gpu"] = torch.cuda.get_device_name(0)
     return facts
+
+
+def server_breakdown(before: dict, after: dict) -> dict:
+    """Where a point's time went inside the server: mean rows per execute and mean ms per
+    request spent queued, copying inputs in, inside execute, and copying outputs out."""
+    executions = int(after["execution_count"]) - int(before["execution_count"])
+    inferences = int(after["inference_count"]) - int(before["inference_count"])
+    out = {"mean_rows_per_execute": inferences / executions if executions else 0.0}
+    for phase in ("queue", "compute_input", "compute_infer", "compute_output"):
+        count = int(after["inference_stats"][phase]["count"]) - int(before["inference_stats"][phase]["count"])
+        ns = int(after["inference_stats"][phase]["ns"]) - int(before["inference_stats"][phase]["ns"])
+        out[f"{phase}_ms"] = ns / count / 1e6 if count else 0.0
+    return out

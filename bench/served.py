@@ -36,7 +36,7 @@ from triton_sampling_mask.sampling.params import RowParams
 
 from . import perf_analyzer as pa_module
 from . import served_call
-from .common import MODEL_REPOSITORY
+from .common import MODEL_REPOSITORY, server_breakdown
 
 MODEL = "sampler"
 ROW_PARAMS = {"temperature": 0.8, "top_k": 512, "top_p": 0.95, "return_sampling_mask": True}
@@ -185,19 +185,6 @@ def model_statistics(server: TritonServer, model: str = MODEL) -> dict:
         return client.get_inference_statistics(model)["model_stats"][0]
     finally:
         client.close()
-
-
-def server_breakdown(before: dict, after: dict) -> dict:
-    """Where a point's time went inside the server: mean rows per execute and mean ms per
-    request spent queued, copying inputs in, inside execute, and copying outputs out."""
-    executions = int(after["execution_count"]) - int(before["execution_count"])
-    inferences = int(after["inference_count"]) - int(before["inference_count"])
-    out = {"mean_rows_per_execute": inferences / executions if executions else 0.0}
-    for phase in ("queue", "compute_input", "compute_infer", "compute_output"):
-        count = int(after["inference_stats"][phase]["count"]) - int(before["inference_stats"][phase]["count"])
-        ns = int(after["inference_stats"][phase]["ns"]) - int(before["inference_stats"][phase]["ns"])
-        out[f"{phase}_ms"] = ns / count / 1e6 if count else 0.0
-    return out
 
 
 def perf_analyzer_load(pa, server: TritonServer, protocol: str, concurrency: int, input_data: Path, vocab: int,

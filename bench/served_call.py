@@ -42,7 +42,7 @@ from triton_sampling_mask.sampling.params import RowParams
 from triton_sampling_mask.sampling.validation import MaskPolicy
 
 from . import perf_analyzer as pa_module
-from .common import interleaved_medians, paired_median_ratio
+from .common import interleaved_medians, paired_median_ratio, server_breakdown
 
 FULL_SHAPE, TINY_SHAPE = (64, 151936), (4, 2000)
 # The served B=1 table's parameters (served.ROW_PARAMS), plus min_p and a seed per row: the
@@ -159,7 +159,7 @@ def _python_point(server, path: str, model: str, logits: np.ndarray, datatype: s
             t0 = time.perf_counter()
             client.infer(model, inputs)
             latencies.append(time.perf_counter() - t0)
-        breakdown = _breakdown(before, statistics(server, model)) if statistics else None
+        breakdown = server_breakdown(before, statistics(server, model)) if statistics else None
     finally:
         if region is not None:
             try:
@@ -171,12 +171,6 @@ def _python_point(server, path: str, model: str, logits: np.ndarray, datatype: s
     out = {"requests": len(lat), "p50_ms": float(np.percentile(lat, 50)), "p99_ms": float(np.percentile(lat, 99)),
            "mean_ms": float(lat.mean())}
     return out if breakdown is None else {**out, "server": breakdown}
-
-
-def _breakdown(before: dict, after: dict) -> dict:
-    from .served import server_breakdown  # served imports this module
-
-    return server_breakdown(before, after)
 
 
 def warm_up(server, model: str, logits: np.ndarray, datatype: str) -> None:
@@ -211,7 +205,7 @@ def served_part(server, logits: dict[str, np.ndarray], width: int, requests: int
                     entry.update(measured, client="perf_analyzer")
                     entry["socket_bytes"] = 0 if shared else counts["payload"]
                     if statistics:
-                        entry["server"] = _breakdown(before, statistics(server, model))
+                        entry["server"] = server_breakdown(before, statistics(server, model))
                 except (RuntimeError, OSError) as exc:
                     entry["perf_analyzer_error"] = str(exc)[-600:]
                     progress(f"  perf_analyzer failed for {path} {dtype}; Python client instead: {str(exc)[:200]}")
