@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import queue
 import re
+import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -147,3 +148,12 @@ def counter(metrics_url: str, name: str, model: str = "generate") -> float:
         text = response.read().decode()
     match = re.search(r'^%s\{model="%s"\} (\S+)$' % (re.escape(name), re.escape(model)), text, re.MULTILINE)
     return float(match.group(1)) if match else 0.0
+
+
+def wait_for_counter(metrics_url: str, name: str, until, why: str, timeout_s: float = 30.0, model: str = "generate") -> None:
+    """Poll a counter or gauge until `until(value)` holds; fail with `why` after `timeout_s` (a wait
+    for the server's state, not a timing assertion)."""
+    deadline = time.monotonic() + timeout_s
+    while not until(counter(metrics_url, name, model)):
+        assert time.monotonic() < deadline, why
+        time.sleep(0.02)
