@@ -28,9 +28,16 @@ def test_http_threads_are_half_the_cores_within_bounds(monkeypatch):
     assert launcher.http_thread_count(16) == 1
 
 
-def test_stub_openmp_threads_wait_passively_unless_the_user_chose(monkeypatch):
-    """Spinning OpenMP threads made Triton's batcher miss wake-ups (500 ms queue stalls)."""
+def test_stub_openmp_threads_spin_briefly_unless_the_user_chose(monkeypatch):
+    """libgomp's default ~3 ms spin made Triton's batcher miss wake-ups (500 ms queue stalls);
+    passive waits cost a futex wake-up per parallel region. A user's own setting stays."""
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    assert launcher.server_environment()["OMP_WAIT_POLICY"] == "PASSIVE"
-    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
-    assert launcher.server_environment()["OMP_WAIT_POLICY"] == "ACTIVE"
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    env = launcher.server_environment()
+    assert env["GOMP_SPINCOUNT"] == "10000" and "OMP_WAIT_POLICY" not in env
+    monkeypatch.setenv("GOMP_SPINCOUNT", "500")
+    assert launcher.server_environment()["GOMP_SPINCOUNT"] == "500"
+    monkeypatch.delenv("GOMP_SPINCOUNT")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    env = launcher.server_environment()
+    assert env["OMP_WAIT_POLICY"] == "PASSIVE" and "GOMP_SPINCOUNT" not in env
