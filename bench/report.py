@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 TARGETS = {
@@ -66,6 +67,7 @@ def call_verdicts(call: dict) -> dict:
     return {
         "e": {"target": TARGETS["e"], "case": case + " over gRPC", "value": bf16, "threshold": 0.6, "met": bf16 <= 0.6,
               "of_means": served["grpc", "bf16"]["mean_ms"] / served["grpc", "fp32"]["mean_ms"],
+              "paired_median": _paired_rounds(served["grpc", "bf16"], served["grpc", "fp32"]),
               "http": served["http", "bf16"]["p50_ms"] / served["http", "fp32"]["p50_ms"]},
         "f": {"target": TARGETS["f"], "case": shm_case("fp32"), "value": shm, "threshold": 1.5, "met": shm <= 1.5,
               "http_shm": served["http_shm", "fp32"]["p50_ms"] / ip["ms"]["fp32"],
@@ -77,6 +79,14 @@ def call_verdicts(call: dict) -> dict:
               "paired_median": ip["support_logprobs_paired"], "best_of_rounds": ip["support_logprobs_best_of"],
               "threshold": 1.10, "met": ip["support_logprobs_ratio"] <= 1.10},
     }
+
+
+def _paired_rounds(numerator: dict, denominator: dict) -> float | None:
+    """The median over interleaved rounds of one point's p50 over another's (None with one round)."""
+    rounds = list(zip(numerator.get("round_p50_ms", []), denominator.get("round_p50_ms", [])))
+    if len(rounds) < 2:
+        return None
+    return statistics.median(n / d for n, d in rounds)
 
 
 def verdicts(kernel: list[dict], served: dict | None, call: dict | None = None) -> dict:
@@ -175,7 +185,8 @@ def _call_title(call: dict) -> str:
     bw = call["memcpy"]
     return (f"Served call: one request of B={call['rows']} x V={call['vocab']}, {call['params']}, seeded, every output "
             f"sent; client {call['client']} ({call['perf_analyzer']}), {call['requests_per_point']} calls per point "
-            f"at concurrency 1, p50 = ms per call. memcpy {bw['bytes_per_s'] / 1e9:.1f} GB/s (numpy copy of "
+            f"at concurrency 1 in {call.get('rounds', 1)} interleaved rounds, p50 = ms per call (median of the rounds' "
+            f"medians). memcpy {bw['bytes_per_s'] / 1e9:.1f} GB/s (numpy copy of "
             f"{bw['bytes'] / 1e6:.1f} MB, best of {bw['repeats']}); floor = MB moved (request + response tensors) / "
             f"memcpy bandwidth; /in-proc = p50 / in-process median (same dtype); copies = (p50 - in-process) / floor; "
             f"srv input / infer = the server's compute_input (Triton's copy into the Python stub) and compute_infer "

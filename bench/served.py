@@ -273,8 +273,7 @@ def run_served_benchmark(width: int, vocab: int, concurrencies, duration_s: floa
                     progress(f"  {protocol} c={concurrency} ({entry['client']}): {entry['rows_per_s']:.1f} rows/s, "
                              f"p50 {entry['p50_ms']:.2f} ms, p99 {entry['p99_ms']:.2f} ms, server {entry['server']}")
             if prepared is not None:
-                requests = call_requests or (3 if call_tiny else 10)
-                call = served_call.run_on_server(prepared, server, requests, Path(tmp), pa, pa_status, progress,
+                call = served_call.run_on_server(prepared, server, call_requests, Path(tmp), pa, pa_status, progress,
                                                  statistics=model_statistics)
     clients = sorted({e["client"] for e in served})
     return ({"vocab": vocab, "row_params": ROW_PARAMS, "duration_s": duration_s, "load_generator": ", ".join(clients),

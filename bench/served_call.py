@@ -9,8 +9,9 @@ requested outputs as `sampler_response` does). perf_analyzer drives the served p
 runs (bench/perf_analyzer.py: shared-memory mode puts inputs and outputs in shm, written once,
 as an engine whose output buffer is the region would); else a Python tritonclient does, with the
 logits (only) in shm. A no-op Python model (bench/perf_analyzer.py: NOOP_MODELS) takes the same
-logits over gRPC + shm: the Python backend's own cost, without the sampler. Each point: `requests` calls back to back at concurrency 1, the median is
-the time per call (the first call of a point pays for mapping fresh regions).
+logits over gRPC + shm: the Python backend's own cost, without the sampler. Each point: `requests`
+calls back to back at concurrency 1 (30, in 3 rounds that interleave every point, so a slow spell of
+this shared machine falls on all of them); the time per call is the median of the rounds' medians.
 
 Bytes moved per call: the request's tensors plus the response's. The physical floor is one
 memcpy of those bytes at this machine's bandwidth (numpy copy of the B=64 x V=151936 FP32 array,
@@ -45,6 +46,9 @@ from . import perf_analyzer as pa_module
 from .common import interleaved_medians, paired_median_ratio, server_breakdown
 
 FULL_SHAPE, TINY_SHAPE = (64, 151936), (4, 2000)
+# Calls per served point and the interleaved rounds they are split into, full size and --tiny.
+REQUESTS = {"full": 30, "tiny": 3}
+ROUNDS = {"full": 3, "tiny": 1}
 # The served B=1 table's parameters (served.ROW_PARAMS), plus min_p and a seed per row: the
 # bench_sampler models take every input (perf_analyzer's shm mode refuses optional ones).
 CALL_PARAMS = {"temperature": 0.8, "top_k": 512, "top_p": 0.95, "min_p": 0.0, "return_sampling_mask": True}
@@ -179,43 +183,76 @@ def warm_up(server, model: str, logits: np.ndarray, datatype: str) -> None:
     _python_point(server, "grpc", model, logits, datatype, call_params(logits.shape[0]), requests=0)
 
 
+def _measure_point(server, pa, path: str, dtype: str, logits: np.ndarray, params: dict, width: int,
+                   requests: int, input_json: Path | None, work_dir: Path, progress, statistics) -> dict:
+    """One run of one served point: perf_analyzer where it runs, else the Python client."""
+    datatype = DTYPES[dtype][0]
+    model = pa_module.BENCH_MODELS[datatype]
+    rows, vocab = logits.shape
+    shared = path.endswith("_shm")
+    if pa is not None:
+        try:
+            before = statistics(server, model) if statistics else None
+            measured = pa_module.measure(pa, server.grpc_url if path.startswith("grpc") else server.http_url,
+                                         path.split("_")[0], model, input_json, rows, vocab, shared,
+                                         output_bytes=rows * 4 * width, work_dir=work_dir, request_count=requests)
+            if statistics:
+                measured["server"] = server_breakdown(before, statistics(server, model))
+            return {**measured, "client": "perf_analyzer"}
+        except (RuntimeError, OSError) as exc:
+            progress(f"  perf_analyzer failed for {path} {dtype}; Python client instead: {str(exc)[:200]}")
+            fallback = _python_point(server, path, model, logits, datatype, params, requests, statistics)
+            return {**fallback, "client": "python", "perf_analyzer_error": str(exc)[-600:]}
+    return {**_python_point(server, path, model, logits, datatype, params, requests, statistics), "client": "python"}
+
+
+def _combine_rounds(runs: list[dict]) -> dict:
+    """One point from its interleaved runs: the median of their p50s, the mean of their means, the
+    largest p99, the mean of each server phase; every run's p50 kept (`round_p50_ms`)."""
+    out = {"requests": sum(r["requests"] for r in runs), "p50_ms": float(np.median([r["p50_ms"] for r in runs])),
+           "mean_ms": float(np.mean([r["mean_ms"] for r in runs])), "p99_ms": max(r["p99_ms"] for r in runs),
+           "round_p50_ms": [r["p50_ms"] for r in runs], "client": runs[-1]["client"]}
+    if all("server" in r for r in runs):
+        out["server"] = {k: float(np.mean([r["server"][k] for r in runs])) for k in runs[0]["server"]}
+    errors = [r["perf_analyzer_error"] for r in runs if "perf_analyzer_error" in r]
+    return {**out, "perf_analyzer_error": errors[-1]} if errors else out
+
+
 def served_part(server, logits: dict[str, np.ndarray], width: int, requests: int, work_dir: Path,
-                pa: pa_module.PerfAnalyzer | None, progress=print, statistics=None) -> list[dict]:
-    """Every path x dtype on a running server that serves the bench_sampler models. `statistics`
-    (served.model_statistics) adds the server's own per-phase breakdown of each point."""
+                pa: pa_module.PerfAnalyzer | None, progress=print, statistics=None, rounds: int = 1) -> list[dict]:
+    """Every path x dtype on a running server that serves the bench_sampler models, in `rounds`
+    interleaved rounds of `requests / rounds` calls per point (so a slow spell of this shared
+    machine lands on every point alike). `statistics` (served.model_statistics) adds the server's own
+    per-phase breakdown of each point."""
     rows, vocab = logits["fp32"].shape
     params = call_params(rows)
+    per_round = max(1, requests // rounds)
+    input_json = {}
+    for dtype, (datatype, _) in DTYPES.items():
+        input_json[dtype] = (pa_module.write_input_data(work_dir / f"call_{dtype}.json", logits[dtype], params)
+                             if pa else None)
+        warm_up(server, pa_module.BENCH_MODELS[datatype], logits[dtype], datatype)
+    runs: dict[tuple[str, str], list[dict]] = {}
+    for _ in range(rounds):
+        for dtype in DTYPES:
+            for path in PATHS:
+                runs.setdefault((dtype, path), []).append(_measure_point(
+                    server, pa, path, dtype, logits[dtype], params, width, per_round, input_json[dtype], work_dir,
+                    progress, statistics))
     entries = []
     for dtype, (datatype, _) in DTYPES.items():
-        model = pa_module.BENCH_MODELS[datatype]
         data = logits[dtype]
         counts = byte_counts(rows, vocab, data.dtype.itemsize, width)
-        input_json = pa_module.write_input_data(work_dir / f"call_{dtype}.json", data, params) if pa else None
-        warm_up(server, model, data, datatype)
         for path in PATHS:
-            shared = path.endswith("_shm")
-            entry = {"path": path, "logits": dtype, "model": model, "rows": rows, "vocab": vocab, "bytes": counts}
-            if pa is not None:
-                try:
-                    before = statistics(server, model) if statistics else None
-                    measured = pa_module.measure(pa, server.grpc_url if path.startswith("grpc") else server.http_url,
-                                                 path.split("_")[0], model, input_json, rows, vocab, shared,
-                                                 output_bytes=rows * 4 * width, work_dir=work_dir,
-                                                 request_count=requests)
-                    entry.update(measured, client="perf_analyzer")
-                    entry["socket_bytes"] = 0 if shared else counts["payload"]
-                    if statistics:
-                        entry["server"] = server_breakdown(before, statistics(server, model))
-                except (RuntimeError, OSError) as exc:
-                    entry["perf_analyzer_error"] = str(exc)[-600:]
-                    progress(f"  perf_analyzer failed for {path} {dtype}; Python client instead: {str(exc)[:200]}")
-            if "client" not in entry:
-                entry.update(_python_point(server, path, model, data, datatype, params, requests, statistics),
-                             client="python")
-                entry["socket_bytes"] = counts["payload"] - (counts["logits"] if shared else 0)
+            entry = {"path": path, "logits": dtype, "model": pa_module.BENCH_MODELS[datatype], "rows": rows,
+                     "vocab": vocab, "bytes": counts, **_combine_rounds(runs[dtype, path])}
+            # perf_analyzer's shm mode puts every tensor in shm; the Python client only the logits.
+            shared_bytes = (counts["payload"] if entry["client"] == "perf_analyzer" else counts["logits"])
+            entry["socket_bytes"] = counts["payload"] - (shared_bytes if path.endswith("_shm") else 0)
             entries.append(entry)
-            progress(f"  call B={rows} V={vocab} {path} {dtype} ({entry['client']}): p50 {entry['p50_ms']:.1f} ms, "
-                     f"mean {entry['mean_ms']:.1f} ms over {entry['requests']} calls")
+            progress(f"  call B={rows} V={vocab} {path} {dtype} ({entry['client']}): p50 {entry['p50_ms']:.1f} ms "
+                     f"(rounds {', '.join(f'{v:.1f}' for v in entry['round_p50_ms'])}), mean {entry['mean_ms']:.1f} ms "
+                     f"over {entry['requests']} calls")
         # The Python backend alone: the same logits through gRPC + shm to a model that reads nothing.
         noop = pa_module.NOOP_MODELS[datatype]
         _python_point(server, "grpc", noop, data, datatype, None, requests=0)  # the stub's first call
@@ -231,7 +268,7 @@ def served_part(server, logits: dict[str, np.ndarray], width: int, requests: int
 
 
 def summarise(in_process: dict, served: list[dict], bandwidth: dict, rows: int, vocab: int, width: int,
-              requests: int, client: str) -> dict:
+              requests: int, client: str, rounds: int = 1) -> dict:
     """The call table: each served point with its floor and its ratios to in-process."""
     for entry in served:
         floor_ms = entry["bytes"]["payload"] / bandwidth["bytes_per_s"] * 1e3
@@ -244,7 +281,7 @@ def summarise(in_process: dict, served: list[dict], bandwidth: dict, rows: int, 
         entry["over_in_process_fp32"] = entry["p50_ms"] / in_process["ms"]["fp32"]
         entry["copies_over_in_process"] = (entry["p50_ms"] - reference) / floor_ms
     return {"rows": rows, "vocab": vocab, "mask_width": width, "params": CALL_PARAMS, "requests_per_point": requests,
-            "client": client, "memcpy": bandwidth, "bytes": {d: byte_counts(rows, vocab, np.dtype(t).itemsize, width)
+            "rounds": rounds, "client": client, "memcpy": bandwidth, "bytes": {d: byte_counts(rows, vocab, np.dtype(t).itemsize, width)
                                                              for d, (_, t) in DTYPES.items()},
             "in_process": in_process, "served": served}
 
@@ -258,16 +295,21 @@ def prepare(tiny: bool, width: int, timing: dict | None = None, progress=print) 
     in_process = in_process_part(logits, width, timing)
     progress(f"  call in-process B={rows} V={vocab}: " + ", ".join(f"{n} {ms:.1f} ms" for n, ms in in_process["ms"].items())
              + f"; memcpy {bandwidth['bytes_per_s'] / 1e9:.1f} GB/s")
-    return {"logits": logits, "bandwidth": bandwidth, "in_process": in_process, "width": width}
+    size = "tiny" if tiny else "full"
+    return {"logits": logits, "bandwidth": bandwidth, "in_process": in_process, "width": width,
+            "requests": REQUESTS[size], "rounds": ROUNDS[size]}
 
 
-def run_on_server(prepared: dict, server, requests: int, work_dir: Path, pa, pa_status: str, progress=print,
+def run_on_server(prepared: dict, server, requests: int | None, work_dir: Path, pa, pa_status: str, progress=print,
                   statistics=None) -> dict:
-    """The served points on `server` (serving the bench_sampler models), summarised with `prepared`."""
+    """The served points on `server` (serving the bench_sampler models), summarised with `prepared`
+    (`requests` None: its default for the size)."""
     rows, vocab = prepared["logits"]["fp32"].shape
-    served = served_part(server, prepared["logits"], prepared["width"], requests, work_dir, pa, progress, statistics)
+    requests, rounds = requests or prepared["requests"], prepared["rounds"]
+    served = served_part(server, prepared["logits"], prepared["width"], requests, work_dir, pa, progress, statistics,
+                         rounds=rounds)
     out = summarise(prepared["in_process"], served, prepared["bandwidth"], rows, vocab, prepared["width"], requests,
-                    "perf_analyzer" if pa else "python")
+                    "perf_analyzer" if pa else "python", rounds)
     out["perf_analyzer"] = pa_status
     return out
 
@@ -289,8 +331,8 @@ def main(argv: list[str] | None = None) -> dict:
     from .served import model_statistics
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tiny", action="store_true", help=f"B x V = {TINY_SHAPE}, 3 calls per point")
-    parser.add_argument("--requests", type=int, default=None, help="calls per served point (default 10, tiny 3)")
+    parser.add_argument("--tiny", action="store_true", help=f"B x V = {TINY_SHAPE}, {REQUESTS['tiny']} calls per point")
+    parser.add_argument("--requests", type=int, default=None, help=f"calls per served point (default {REQUESTS['full']} in {ROUNDS['full']} interleaved rounds, tiny {REQUESTS['tiny']})")
     parser.add_argument("--no-perf-analyzer", action="store_true", help="the Python client even where perf_analyzer runs")
     parser.add_argument("--output", type=Path, default=None, help="write the table's JSON and verdicts here")
     args = parser.parse_args(argv)
@@ -305,7 +347,7 @@ def main(argv: list[str] | None = None) -> dict:
         repository.mkdir()
         models = pa_module.bench_models(repository) + pa_module.noop_models(repository)
         with TritonServer(repository, extra_args=explicit_models(models), log_path=tmp / "tritonserver.log") as server:
-            call = run_on_server(prepared, server, args.requests or (3 if args.tiny else 10), tmp, pa, status,
+            call = run_on_server(prepared, server, args.requests, tmp, pa, status,
                                  statistics=model_statistics)
     call["load_average_1m"] = {"before": load_before, "after": machine_facts()["load_average_1m"]}
     report.print_call_table(call)
