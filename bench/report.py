@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
-import statistics
 from pathlib import Path
+
+from .common import paired_median_ratio
 
 TARGETS = {
     "a": "ours >= 15x faster than the full-sort baseline at the headline case (masks on)",
@@ -83,10 +84,8 @@ def call_verdicts(call: dict) -> dict:
 
 def _paired_rounds(numerator: dict, denominator: dict) -> float | None:
     """The median over interleaved rounds of one point's p50 over another's (None with one round)."""
-    rounds = list(zip(numerator.get("round_p50_ms", []), denominator.get("round_p50_ms", [])))
-    if len(rounds) < 2:
-        return None
-    return statistics.median(n / d for n, d in rounds)
+    numerators, denominators = numerator.get("round_p50_ms", []), denominator.get("round_p50_ms", [])
+    return paired_median_ratio(numerators, denominators) if min(len(numerators), len(denominators)) > 1 else None
 
 
 def verdicts(kernel: list[dict], served: dict | None, call: dict | None = None) -> dict:

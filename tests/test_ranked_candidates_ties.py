@@ -128,17 +128,22 @@ def test_top_k_fetches_one_past_k_and_repairs_boundary_ties(monkeypatch, kind):
     np.testing.assert_array_equal(ids.numpy()[finite], expected[finite])
 
 
+def _batch(logits: torch.Tensor, k: int, temperature: float = 0.8, top_p: float = 0.9) -> SamplingBatch:
+    """Every row of `logits` with the same top_k, temperature and top_p, masks on, seeded by row."""
+    rows = logits.shape[0]
+    return SamplingBatch(
+        logits=logits, temperature=np.full(rows, temperature, np.float32), top_k=np.full(rows, k),
+        top_p=np.full(rows, top_p, np.float32), min_p=np.zeros(rows, np.float32), seed=np.arange(rows),
+        want_mask=np.ones(rows, bool),
+    )
+
+
 def test_mask_is_the_reference_support_on_both_cpu_selection_paths():
     vocab, k = 40000, 50
     logits = _selection_rows(vocab, k, np.random.default_rng(12))
     rows = logits.shape[0]
     top_p, temperature = np.float32(0.9), np.float32(0.7)
-    batch = SamplingBatch(
-        logits=torch.from_numpy(logits), temperature=np.full(rows, temperature), top_k=np.full(rows, k),
-        top_p=np.full(rows, top_p), min_p=np.zeros(rows, np.float32), seed=np.arange(rows),
-        want_mask=np.ones(rows, bool),
-    )
-    result = sample(batch, mask_width=k)
+    result = sample(_batch(torch.from_numpy(logits), k, temperature, top_p), mask_width=k)
     for row in range(rows):
         ref = reference_row(logits[row], temperature, k, top_p)
         assert ref.support_min == ref.support_max
@@ -157,21 +162,8 @@ def test_row_max_of_broken_rows_is_their_amax():
     logits[2] = -np.inf
     logits[3, [5, 9]] = [np.nan, np.inf]
     logits[4, :100] = np.nan
-    batch = SamplingBatch(
-        logits=torch.from_numpy(logits), temperature=np.full(6, 0.8, np.float32), top_k=np.full(6, 50),
-        top_p=np.full(6, 0.9, np.float32), min_p=np.zeros(6, np.float32), seed=np.arange(6),
-        want_mask=np.ones(6, bool),
-    )
-    np.testing.assert_array_equal(sample(batch, 64).host()["row_max"], torch.from_numpy(logits).amax(dim=-1).numpy())
-
-
-def _half_batch(logits: torch.Tensor, k: int) -> SamplingBatch:
-    rows = logits.shape[0]
-    return SamplingBatch(
-        logits=logits, temperature=np.full(rows, 0.8, np.float32), top_k=np.full(rows, k),
-        top_p=np.full(rows, 0.9, np.float32), min_p=np.zeros(rows, np.float32), seed=np.arange(rows),
-        want_mask=np.ones(rows, bool),
-    )
+    row_max = sample(_batch(torch.from_numpy(logits), 50), 64).host()["row_max"]
+    np.testing.assert_array_equal(row_max, torch.from_numpy(logits).amax(dim=-1).numpy())
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -183,7 +175,7 @@ def test_half_precision_rows_match_the_reference_as_the_conversion_buffer_is_reu
     shapes = [(20, 151936, 64), (3, 3000, 512), (20, 151936, 64)]  # 20 rows of 151936: two row blocks
     for rows, vocab, k in shapes:
         logits = torch.from_numpy(rng.standard_normal((rows, vocab)) * 3).to(dtype)
-        result = sample(_half_batch(logits, k), mask_width=512)
+        result = sample(_batch(logits, k), mask_width=512)
         exact = logits.double().numpy()
         for row in range(rows):
             ref = reference_row(exact[row], np.float32(0.8), k, np.float32(0.9))
@@ -218,7 +210,7 @@ def test_half_precision_path_allocates_no_float32_row_block_per_call():
     # the OS at once, so every call paid their page faults (jemalloc: bf16 B=64 took 33-57 ms
     # against 23 ms in float32). After the first call the conversions reuse one buffer.
     logits = torch.from_numpy(np.random.default_rng(5).standard_normal((40, 151936)) * 3).bfloat16()
-    sample(_half_batch(logits, 512), mask_width=512)
+    sample(_batch(logits, 512), mask_width=512)
     with _LargeFloat32Allocations(min_elements=151936 * 4) as counted:
-        sample(_half_batch(logits, 512), mask_width=512)
+        sample(_batch(logits, 512), mask_width=512)
     assert counted.seen == []

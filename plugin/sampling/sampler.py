@@ -516,7 +516,8 @@ def _normaliser_cpu(logits: torch.Tensor, row_max: np.ndarray, temperature: np.n
 
 
 def _exp_sum(logits: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
-    """sum exp2((logits - shift) * scale) per row, through `scratch` (four calls, one small allocation)."""
+    """sum exp2((logits - shift) * scale) per row, through `scratch` (four calls, five for bf16 / fp16;
+    one small allocation)."""
     if logits.dtype == torch.float32:
         torch.sub(logits, shift, out=scratch)
     else:  # bf16 / fp16: converted into scratch first (a mixed-dtype sub would allocate a float32 copy)
