@@ -41,12 +41,12 @@ test: setup
 # 128 clients x 16 x 151936 rows for 3 rounds of 30 s: shed share, p99 and RSS per round (README "Stress").
 STRESS_ARGS ?= --clients 128 --rows 16 --vocab 151936 --rounds 3 --duration 30
 stress: setup
-	$(PYTHON) -m triton_sampling_mask.ops.stress --model-repository $(MODEL_REPOSITORY) $(STRESS_ARGS)
+	$(PYTHON) -m bench.load.stress --model-repository $(MODEL_REPOSITORY) $(STRESS_ARGS)
 
 # 32 clients (HTTP and gRPC) for 60 s against a fresh server; prints the report, fails on loss/5xx/RSS growth.
 SOAK_ARGS ?= --clients 32 --duration 60
 soak: setup
-	$(PYTHON) -m triton_sampling_mask.ops.soak --model-repository $(MODEL_REPOSITORY) $(SOAK_ARGS)
+	$(PYTHON) -m bench.load.soak --model-repository $(MODEL_REPOSITORY) $(SOAK_ARGS)
 
 # Kernel + served benchmark (not part of the tests): table on stdout, bench/results/latest.json and
 # ratios.png. matplotlib comes from the `bench` extra, installed here only, not by `make setup`.

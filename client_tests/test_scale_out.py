@@ -4,7 +4,7 @@ seeded row matches a single-server run, and the share each replica served is pri
 
 The run lasts SCALE_OUT_SECONDS (default 20 s); on this 2-core machine the three servers and the
 16 threads share the CPUs, so the point is correctness under failover, not speed (the throughput
-per replica count is `python -m triton_sampling_mask.ops.replicas_bench`).
+per replica count is `python -m bench.load.replicas`).
 """
 
 from __future__ import annotations

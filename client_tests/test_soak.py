@@ -4,7 +4,7 @@ the long version)."""
 
 from __future__ import annotations
 
-from triton_sampling_mask.ops.soak import KINDS, run_soak
+from bench.load.soak import KINDS, run_soak
 
 
 def test_short_soak_loses_nothing(triton_server):

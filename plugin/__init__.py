@@ -6,7 +6,7 @@ Subpackages, each depending only on those listed before it:
 - `generation`: the causal-LM plugin interface and the generation loop; no Triton.
 - `client`: what a trainer imports (typed client, `SamplingParams`, converters, replay).
 - `serving`: the Triton glue the `model.py` files call (everything that touches `pb_utils`).
-- `ops`: the launcher, the soak tool and the GPU repository derivation.
+- `ops`: the launcher, the supervisor and the GPU repository derivation.
 
 `model_config` (reading a model's config.pbtxt as JSON) is shared by `serving` and `client`.
 """
@@ -26,7 +26,6 @@ MOVED_MODULES = {
     "sampling_params": "client.sampling_params",
     "sampler": "sampling.sampler",
     "launcher": "ops.launcher",
-    "soak": "ops.soak",
     "gpu_repository": "ops.gpu_repository",
 }
 

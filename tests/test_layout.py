@@ -61,7 +61,7 @@ def test_probe_blocks_what_it_names():
 @pytest.mark.parametrize("old, new", [
     ("converters", "client.converters"), ("replay", "client.replay"),
     ("sampling_params", "client.sampling_params"), ("sampler", "sampling.sampler"),
-    ("launcher", "ops.launcher"), ("soak", "ops.soak"), ("gpu_repository", "ops.gpu_repository"),
+    ("launcher", "ops.launcher"), ("gpu_repository", "ops.gpu_repository"),
 ])
 def test_documented_old_import_paths_give_the_moved_module(old, new):
     import importlib

@@ -1,8 +1,8 @@
 """Stress a sampler past its capacity: does it shed load quickly and keep its memory bounded?
 
-    python -m triton_sampling_mask.ops.stress [--clients 128] [--rows 16] [--vocab 151936]
+    python -m bench.load.stress [--clients 128] [--rows 16] [--vocab 151936]
                                              [--rounds 3] [--duration 30]     # starts its own server
-    python -m triton_sampling_mask.ops.stress --http-url H:P --pid PID ...      # an existing one
+    python -m bench.load.stress --http-url H:P --pid PID ...      # an existing one
 
 Closed-loop HTTP clients (one keep-alive connection each) send the same prebuilt binary request
 (rows x vocab float32 logits, top_k 50 with masks) for `rounds` rounds of `duration` seconds.
@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..client.replicas import DEFAULT_EJECT_BACKOFF_S, DEFAULT_MAX_EJECT_BACKOFF_S
+from triton_sampling_mask.client.replicas import DEFAULT_EJECT_BACKOFF_S, DEFAULT_MAX_EJECT_BACKOFF_S
 from .soak import ProcessMemory, mapped_shm_regions, process_tree_memory
 
 MODEL = "sampler"
@@ -307,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.http_url:
         rounds, idle, idle_pss = stress(args.http_url, args.pid, args.metrics_url)
     else:
-        from .launcher import TritonServer
+        from triton_sampling_mask.ops.launcher import TritonServer
 
         with TritonServer(Path(args.model_repository), extra_args=args.extra) as server:
             print("+ tritonserver " + " ".join(server.command()[1:]), flush=True)

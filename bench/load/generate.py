@@ -1,6 +1,6 @@
 """Continuous against static batching of the `generate` model (default tiny Llama) on a real tritonserver.
 
-    .venv/bin/python -m client_tests.bench_generate [--clients 32] [--requests-per-client 3]
+    .venv/bin/python -m bench.load.generate [--clients 32] [--requests-per-client 3]
 
 Starts one server holding two copies of the shipped `generate` model, `scheduler: "continuous"`
 (the default) and `scheduler: "static"` (each dynamic batch generated to its end, the previous
@@ -28,8 +28,8 @@ import numpy as np
 
 from triton_sampling_mask.ops.launcher import TritonServer
 
-from .generate_client import GenerateStream
-from .server import MODEL_REPOSITORY, set_parameter
+from client_tests.generate_client import GenerateStream
+from client_tests.server import MODEL_REPOSITORY, set_parameter
 
 PARAMS = dict(temperature=1.0, top_k=20, top_p=0.95, return_sampling_mask=True, ignore_eos=True)
 SCHEDULERS = {"continuous": "generate", "static": "generate_static"}

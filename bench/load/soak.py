@@ -1,7 +1,7 @@
 """Soak a running sampler: many concurrent HTTP and gRPC clients, mixed valid and invalid requests.
 
-    python -m triton_sampling_mask.ops.soak [--clients 32] [--duration 60]      # starts its own server
-    python -m triton_sampling_mask.ops.soak --http-url H:P --grpc-url H:P --pid PID   # an existing one
+    python -m bench.load.soak [--clients 32] [--duration 60]      # starts its own server
+    python -m bench.load.soak --http-url H:P --grpc-url H:P --pid PID   # an existing one
 
 Every request's answer is classified against what its kind must get: valid requests an answer
 whose mask is well formed, invalid ones a 4xx. The report counts requests sent, answered, lost (no
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..client.wire import infer_input
+from triton_sampling_mask.client.wire import infer_input
 
 MODEL = "sampler"
 # gRPC codes that mean the server never answered (transport trouble), not an error response.
@@ -414,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.http_url:
         report = soak(args.http_url, args.grpc_url, args.pid)
     else:
-        from .launcher import TritonServer
+        from triton_sampling_mask.ops.launcher import TritonServer
 
         with TritonServer(Path(args.model_repository)) as server:
             report = soak(server.http_url, server.grpc_url, server.process.pid)

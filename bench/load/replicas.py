@@ -1,6 +1,6 @@
 """Throughput of the sampler with 1, 2, ... replicas behind one multi-endpoint client.
 
-    python -m triton_sampling_mask.ops.replicas_bench [--replicas 3] [--threads 16] [--seconds 10]
+    python -m bench.load.replicas [--replicas 3] [--threads 16] [--seconds 10]
         [--rows 8] [--vocab 32000] [--protocol grpc]
 
 Starts the replicas (each a tritonserver serving only the shipped sampler, on free ports) once,
@@ -24,9 +24,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..client.sampler_client import SamplerClient
-from ..client.sampling_params import SamplingParams
-from .launcher import TritonServer
+from triton_sampling_mask.client.sampler_client import SamplerClient
+from triton_sampling_mask.client.sampling_params import SamplingParams
+from triton_sampling_mask.ops.launcher import TritonServer
 
 MODEL_REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
 
