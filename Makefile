@@ -6,7 +6,7 @@ PYTHON := $(VENV)/bin/python
 MODEL_REPOSITORY ?= model_repository
 PYTEST_ARGS ?=
 
-.PHONY: setup serve probe test soak stress bench clean
+.PHONY: setup serve probe lint format test soak stress bench clean
 
 setup: $(VENV)/.installed
 
@@ -35,7 +35,16 @@ PROBE_ARGS ?= --model sampler --model generate
 probe:
 	$(PYTHON) -m triton_sampling_mask.ops.probe --url localhost:$${TRITON_HTTP_PORT:-8000} $(PROBE_ARGS)
 
-test: setup
+# ruff over the whole tree (pyproject.toml [tool.ruff]): lint, import order, formatting.
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: setup
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+test: lint
 	$(PYTHON) -m pytest $(PYTEST_ARGS)
 
 # 128 clients x 16 x 151936 rows for 3 rounds of 30 s: shed share, p99 and RSS per round (README "Stress").

@@ -10,8 +10,15 @@ from __future__ import annotations
 import torch
 
 
-def full_sort_sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                     min_p: torch.Tensor, mask_width: int, want_mask: bool) -> dict[str, torch.Tensor]:
+def full_sort_sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    mask_width: int,
+    want_mask: bool,
+) -> dict[str, torch.Tensor]:
     """Token ids and log-probs per row; with `want_mask`, the support ids (padded -1), its length
     and the token's log-prob renormalised over it. Shapes: logits [B, V], parameters [B]."""
     probs = torch.softmax(logits / temperature.unsqueeze(1), dim=-1)
@@ -30,7 +37,9 @@ def full_sort_sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: tor
         # The support is the non-zero prefix of probs_sort; read its first W ids out.
         head = probs_sort[:, :mask_width]
         in_support = head > 0
-        out["mask_ids"] = torch.where(in_support, probs_idx[:, :mask_width], torch.full_like(probs_idx[:, :mask_width], -1))
+        out["mask_ids"] = torch.where(
+            in_support, probs_idx[:, :mask_width], torch.full_like(probs_idx[:, :mask_width], -1)
+        )
         out["mask_len"] = in_support.sum(dim=-1)
         out["mask_logprobs"] = (token_p / head.sum(dim=-1)).log()
     return out
@@ -41,8 +50,9 @@ def floor(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.topk(logits, k, dim=-1), torch.logsumexp(logits, dim=-1)
 
 
-def vllm_style_sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor | None,
-                      top_p: torch.Tensor | None) -> torch.Tensor:
+def vllm_style_sample(
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
     """Token ids only: a torch top-k/top-p sampler in the manner vLLM documents for its native path.
 
     Written from the description (temperature, then one ascending sort of the row; top-k masks
@@ -102,8 +112,12 @@ def flashinfer_sampler(device: torch.device, probe_timeout_s: float = 90.0):
     except Exception as error:  # noqa: BLE001 - any import failure means: skip it
         return None, f"import flashinfer failed: {error!r}"
     try:
-        done = subprocess.run([sys.executable, "-c", _FLASHINFER_PROBE.format(device=device)], capture_output=True,
-                              text=True, timeout=probe_timeout_s)
+        done = subprocess.run(
+            [sys.executable, "-c", _FLASHINFER_PROBE.format(device=device)],
+            capture_output=True,
+            text=True,
+            timeout=probe_timeout_s,
+        )
     except subprocess.TimeoutExpired:
         return None, f"flashinfer {flashinfer.__version__}: first call took over {probe_timeout_s:.0f} s (JIT compile?)"
     if done.returncode != 0:

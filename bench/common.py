@@ -31,8 +31,9 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def interleaved_medians(functions: dict, device: torch.device, min_rounds: int, budget_s: float,
-                        max_rounds: int = 50) -> dict[str, dict]:
+def interleaved_medians(
+    functions: dict, device: torch.device, min_rounds: int, budget_s: float, max_rounds: int = 50
+) -> dict[str, dict]:
     """Median milliseconds of each function, timed in interleaved rounds (one call of each per
     round, order rotated) so load from other processes lands on all of them alike; one warm-up
     call each."""
@@ -46,15 +47,17 @@ def interleaved_medians(functions: dict, device: torch.device, min_rounds: int, 
     while rounds < min_rounds or (time.perf_counter() - start < budget_s and rounds < max_rounds):
         # Rotate the order each round: the first call after another function's large frees pays
         # for the allocator and the cache, and no function should always be the one that pays.
-        for name in names[rounds % len(names):] + names[: rounds % len(names)]:
+        for name in names[rounds % len(names) :] + names[: rounds % len(names)]:
             fn = functions[name]
             t0 = time.perf_counter()
             fn()
             synchronize(device)
             samples[name].append((time.perf_counter() - t0) * 1e3)
         rounds += 1
-    return {name: {"median_ms": statistics.median(v), "min_ms": min(v), "rounds": len(v), "samples_ms": v}
-            for name, v in samples.items()}
+    return {
+        name: {"median_ms": statistics.median(v), "min_ms": min(v), "rounds": len(v), "samples_ms": v}
+        for name, v in samples.items()
+    }
 
 
 def paired_median_ratio(numerator: list[float], denominator: list[float]) -> float:

@@ -24,8 +24,13 @@ TEMPERATURE, TOP_P = 0.8, 0.95
 # `top_p_case`: (B, V) of the top-p-without-mask case (top_k -1); `rivals`: time the GPU rivals too.
 FULL_GRID = {"rows": (1, 8, 64), "vocab": (32000, 151936), "top_k": (50, 512), "top_p_case": (64, 151936)}
 TINY_GRID = {"rows": (1, 4), "vocab": (1000, 2000), "top_k": (8,), "top_p_case": (4, 6000)}
-GPU_GRID = {"rows": (1, 8, 64, 256), "vocab": (32000, 151936, 262144), "top_k": (50, 512),
-            "top_p_case": (64, 151936), "rivals": True}
+GPU_GRID = {
+    "rows": (1, 8, 64, 256),
+    "vocab": (32000, 151936, 262144),
+    "top_k": (50, 512),
+    "top_p_case": (64, 151936),
+    "rivals": True,
+}
 GPU_TINY_GRID = TINY_GRID | {"rivals": True}
 GRIDS = {("cpu", False): FULL_GRID, ("cpu", True): TINY_GRID, ("gpu", False): GPU_GRID, ("gpu", True): GPU_TINY_GRID}
 
@@ -97,12 +102,24 @@ def case_functions(logits: torch.Tensor, top_k: int, width: int, rivals: dict | 
 # Functions with full-vocabulary temporaries (sorts): timed in rounds of their own (see run_case).
 _SORTING = ("baseline_mask", "baseline_nomask", "vllm_nomask")
 # Rival -> the function of ours it is compared with (same outputs asked: mask or not).
-_RIVAL_OF = {"ours_plain_mask": "ours_mask", "vllm_nomask": "ours_nomask", "flashinfer_nomask": "ours_nomask",
-             "baseline_nomask": "ours_nomask"}
+_RIVAL_OF = {
+    "ours_plain_mask": "ours_mask",
+    "vllm_nomask": "ours_nomask",
+    "flashinfer_nomask": "ours_nomask",
+    "baseline_nomask": "ours_nomask",
+}
 
 
-def run_case(rows: int, vocab: int, top_k: int, width: int, device: torch.device, timing, bf16: bool = False,
-             rivals: dict | None = None) -> dict:
+def run_case(
+    rows: int,
+    vocab: int,
+    top_k: int,
+    width: int,
+    device: torch.device,
+    timing,
+    bf16: bool = False,
+    rivals: dict | None = None,
+) -> dict:
     """One row of the results table: medians (ms) and ratios."""
     logits = make_logits(rows, vocab, device, bf16=bf16)
     functions = case_functions(logits, top_k, width, rivals)
@@ -114,7 +131,10 @@ def run_case(rows: int, vocab: int, top_k: int, width: int, device: torch.device
     # Best-of-rounds times: a load-robust second view when other processes share the cores.
     best = {name: m.get("min_ms", m["median_ms"]) for name, m in medians.items()}
     case = {
-        "rows": rows, "vocab": vocab, "top_k": top_k, "logits": "bf16-rounded" if bf16 else "fp32",
+        "rows": rows,
+        "vocab": vocab,
+        "top_k": top_k,
+        "logits": "bf16-rounded" if bf16 else "fp32",
         "ms": ms,
         "min_ms": best,
         "rounds": min(m["rounds"] for m in medians.values()),
@@ -133,8 +153,9 @@ def run_case(rows: int, vocab: int, top_k: int, width: int, device: torch.device
     if rivals is not None:
         # Each rival's time over ours (> 1: ours is faster), ours taken with the same outputs asked.
         case["rival_over_ours"] = {name: ms[name] / ms[ours] for name, ours in _RIVAL_OF.items() if name in ms}
-        case["rival_over_ours_best_of"] = {name: best[name] / best[ours] for name, ours in _RIVAL_OF.items()
-                                           if name in best}
+        case["rival_over_ours_best_of"] = {
+            name: best[name] / best[ours] for name, ours in _RIVAL_OF.items() if name in best
+        }
     return case
 
 
@@ -180,16 +201,24 @@ def run_top_p_case(rows: int, vocab: int, width: int, device: torch.device, timi
     with previous_top_p_path(vocab):
         previous_plan = plan_rows(batch)
     if not (plan.top_p_first.all() and previous_plan.full_sort.all()):
-        raise RuntimeError(f"top-p case B={rows} V={vocab}: the rows do not take the paths it compares "
-                           f"(candidates {sampler_module._TOP_P_CANDIDATES}; V must exceed it)")
+        raise RuntimeError(
+            f"top-p case B={rows} V={vocab}: the rows do not take the paths it compares "
+            f"(candidates {sampler_module._TOP_P_CANDIDATES}; V must exceed it)"
+        )
 
     def previous():
         with previous_top_p_path(vocab):
             return sample(batch, width)
 
-    groups = [{"ours": lambda: sample(batch, width)}, {"previous": previous},
-              {"baseline": lambda: full_sort_sample(logits, p["temperature"], p["top_k"], p["top_p"], p["min_p"],
-                                                    width, False)}]
+    groups = [
+        {"ours": lambda: sample(batch, width)},
+        {"previous": previous},
+        {
+            "baseline": lambda: full_sort_sample(
+                logits, p["temperature"], p["top_k"], p["top_p"], p["min_p"], width, False
+            )
+        },
+    ]
     if rivals is not None:
         groups[2]["vllm"] = lambda: vllm_style_sample(logits, p["temperature"], None, p["top_p"])
         if rivals.get("flashinfer") is not None:
@@ -201,7 +230,12 @@ def run_top_p_case(rows: int, vocab: int, width: int, device: torch.device, timi
     ms = {name: m["median_ms"] for name, m in medians.items()}
     best = {name: m.get("min_ms", m["median_ms"]) for name, m in medians.items()}
     return {
-        "rows": rows, "vocab": vocab, "top_k": -1, "top_p": TOP_P, "temperature": TEMPERATURE, "want_mask": False,
+        "rows": rows,
+        "vocab": vocab,
+        "top_k": -1,
+        "top_p": TOP_P,
+        "temperature": TEMPERATURE,
+        "want_mask": False,
         "candidates": sampler_module._TOP_P_CANDIDATES,
         "fallback_rows": _fallback_rows(logits, sampler_module._TOP_P_CANDIDATES),
         "ms": ms,
@@ -221,8 +255,9 @@ def _fallback_rows(logits: torch.Tensor, candidates: int) -> int:
     return int((mass_before_last <= TOP_P).sum())
 
 
-def run_kernel_benchmark(device: torch.device, width: int, grid: dict, timing, progress=print,
-                         rivals: dict | None = None, on_case=None) -> list[dict]:
+def run_kernel_benchmark(
+    device: torch.device, width: int, grid: dict, timing, progress=print, rivals: dict | None = None, on_case=None
+) -> list[dict]:
     """Every case of the grid, plus the headline case again on bf16-rounded (tied) logits. Rivals
     are timed only when the grid asks for them; `on_case(results)` runs after every case (the
     caller writes what finished, so a timeout keeps it)."""
@@ -241,8 +276,10 @@ def run_kernel_benchmark(device: torch.device, width: int, grid: dict, timing, p
     for vocab in grid["vocab"]:
         for rows in grid["rows"]:
             for top_k in grid["top_k"]:
-                done(run_case(rows, vocab, top_k, width, device, timing, rivals=rivals),
-                     f"B={rows} V={vocab} top_k={top_k}")
+                done(
+                    run_case(rows, vocab, top_k, width, device, timing, rivals=rivals),
+                    f"B={rows} V={vocab} top_k={top_k}",
+                )
     headline = (max(grid["rows"]), max(grid["vocab"]), max(grid["top_k"]))
     done(run_case(*headline, width, device, timing, bf16=True, rivals=rivals), f"{headline} bf16-rounded")
     return results

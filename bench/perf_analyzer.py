@@ -51,7 +51,9 @@ class PerfAnalyzer:
     def run(self, args: list[str], timeout_s: float) -> tuple[subprocess.CompletedProcess, float]:
         """Run perf_analyzer with `args`; the completed process and its CPU seconds (user + system)."""
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
-        done = subprocess.run([self.binary, *args], env=self.env, capture_output=True, text=True, timeout=timeout_s, check=False)
+        done = subprocess.run(
+            [self.binary, *args], env=self.env, capture_output=True, text=True, timeout=timeout_s, check=False
+        )
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
         return done, cpu
@@ -68,11 +70,17 @@ def _cuda_runtime_dirs(binary: str) -> list[str]:
 
 def locate() -> tuple[PerfAnalyzer | None, str]:
     """(perf_analyzer, its version line), or (None, why not) when no binary starts here."""
-    candidates = [os.environ.get(ENV_BINARY, ""), str(PA_VENV / "bin" / "perf_analyzer"), shutil.which("perf_analyzer") or ""]
+    candidates = [
+        os.environ.get(ENV_BINARY, ""),
+        str(PA_VENV / "bin" / "perf_analyzer"),
+        shutil.which("perf_analyzer") or "",
+    ]
     binary = next((c for c in candidates if c and os.access(c, os.X_OK)), None)
     if binary is None:
-        return None, (f"no perf_analyzer binary (${ENV_BINARY}, {PA_VENV.relative_to(REPO_ROOT)}/bin, PATH); "
-                      "`make bench` installs it from tritonclient==2.51.0")
+        return None, (
+            f"no perf_analyzer binary (${ENV_BINARY}, {PA_VENV.relative_to(REPO_ROOT)}/bin, PATH); "
+            "`make bench` installs it from tritonclient==2.51.0"
+        )
     env = dict(os.environ)
     env["LD_LIBRARY_PATH"] = os.pathsep.join([*_cuda_runtime_dirs(binary), *filter(None, [env.get("LD_LIBRARY_PATH")])])
     try:
@@ -94,7 +102,9 @@ def bench_models(repository: Path) -> list[str]:
         text = base.replace('name: "sampler"', f'name: "{name}"')
         text, count = re.subn(r'(name:\s*"logits",\s*data_type:\s*)TYPE_\w+', rf"\g<1>TYPE_{datatype}", text)
         if count != 1:
-            raise RuntimeError("the logits input is not where bench/perf_analyzer.py expects it in sampler/config.pbtxt")
+            raise RuntimeError(
+                "the logits input is not where bench/perf_analyzer.py expects it in sampler/config.pbtxt"
+            )
         text = re.sub(r",\s*optional:\s*true", "", text)
         target = Path(repository) / name
         shutil.copytree(MODEL_REPOSITORY / "sampler", target, ignore=shutil.ignore_patterns("__pycache__"))
@@ -119,14 +129,14 @@ class TritonPythonModel:
             responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("output_ids", np.zeros((rows, 1), np.int32))]))
         return responses
 '''
-_NOOP_CONFIG = '''name: "{name}"
+_NOOP_CONFIG = """name: "{name}"
 backend: "python"
 max_batch_size: {max_batch_size}
 {dynamic_batching}
 input [ {{ name: "logits", data_type: TYPE_{datatype}, dims: [ -1 ] }} ]
 output [ {{ name: "output_ids", data_type: TYPE_INT32, dims: [ 1 ] }} ]
 instance_group [ {{ kind: KIND_CPU, count: 1 }} ]
-'''
+"""
 
 
 def _config_block(text: str, key: str) -> str:
@@ -152,9 +162,14 @@ def noop_models(repository: Path) -> list[str]:
         target = Path(repository) / name / "1"
         target.mkdir(parents=True)
         (target / "model.py").write_text(_NOOP_MODEL_PY)
-        (target.parent / "config.pbtxt").write_text(_NOOP_CONFIG.format(
-            name=name, datatype=datatype, max_batch_size=max_batch_size.group(1) if max_batch_size else 256,
-            dynamic_batching=_config_block(base, "dynamic_batching")))
+        (target.parent / "config.pbtxt").write_text(
+            _NOOP_CONFIG.format(
+                name=name,
+                datatype=datatype,
+                max_batch_size=max_batch_size.group(1) if max_batch_size else 256,
+                dynamic_batching=_config_block(base, "dynamic_batching"),
+            )
+        )
     return list(NOOP_MODELS.values())
 
 
@@ -192,10 +207,24 @@ def _parse(stdout: str, csv_path: Path) -> dict:
     return out
 
 
-def measure(pa: PerfAnalyzer, url: str, protocol: str, model: str, input_data: Path, batch: int, vocab: int,
-            shared_memory: bool, output_bytes: int, work_dir: Path, *, concurrency: int = 1,
-            request_count: int | None = None, window_ms: int | None = None, window_requests: int | None = None,
-            timeout_s: float = 300.0) -> dict:
+def measure(
+    pa: PerfAnalyzer,
+    url: str,
+    protocol: str,
+    model: str,
+    input_data: Path,
+    batch: int,
+    vocab: int,
+    shared_memory: bool,
+    output_bytes: int,
+    work_dir: Path,
+    *,
+    concurrency: int = 1,
+    request_count: int | None = None,
+    window_ms: int | None = None,
+    window_requests: int | None = None,
+    timeout_s: float = 300.0,
+) -> dict:
     """One perf_analyzer point: `request_count` requests (a fixed count, no stability search), or
     three windows of `window_ms` each, or of `window_requests` requests each, accepted as they come
     (perf_analyzer calls three windows stable when max/min of their rates and of their mean latencies
@@ -205,9 +234,26 @@ def measure(pa: PerfAnalyzer, url: str, protocol: str, model: str, input_data: P
     perf_analyzer's own CPU seconds; raises RuntimeError with its output when it fails."""
     tag = f"{model}-{protocol}{'-shm' if shared_memory else ''}-c{concurrency}"
     csv_path = work_dir / f"{tag}.csv"
-    args = ["-m", model, "-i", protocol, "-u", url, "-b", str(batch), "--input-data", str(input_data),
-            "--shape", f"logits:{vocab}", "--concurrency-range", str(concurrency), "-f", str(csv_path),
-            "--shared-memory", "system" if shared_memory else "none"]
+    args = [
+        "-m",
+        model,
+        "-i",
+        protocol,
+        "-u",
+        url,
+        "-b",
+        str(batch),
+        "--input-data",
+        str(input_data),
+        "--shape",
+        f"logits:{vocab}",
+        "--concurrency-range",
+        str(concurrency),
+        "-f",
+        str(csv_path),
+        "--shared-memory",
+        "system" if shared_memory else "none",
+    ]
     if shared_memory:  # per output tensor; sampling_mask / sampling_mask_logprobs [B, W] are the largest
         args += ["--output-shared-memory-size", str(max(output_bytes, 1024))]
     if request_count is not None:
@@ -215,8 +261,16 @@ def measure(pa: PerfAnalyzer, url: str, protocol: str, model: str, input_data: P
     elif window_ms is not None:
         args += ["--measurement-interval", str(window_ms), "-s", "100000", "-r", "3"]
     else:
-        args += ["--measurement-mode", "count_windows", "--measurement-request-count", str(window_requests),
-                 "-s", "100000", "-r", "3"]
+        args += [
+            "--measurement-mode",
+            "count_windows",
+            "--measurement-request-count",
+            str(window_requests),
+            "-s",
+            "100000",
+            "-r",
+            "3",
+        ]
     done, cpu_s = pa.run(args, timeout_s)
     if done.returncode != 0 or not csv_path.exists():
         tail = (done.stdout[-1500:] + "\n" + done.stderr[-1500:]).strip()

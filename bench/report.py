@@ -18,9 +18,9 @@ TARGETS = {
     "e": "BF16 over gRPC <= 0.6x the FP32 gRPC time (one call, p50)",
     "f": "gRPC + system shared memory <= 1.5x in-process (one call, FP32, p50 over the in-process median)",
     "f_bf16": "the same with BF16 logits, the engines' own dtype (the Python backend copies every FP32 input once "
-              "more before execute; BF16 arrives through DLPack without that copy)",
+    "more before execute; BF16 arrives through DLPack without that copy)",
     "g": "masks on with per-support log-probs requested <= 1.10x without, in-process (the sampler computes "
-         "them either way: the ratio is what asking for them costs)",
+    "them either way: the ratio is what asking for them costs)",
 }
 # The floor targets: (B, V, top_k) of the case, and the largest ours/floor (masks on) that meets it.
 FLOOR_TARGETS = {"b1": ((1, 151936, 512), 1.5), "b2": ((1, 32000, 512), 2.0), "b3": ((64, 151936, 512), 1.0)}
@@ -66,19 +66,43 @@ def call_verdicts(call: dict) -> dict:
         return f"{case} ({dtype}{reach})"
 
     return {
-        "e": {"target": TARGETS["e"], "case": case + " over gRPC", "value": bf16, "threshold": 0.6, "met": bf16 <= 0.6,
-              "of_means": served["grpc", "bf16"]["mean_ms"] / served["grpc", "fp32"]["mean_ms"],
-              "paired_median": _paired_rounds(served["grpc", "bf16"], served["grpc", "fp32"]),
-              "http": served["http", "bf16"]["p50_ms"] / served["http", "fp32"]["p50_ms"]},
-        "f": {"target": TARGETS["f"], "case": shm_case("fp32"), "value": shm, "threshold": 1.5, "met": shm <= 1.5,
-              "http_shm": served["http_shm", "fp32"]["p50_ms"] / ip["ms"]["fp32"],
-              "lowest_reachable": lowest["fp32"]},
-        "f_bf16": {"target": TARGETS["f_bf16"], "case": shm_case("bf16"), "value": shm_bf16, "threshold": 1.5,
-                   "met": shm_bf16 <= 1.5, "http_shm": served["http_shm", "bf16"]["p50_ms"] / ip["ms"]["bf16"],
-                   "lowest_reachable": lowest["bf16"]},
-        "g": {"target": TARGETS["g"], "case": case + " (fp32)", "value": ip["support_logprobs_ratio"],
-              "paired_median": ip["support_logprobs_paired"], "best_of_rounds": ip["support_logprobs_best_of"],
-              "threshold": 1.10, "met": ip["support_logprobs_ratio"] <= 1.10},
+        "e": {
+            "target": TARGETS["e"],
+            "case": case + " over gRPC",
+            "value": bf16,
+            "threshold": 0.6,
+            "met": bf16 <= 0.6,
+            "of_means": served["grpc", "bf16"]["mean_ms"] / served["grpc", "fp32"]["mean_ms"],
+            "paired_median": _paired_rounds(served["grpc", "bf16"], served["grpc", "fp32"]),
+            "http": served["http", "bf16"]["p50_ms"] / served["http", "fp32"]["p50_ms"],
+        },
+        "f": {
+            "target": TARGETS["f"],
+            "case": shm_case("fp32"),
+            "value": shm,
+            "threshold": 1.5,
+            "met": shm <= 1.5,
+            "http_shm": served["http_shm", "fp32"]["p50_ms"] / ip["ms"]["fp32"],
+            "lowest_reachable": lowest["fp32"],
+        },
+        "f_bf16": {
+            "target": TARGETS["f_bf16"],
+            "case": shm_case("bf16"),
+            "value": shm_bf16,
+            "threshold": 1.5,
+            "met": shm_bf16 <= 1.5,
+            "http_shm": served["http_shm", "bf16"]["p50_ms"] / ip["ms"]["bf16"],
+            "lowest_reachable": lowest["bf16"],
+        },
+        "g": {
+            "target": TARGETS["g"],
+            "case": case + " (fp32)",
+            "value": ip["support_logprobs_ratio"],
+            "paired_median": ip["support_logprobs_paired"],
+            "best_of_rounds": ip["support_logprobs_best_of"],
+            "threshold": 1.10,
+            "met": ip["support_logprobs_ratio"] <= 1.10,
+        },
     }
 
 
@@ -106,12 +130,19 @@ def verdicts(kernel: list[dict], served: dict | None, call: dict | None = None) 
     out["c"]["worst"], out["c"]["worst_case"] = worst_mask["mask_on_over_off"], _case_name(worst_mask)
     if served:
         top = max(e["concurrency"] for e in served["served"])
-        shm_rate = next(e["rows_per_s"] for e in served["served"] if e["protocol"] == "grpc_shm" and e["concurrency"] == top)
+        shm_rate = next(
+            e["rows_per_s"] for e in served["served"] if e["protocol"] == "grpc_shm" and e["concurrency"] == top
+        )
         in_process = {e["rows_per_call"]: e["rows_per_s"] for e in served["in_process"]}
         batched = in_process.get(top, max(in_process.values()))
-        out["d"] = {"target": TARGETS["d"], "concurrency": top, "value": shm_rate / batched,
-                    "vs_one_row_per_call": shm_rate / in_process[1], "threshold": 0.5,
-                    "met": shm_rate / batched >= 0.5}
+        out["d"] = {
+            "target": TARGETS["d"],
+            "concurrency": top,
+            "value": shm_rate / batched,
+            "vs_one_row_per_call": shm_rate / in_process[1],
+            "threshold": 0.5,
+            "met": shm_rate / batched >= 0.5,
+        }
     if call:
         out.update(call_verdicts(call))
     return out
@@ -119,9 +150,15 @@ def verdicts(kernel: list[dict], served: dict | None, call: dict | None = None) 
 
 def _case_verdict(key: str, case: dict, ratio: str, threshold: float, at_least: bool) -> dict:
     value = case[ratio]
-    return {"target": TARGETS[key], "case": _case_name(case), "value": value,
-            "paired_median": case.get("paired", {}).get(ratio), "best_of_rounds": case["best_of"][ratio],
-            "threshold": threshold, "met": value >= threshold if at_least else value <= threshold}
+    return {
+        "target": TARGETS[key],
+        "case": _case_name(case),
+        "value": value,
+        "paired_median": case.get("paired", {}).get(ratio),
+        "best_of_rounds": case["best_of"][ratio],
+        "threshold": threshold,
+        "met": value >= threshold if at_least else value <= threshold,
+    }
 
 
 def _case_name(case: dict) -> str:
@@ -130,45 +167,69 @@ def _case_name(case: dict) -> str:
 
 def print_tables(results: dict) -> None:
     """The kernel table, the served table and the verdicts, on stdout."""
-    print(f"\nKernel, device={results['device']}, medians in ms ({results['machine']['cpu']}, "
-          f"{results['machine']['torch_threads']} threads)")
-    print(f"{'B':>3} {'V':>7} {'k':>4} {'logits':>12} | {'ours+m':>8} {'ours':>8} {'base+m':>9} {'base':>9} "
-          f"{'floor':>8} | {'base/ours':>9} {'ours/flr':>8} {'on/off':>6} | best-of: {'b/o':>6} {'o/f':>5} {'on/off':>6}")
+    print(
+        f"\nKernel, device={results['device']}, medians in ms ({results['machine']['cpu']}, "
+        f"{results['machine']['torch_threads']} threads)"
+    )
+    print(
+        f"{'B':>3} {'V':>7} {'k':>4} {'logits':>12} | {'ours+m':>8} {'ours':>8} {'base+m':>9} {'base':>9} "
+        f"{'floor':>8} | {'base/ours':>9} {'ours/flr':>8} {'on/off':>6} | best-of: {'b/o':>6} {'o/f':>5} {'on/off':>6}"
+    )
     for c in results["kernel"]:
         ms = c["ms"]
-        print(f"{c['rows']:>3} {c['vocab']:>7} {c['top_k']:>4} {c['logits']:>12} | {ms['ours_mask']:>8.2f} "
-              f"{ms['ours_nomask']:>8.2f} {ms['baseline_mask']:>9.2f} {ms['baseline_nomask']:>9.2f} "
-              f"{ms['floor']:>8.2f} | {c['speedup_vs_baseline_mask']:>9.1f} {c['ours_over_floor_mask']:>8.2f} "
-              f"{c['mask_on_over_off']:>6.2f} |          {c['best_of']['speedup_vs_baseline_mask']:>6.1f} "
-              f"{c['best_of']['ours_over_floor_mask']:>5.2f} {c['best_of']['mask_on_over_off']:>6.2f}")
+        print(
+            f"{c['rows']:>3} {c['vocab']:>7} {c['top_k']:>4} {c['logits']:>12} | {ms['ours_mask']:>8.2f} "
+            f"{ms['ours_nomask']:>8.2f} {ms['baseline_mask']:>9.2f} {ms['baseline_nomask']:>9.2f} "
+            f"{ms['floor']:>8.2f} | {c['speedup_vs_baseline_mask']:>9.1f} {c['ours_over_floor_mask']:>8.2f} "
+            f"{c['mask_on_over_off']:>6.2f} |          {c['best_of']['speedup_vs_baseline_mask']:>6.1f} "
+            f"{c['best_of']['ours_over_floor_mask']:>5.2f} {c['best_of']['mask_on_over_off']:>6.2f}"
+        )
     if any("rival_over_ours" in c for c in results["kernel"]):
-        print(f"\nRivals, medians in ms; ratio = rival / ours with the same outputs asked "
-              f"(> 1: ours is faster); flashinfer: {results.get('flashinfer', 'not timed')}")
+        print(
+            f"\nRivals, medians in ms; ratio = rival / ours with the same outputs asked "
+            f"(> 1: ours is faster); flashinfer: {results.get('flashinfer', 'not timed')}"
+        )
         columns = _rival_columns(results["kernel"])
-        print(f"{'B':>3} {'V':>7} {'k':>4} {'logits':>12} | " + " ".join(f"{title:>10}" for title, _ in columns)
-              + " | " + " ".join(f"{title + '/o':>12}" for title, name in columns if name in _RIVALS))
+        print(
+            f"{'B':>3} {'V':>7} {'k':>4} {'logits':>12} | "
+            + " ".join(f"{title:>10}" for title, _ in columns)
+            + " | "
+            + " ".join(f"{title + '/o':>12}" for title, name in columns if name in _RIVALS)
+        )
         for c in results["kernel"]:
             times = " ".join(f"{c['ms'][name]:>10.3f}" if name in c["ms"] else f"{'-':>10}" for _, name in columns)
-            ratios = " ".join(f"{c['rival_over_ours'][name]:>12.2f}" if name in c.get("rival_over_ours", {})
-                              else f"{'-':>12}" for _, name in columns if name in _RIVALS)
+            ratios = " ".join(
+                f"{c['rival_over_ours'][name]:>12.2f}" if name in c.get("rival_over_ours", {}) else f"{'-':>12}"
+                for _, name in columns
+                if name in _RIVALS
+            )
             print(f"{c['rows']:>3} {c['vocab']:>7} {c['top_k']:>4} {c['logits']:>12} | {times} | {ratios}")
     top_p = results.get("top_p")
     if top_p:
         print(f"\n{_top_p_title(top_p)}")
         for name, ms in top_p["ms"].items():
-            ratio = "" if name == "ours" else (f"  {top_p['over_ours'][name]:.2f}x ours "
-                                               f"(best-of-rounds {top_p['over_ours_best_of'][name]:.2f}x)")
+            ratio = (
+                ""
+                if name == "ours"
+                else (
+                    f"  {top_p['over_ours'][name]:.2f}x ours (best-of-rounds {top_p['over_ours_best_of'][name]:.2f}x)"
+                )
+            )
             print(f"  {name:>10} {ms:>10.2f} ms (best {top_p['min_ms'][name]:.2f}){ratio}")
     served = results.get("served")
     if served:
         print(f"\nServed, B=1 rows of V={served['vocab']}, {served['row_params']}")
         print(f"{'path':>12} {'conc':>5} | {'rows/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'requests':>8}")
         for e in served["in_process"]:
-            print(f"{'in_process':>12} {e['rows_per_call']:>4}r | {e['rows_per_s']:>8.1f} {e['p50_ms']:>8.2f} "
-                  f"{e['p99_ms']:>8.2f} {e['requests']:>8}")
+            print(
+                f"{'in_process':>12} {e['rows_per_call']:>4}r | {e['rows_per_s']:>8.1f} {e['p50_ms']:>8.2f} "
+                f"{e['p99_ms']:>8.2f} {e['requests']:>8}"
+            )
         for e in served["served"]:
-            print(f"{e['protocol']:>12} {e['concurrency']:>5} | {e['rows_per_s']:>8.1f} {e['p50_ms']:>8.2f} "
-                  f"{e['p99_ms']:>8.2f} {e['requests']:>8}")
+            print(
+                f"{e['protocol']:>12} {e['concurrency']:>5} | {e['rows_per_s']:>8.1f} {e['p50_ms']:>8.2f} "
+                f"{e['p99_ms']:>8.2f} {e['requests']:>8}"
+            )
     if results.get("served_call"):
         print_call_table(results["served_call"])
     print("\nTargets")
@@ -176,20 +237,24 @@ def print_tables(results: dict) -> None:
         best = f", best-of-rounds {v['best_of_rounds']:.3f}" if "best_of_rounds" in v else ""
         best += f", paired median {v['paired_median']:.3f}" if v.get("paired_median") else ""
         where = f" [at {v['case']}{', stand-in' if v.get('stand_in') else ''}]" if "case" in v else ""
-        print(f"  ({key}) {'MET ' if v['met'] else 'MISS'} {v['value']:.3f}{best} (threshold {v['threshold']}): "
-              f"{v['target']}{where}")
+        print(
+            f"  ({key}) {'MET ' if v['met'] else 'MISS'} {v['value']:.3f}{best} (threshold {v['threshold']}): "
+            f"{v['target']}{where}"
+        )
 
 
 def _call_title(call: dict) -> str:
     bw = call["memcpy"]
-    return (f"Served call: one request of B={call['rows']} x V={call['vocab']}, {call['params']}, seeded, every output "
-            f"sent; client {call['client']} ({call['perf_analyzer']}), {call['requests_per_point']} calls per point "
-            f"at concurrency 1 in {call.get('rounds', 1)} interleaved rounds, p50 = ms per call (median of the rounds' "
-            f"medians). memcpy {bw['bytes_per_s'] / 1e9:.1f} GB/s (numpy copy of "
-            f"{bw['bytes'] / 1e6:.1f} MB, best of {bw['repeats']}); floor = MB moved (request + response tensors) / "
-            f"memcpy bandwidth; /in-proc = p50 / in-process median (same dtype); copies = (p50 - in-process) / floor; "
-            f"srv input / infer = the server's compute_input (Triton's copy into the Python stub) and compute_infer "
-            f"(the stub's execute, and for non-BF16 inputs its own copy before it); the no-op model reads nothing")
+    return (
+        f"Served call: one request of B={call['rows']} x V={call['vocab']}, {call['params']}, seeded, every output "
+        f"sent; client {call['client']} ({call['perf_analyzer']}), {call['requests_per_point']} calls per point "
+        f"at concurrency 1 in {call.get('rounds', 1)} interleaved rounds, p50 = ms per call (median of the rounds' "
+        f"medians). memcpy {bw['bytes_per_s'] / 1e9:.1f} GB/s (numpy copy of "
+        f"{bw['bytes'] / 1e6:.1f} MB, best of {bw['repeats']}); floor = MB moved (request + response tensors) / "
+        f"memcpy bandwidth; /in-proc = p50 / in-process median (same dtype); copies = (p50 - in-process) / floor; "
+        f"srv input / infer = the server's compute_input (Triton's copy into the Python stub) and compute_infer "
+        f"(the stub's execute, and for non-BF16 inputs its own copy before it); the no-op model reads nothing"
+    )
 
 
 def _call_rows(call: dict) -> list[list[str]]:
@@ -198,22 +263,61 @@ def _call_rows(call: dict) -> list[list[str]]:
     rows = []
     for name, ms in ip["ms"].items():
         dtype, note = name.split("_", 1)[0], (" (no support logprobs)" if "no_support" in name else "")
-        rows.append([f"in_process{note}", dtype, "-", f"{ms:.1f}", f"{ip['min_ms'][name]:.1f} (best)", "-",
-                     f"{call['bytes'][dtype]['payload'] / 1e6:.1f}", "0", "-", "1.00", "-", "-", "-"])
+        rows.append(
+            [
+                f"in_process{note}",
+                dtype,
+                "-",
+                f"{ms:.1f}",
+                f"{ip['min_ms'][name]:.1f} (best)",
+                "-",
+                f"{call['bytes'][dtype]['payload'] / 1e6:.1f}",
+                "0",
+                "-",
+                "1.00",
+                "-",
+                "-",
+                "-",
+            ]
+        )
     for e in call["served"]:
         server = e.get("server", {})
         noop = e.get("noop", False)
-        rows.append([e["path"] + (" no-op model" if noop else ""), e["logits"], e["client"], f"{e['p50_ms']:.1f}",
-                     f"{e['mean_ms']:.1f}", f"{e['p99_ms']:.1f}",
-                     f"{e['bytes']['payload'] / 1e6:.1f}", f"{e['socket_bytes'] / 1e6:.1f}", f"{e['floor_ms']:.2f}",
-                     "-" if noop else f"{e['over_in_process']:.2f}", "-" if noop else f"{e['copies_over_in_process']:.1f}",
-                     f"{server['compute_input_ms']:.1f}" if server else "-",
-                     f"{server['compute_infer_ms']:.1f}" if server else "-"])
+        rows.append(
+            [
+                e["path"] + (" no-op model" if noop else ""),
+                e["logits"],
+                e["client"],
+                f"{e['p50_ms']:.1f}",
+                f"{e['mean_ms']:.1f}",
+                f"{e['p99_ms']:.1f}",
+                f"{e['bytes']['payload'] / 1e6:.1f}",
+                f"{e['socket_bytes'] / 1e6:.1f}",
+                f"{e['floor_ms']:.2f}",
+                "-" if noop else f"{e['over_in_process']:.2f}",
+                "-" if noop else f"{e['copies_over_in_process']:.1f}",
+                f"{server['compute_input_ms']:.1f}" if server else "-",
+                f"{server['compute_infer_ms']:.1f}" if server else "-",
+            ]
+        )
     return rows
 
 
-_CALL_HEADER = ["path", "logits", "client", "p50 ms", "mean ms", "p99 ms", "MB moved", "MB socket", "floor ms",
-                "/in-proc", "copies", "srv input ms", "srv infer ms"]
+_CALL_HEADER = [
+    "path",
+    "logits",
+    "client",
+    "p50 ms",
+    "mean ms",
+    "p99 ms",
+    "MB moved",
+    "MB socket",
+    "floor ms",
+    "/in-proc",
+    "copies",
+    "srv input ms",
+    "srv infer ms",
+]
 
 
 def print_call_table(call: dict) -> None:
@@ -226,8 +330,12 @@ def print_call_table(call: dict) -> None:
 
 
 # Timed functions of the gpu grid beyond the five of every grid, in table order, with short titles.
-_RIVALS = {"ours_plain_mask": "plain+m", "vllm_nomask": "vllm", "flashinfer_nomask": "flashinfer",
-           "baseline_nomask": "sglang"}
+_RIVALS = {
+    "ours_plain_mask": "plain+m",
+    "vllm_nomask": "vllm",
+    "flashinfer_nomask": "flashinfer",
+    "baseline_nomask": "sglang",
+}
 
 
 def _rival_columns(kernel: list[dict]) -> list[tuple[str, str]]:
@@ -239,10 +347,12 @@ def _rival_columns(kernel: list[dict]) -> list[tuple[str, str]]:
 
 
 def _top_p_title(top_p: dict) -> str:
-    return (f"Top-p without a mask: B={top_p['rows']} V={top_p['vocab']}, temperature {top_p['temperature']}, "
-            f"top_p {top_p['top_p']}, top_k -1; ours ranks {top_p['candidates']} candidates first "
-            f"({top_p['fallback_rows']} of {top_p['rows']} rows fall back to a full sort); previous = the same "
-            f"call with _TOP_P_CANDIDATES >= V (full sort in row blocks); medians in ms")
+    return (
+        f"Top-p without a mask: B={top_p['rows']} V={top_p['vocab']}, temperature {top_p['temperature']}, "
+        f"top_p {top_p['top_p']}, top_k -1; ours ranks {top_p['candidates']} candidates first "
+        f"({top_p['fallback_rows']} of {top_p['rows']} rows fall back to a full sort); previous = the same "
+        f"call with _TOP_P_CANDIDATES >= V (full sort in row blocks); medians in ms"
+    )
 
 
 def write_json(results: dict, path: Path) -> None:
@@ -261,7 +371,9 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     kernel = results["kernel"]
-    labels = [f"B{c['rows']} V{c['vocab'] // 1000}k k{c['top_k']}{' bf16' if c['logits'] != 'fp32' else ''}" for c in kernel]
+    labels = [
+        f"B{c['rows']} V{c['vocab'] // 1000}k k{c['top_k']}{' bf16' if c['logits'] != 'fp32' else ''}" for c in kernel
+    ]
     panels = [
         ("speedup_vs_baseline_mask", "baseline / ours (masks on)", 15.0, True),
         ("ours_over_floor_mask", "ours / floor (masks on)", None, False),
@@ -275,7 +387,9 @@ def plot(results: dict, path: Path) -> None:
         ax.bar(range(len(kernel)), [c[key] for c in kernel], color="tab:blue")
         if threshold is None:  # the floor targets: one line each, at its threshold
             for (name, (case, limit)), color in zip(FLOOR_TARGETS.items(), ("tab:red", "tab:orange", "tab:purple")):
-                ax.axhline(limit, color=color, linestyle="--", label=f"({name}) B{case[0]} V{case[1] // 1000}k: {limit}")
+                ax.axhline(
+                    limit, color=color, linestyle="--", label=f"({name}) B{case[0]} V{case[1] // 1000}k: {limit}"
+                )
         else:
             ax.axhline(threshold, color="tab:red", linestyle="--", label=f"target {threshold}")
         ax.set_xticks(range(len(kernel)), labels, rotation=70, fontsize=7)
@@ -289,8 +403,12 @@ def plot(results: dict, path: Path) -> None:
         for offset, protocol in enumerate(("http", "grpc", "grpc_shm")):
             entries = [e for e in served["served"] if e["protocol"] == protocol]
             xs = [i + (offset - 1) * 0.27 for i in range(len(entries))]
-            ax.bar(xs, [e["rows_per_s"] / in_process.get(e["concurrency"], in_process[1]) for e in entries],
-                   width=0.27, label=protocol)
+            ax.bar(
+                xs,
+                [e["rows_per_s"] / in_process.get(e["concurrency"], in_process[1]) for e in entries],
+                width=0.27,
+                label=protocol,
+            )
         ax.set_xticks(range(len(entries)), [f"c={e['concurrency']}" for e in entries])
         ax.axhline(0.5, color="tab:red", linestyle="--", label="target 0.5 (grpc_shm, c=16)")
         ax.set_title("served rows/s / in-process rows/s")
@@ -302,13 +420,17 @@ def plot(results: dict, path: Path) -> None:
         ax.bar(range(len(points)), [e["p50_ms"] for e in points], color=[colors[e["logits"]] for e in points])
         for dtype, color in colors.items():
             ax.axhline(call["in_process"]["ms"][dtype], color=color, linestyle="--", label=f"in-process {dtype}")
-        ax.axhline(1.5 * call["in_process"]["ms"]["fp32"], color="tab:red", linestyle=":", label="(f) 1.5x in-process fp32")
+        ax.axhline(
+            1.5 * call["in_process"]["ms"]["fp32"], color="tab:red", linestyle=":", label="(f) 1.5x in-process fp32"
+        )
         ax.set_xticks(range(len(points)), [f"{e['path']} {e['logits']}" for e in points], rotation=70, fontsize=7)
         ax.set_yscale("log")
         ax.set_title(f"one call B={call['rows']} V={call['vocab']}: p50 ms")
         ax.legend(fontsize=8)
-    fig.suptitle(f"triton-sampling-mask on {results['machine']['cpu']} ({results['device']}, "
-                 f"{results['machine']['torch_threads']} threads)")
+    fig.suptitle(
+        f"triton-sampling-mask on {results['machine']['cpu']} ({results['device']}, "
+        f"{results['machine']['torch_threads']} threads)"
+    )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -338,44 +460,76 @@ def markdown_summary(results: dict) -> str:
     if any("rival_over_ours" in c for c in results["kernel"]):
         columns = _rival_columns(results["kernel"])
         ratio_columns = [(title, name) for title, name in columns if name in _RIVALS]
-        lines += ["", f"Rivals (medians, ms; rival/ours with the same outputs asked, > 1: ours is faster; "
-                      f"flashinfer: {results.get('flashinfer', 'not timed')}):", "",
-                  "| B | V | top_k | logits | " + " | ".join(f"{t} ms" for t, _ in columns) + " | "
-                  + " | ".join(f"{t}/ours" for t, _ in ratio_columns) + " |",
-                  "|" + "---|" * (4 + len(columns) + len(ratio_columns))]
+        lines += [
+            "",
+            f"Rivals (medians, ms; rival/ours with the same outputs asked, > 1: ours is faster; "
+            f"flashinfer: {results.get('flashinfer', 'not timed')}):",
+            "",
+            "| B | V | top_k | logits | "
+            + " | ".join(f"{t} ms" for t, _ in columns)
+            + " | "
+            + " | ".join(f"{t}/ours" for t, _ in ratio_columns)
+            + " |",
+            "|" + "---|" * (4 + len(columns) + len(ratio_columns)),
+        ]
         for c in results["kernel"]:
             times = " | ".join(f"{c['ms'][n]:.3f}" if n in c["ms"] else "-" for _, n in columns)
-            ratios = " | ".join(f"{c['rival_over_ours'][n]:.2f}" if n in c.get("rival_over_ours", {}) else "-"
-                                for _, n in ratio_columns)
+            ratios = " | ".join(
+                f"{c['rival_over_ours'][n]:.2f}" if n in c.get("rival_over_ours", {}) else "-" for _, n in ratio_columns
+            )
             lines.append(f"| {c['rows']} | {c['vocab']} | {c['top_k']} | {c['logits']} | {times} | {ratios} |")
     top_p = results.get("top_p")
     if top_p:
-        lines += ["", _top_p_title(top_p) + ".", "", "| function | median ms | best ms | median / ours | best / ours |",
-                  "|---|---|---|---|---|"]
+        lines += [
+            "",
+            _top_p_title(top_p) + ".",
+            "",
+            "| function | median ms | best ms | median / ours | best / ours |",
+            "|---|---|---|---|---|",
+        ]
         for name, ms in top_p["ms"].items():
             over = "1" if name == "ours" else f"{top_p['over_ours'][name]:.2f}"
             best = "1" if name == "ours" else f"{top_p['over_ours_best_of'][name]:.2f}"
             lines.append(f"| {name} | {ms:.2f} | {top_p['min_ms'][name]:.2f} | {over} | {best} |")
     served = results.get("served")
     if served:
-        lines += ["", f"Served: B=1 rows of V={served['vocab']}, {served['row_params']}, "
-                      f"{served['duration_s']:.0f} s per point, closed loop.", "",
-                  "| path | concurrency / rows per call | rows/s | p50 ms | p99 ms |", "|---|---|---|---|---|"]
+        lines += [
+            "",
+            f"Served: B=1 rows of V={served['vocab']}, {served['row_params']}, "
+            f"{served['duration_s']:.0f} s per point, closed loop.",
+            "",
+            "| path | concurrency / rows per call | rows/s | p50 ms | p99 ms |",
+            "|---|---|---|---|---|",
+        ]
         for e in served["in_process"]:
-            lines.append(f"| in-process | {e['rows_per_call']} rows/call | {e['rows_per_s']:.0f} | {e['p50_ms']:.2f} | {e['p99_ms']:.2f} |")
+            lines.append(
+                f"| in-process | {e['rows_per_call']} rows/call | {e['rows_per_s']:.0f} | {e['p50_ms']:.2f} | {e['p99_ms']:.2f} |"
+            )
         for e in served["served"]:
-            lines.append(f"| {e['protocol']} | {e['concurrency']} | {e['rows_per_s']:.0f} | {e['p50_ms']:.2f} | {e['p99_ms']:.2f} |")
+            lines.append(
+                f"| {e['protocol']} | {e['concurrency']} | {e['rows_per_s']:.0f} | {e['p50_ms']:.2f} | {e['p99_ms']:.2f} |"
+            )
     call = results.get("served_call")
     if call:
-        lines += ["", _call_title(call) + ".", "", "| " + " | ".join(_CALL_HEADER) + " |", "|" + "---|" * len(_CALL_HEADER)]
+        lines += [
+            "",
+            _call_title(call) + ".",
+            "",
+            "| " + " | ".join(_CALL_HEADER) + " |",
+            "|" + "---|" * len(_CALL_HEADER),
+        ]
         lines += ["| " + " | ".join(cells) + " |" for cells in _call_rows(call)]
-    lines += ["", "| target | case | measured (ratio of medians) | median of per-round ratios | best-of-rounds "
-                  "| met (ratio of medians) |",
-              "|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "| target | case | measured (ratio of medians) | median of per-round ratios | best-of-rounds "
+        "| met (ratio of medians) |",
+        "|---|---|---|---|---|---|",
+    ]
     for key, v in results["targets"].items():
         best = f"{v['best_of_rounds']:.2f}" if "best_of_rounds" in v else "-"
         paired = f"{v['paired_median']:.2f}" if v.get("paired_median") else "-"
         case = v.get("case", "-") + (" (stand-in)" if v.get("stand_in") else "")
-        lines.append(f"| ({key}) {v['target']} | {case} | {v['value']:.2f} | {paired} | {best} "
-                     f"| {'yes' if v['met'] else 'no'} |")
+        lines.append(
+            f"| ({key}) {v['target']} | {case} | {v['value']:.2f} | {paired} | {best} | {'yes' if v['met'] else 'no'} |"
+        )
     return "\n".join(lines) + "\n"

@@ -10,8 +10,9 @@ bench/results/latest.json. --grid gpu: B {1, 8, 64, 256} x V {32000, 151936, 262
 FlashInfer where it imports); writes bench/results/gpu.json. Both add the top-p case without a
 mask. The served part (cpu device only) times B=1 rows at concurrency 1/4/16 and one call of
 B=64 x V=151936 over gRPC, HTTP and system shared memory, FP32 and BF16 logits (bench/served_call.py),
-with perf_analyzer as the client where it runs (bench/perf_analyzer.py). --tiny shrinks it all to seconds. The JSON is rewritten after every case
-("complete": false until the end), so a run cut short keeps what finished.
+with perf_analyzer as the client where it runs (bench/perf_analyzer.py). --tiny shrinks it all to
+seconds. The JSON is rewritten after every case ("complete": false until the end), so a run cut
+short keeps what finished.
 """
 
 from __future__ import annotations
@@ -50,15 +51,24 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--skip-top-p", action="store_true", help="no top-p-without-mask case")
     parser.add_argument("--served-seconds", type=float, default=4.0, help="measured seconds per served point")
     parser.add_argument("--skip-served-call", action="store_true", help="no one-call B=64 x V=151936 table")
-    parser.add_argument("--call-requests", type=int, default=None,
-                        help="calls per point of the one-call table (default 10; 3 with --tiny)")
-    parser.add_argument("--no-perf-analyzer", action="store_true",
-                        help="the Python load generator even where perf_analyzer runs")
+    parser.add_argument(
+        "--call-requests",
+        type=int,
+        default=None,
+        help="calls per point of the one-call table (default 10; 3 with --tiny)",
+    )
+    parser.add_argument(
+        "--no-perf-analyzer", action="store_true", help="the Python load generator even where perf_analyzer runs"
+    )
     parser.add_argument("--output", type=Path, default=None, help="JSON path (default by grid, in bench/results/)")
     parser.add_argument("--plot", type=Path, default=None, help="PNG path (default by grid, in bench/results/)")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG (no matplotlib needed)")
-    parser.add_argument("--flashinfer-timeout", type=float, default=60.0,
-                        help="seconds FlashInfer's first call (a JIT compile, maybe) may take before it is skipped")
+    parser.add_argument(
+        "--flashinfer-timeout",
+        type=float,
+        default=60.0,
+        help="seconds FlashInfer's first call (a JIT compile, maybe) may take before it is skipped",
+    )
     parser.add_argument("--note", default="", help="free text stored with the results (e.g. machine load)")
     args = parser.parse_args(argv)
     output = args.output or RESULTS_DIR / DEFAULT_OUTPUTS[args.grid][0]
@@ -89,34 +99,45 @@ def main(argv: list[str] | None = None) -> dict:
         rivals = {"flashinfer": fn}
         results["flashinfer"] = reason if fn is not None else f"skipped: {reason}"
         print(f"flashinfer: {results['flashinfer']}", flush=True)
-    print(f"kernel benchmark on {device}, grid {results['grid']} (W={width} from config.pbtxt; "
-          f"ours fused: {results['ours_fused']})", flush=True)
+    print(
+        f"kernel benchmark on {device}, grid {results['grid']} (W={width} from config.pbtxt; "
+        f"ours fused: {results['ours_fused']})",
+        flush=True,
+    )
 
     def checkpoint(kernel_results: list[dict]) -> None:
         results["kernel"] = kernel_results
         report.write_json(results, output)
 
-    checkpoint(kernel.run_kernel_benchmark(device, width, grid, timing, progress=progress, rivals=rivals,
-                                           on_case=checkpoint))
+    checkpoint(
+        kernel.run_kernel_benchmark(device, width, grid, timing, progress=progress, rivals=rivals, on_case=checkpoint)
+    )
     if not args.skip_top_p:
         rows, vocab = grid["top_p_case"]
         results["top_p"] = kernel.run_top_p_case(rows, vocab, width, device, timing, rivals=rivals)
-        progress(f"  top-p B={rows} V={vocab}: " + ", ".join(f"{n} {ms:.2f} ms" for n, ms in results["top_p"]["ms"].items()))
+        progress(
+            f"  top-p B={rows} V={vocab}: " + ", ".join(f"{n} {ms:.2f} ms" for n, ms in results["top_p"]["ms"].items())
+        )
         report.write_json(results, output)
     served = served_call = None
     if not args.skip_served and device.type == "cpu":
         from .served import run_served_benchmark
 
         print("served benchmark (real tritonserver)", flush=True)
-        options = {"call_tiny": None if args.skip_served_call else args.tiny, "call_requests": args.call_requests,
-                   "use_perf_analyzer": not args.no_perf_analyzer, "progress": progress}
+        options = {
+            "call_tiny": None if args.skip_served_call else args.tiny,
+            "call_requests": args.call_requests,
+            "use_perf_analyzer": not args.no_perf_analyzer,
+            "progress": progress,
+        }
         if args.tiny:
             # 0.8 s per point: one stalled request (~0.5 s stalls were seen with the machine loaded)
             # must not leave a point with no request recorded, which served.py cannot summarise.
             served, served_call = run_served_benchmark(width, 1000, (1, 2), duration_s=0.8, warmup_s=0.1, **options)
         else:
-            served, served_call = run_served_benchmark(width, 151936, (1, 4, 16), duration_s=args.served_seconds,
-                                                       warmup_s=0.5, **options)
+            served, served_call = run_served_benchmark(
+                width, 151936, (1, 4, 16), duration_s=args.served_seconds, warmup_s=0.5, **options
+            )
         results["served"] = served
         if served_call is not None:
             results["served_call"] = served_call

@@ -27,11 +27,11 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
 
-from triton_sampling_mask.sampling.backends import TorchSamplingBackend
-from triton_sampling_mask.sampling.batching import BatchSampler
 from triton_sampling_mask.client import unregister_shared_memory
 from triton_sampling_mask.client.wire import sampler_inputs
 from triton_sampling_mask.ops.launcher import TritonServer
+from triton_sampling_mask.sampling.backends import TorchSamplingBackend
+from triton_sampling_mask.sampling.batching import BatchSampler
 from triton_sampling_mask.sampling.params import RowParams
 
 from . import perf_analyzer as pa_module
@@ -95,8 +95,9 @@ class _Worker:
             self.client.close()
 
 
-def served_load(server: TritonServer, protocol: str, concurrency: int, rows: np.ndarray,
-                duration_s: float, warmup_s: float) -> dict:
+def served_load(
+    server: TritonServer, protocol: str, concurrency: int, rows: np.ndarray, duration_s: float, warmup_s: float
+) -> dict:
     """Closed-loop load: `concurrency` threads send B=1 requests back to back for `duration_s`."""
     workers = [_Worker(protocol, server, i, rows.shape[-1]) for i in range(concurrency)]
     latencies: list[list[float]] = [[] for _ in workers]
@@ -134,7 +135,12 @@ def served_load(server: TritonServer, protocol: str, concurrency: int, rows: np.
     if errors:
         raise RuntimeError(f"{protocol} load failed: {errors[0]!r}")
     done = [lat for per_worker in latencies for lat in per_worker]
-    return {"protocol": protocol, "concurrency": concurrency, "sent": sum(sent), **_summary(done, len(done), duration_s)}
+    return {
+        "protocol": protocol,
+        "concurrency": concurrency,
+        "sent": sum(sent),
+        **_summary(done, len(done), duration_s),
+    }
 
 
 def in_process_load(rows: np.ndarray, rows_per_call: int, width: int, duration_s: float) -> dict:
@@ -159,7 +165,11 @@ def in_process_load(rows: np.ndarray, rows_per_call: int, width: int, duration_s
         latencies.append(time.perf_counter() - t0)
         assert all(o.error is None for o in outcomes), outcomes[0].error
         n += rows_per_call
-    return {"protocol": "in_process", "rows_per_call": rows_per_call, **_summary(latencies, n, time.perf_counter() - start)}
+    return {
+        "protocol": "in_process",
+        "rows_per_call": rows_per_call,
+        **_summary(latencies, n, time.perf_counter() - start),
+    }
 
 
 def cpu_seconds(pid: int, descendants: bool = True) -> float:
@@ -187,34 +197,66 @@ def model_statistics(server: TritonServer, model: str = MODEL) -> dict:
         client.close()
 
 
-def perf_analyzer_load(pa, server: TritonServer, protocol: str, concurrency: int, input_data: Path, vocab: int,
-                       width: int, duration_s: float, work_dir: Path) -> dict:
+def perf_analyzer_load(
+    pa,
+    server: TritonServer,
+    protocol: str,
+    concurrency: int,
+    input_data: Path,
+    vocab: int,
+    width: int,
+    duration_s: float,
+    work_dir: Path,
+) -> dict:
     """One point of the B=1 table through perf_analyzer: three windows of duration_s / 3 when that is
     at least a second (a shorter window may hold no completed request across a ~0.5 s stall), else
     (--tiny) three windows of 4 x concurrency requests."""
     window_ms = int(duration_s * 1000 / 3)
     windows = {"window_ms": window_ms} if window_ms >= 1000 else {"window_requests": 4 * concurrency}
     measured = pa_module.measure(
-        pa, server.grpc_url if protocol.startswith("grpc") else server.http_url, protocol.split("_")[0],
-        pa_module.BENCH_MODELS["FP32"], input_data, 1, vocab, protocol.endswith("_shm"), output_bytes=4 * width,
-        work_dir=work_dir, concurrency=concurrency, timeout_s=120 + 10 * duration_s, **windows)
+        pa,
+        server.grpc_url if protocol.startswith("grpc") else server.http_url,
+        protocol.split("_")[0],
+        pa_module.BENCH_MODELS["FP32"],
+        input_data,
+        1,
+        vocab,
+        protocol.endswith("_shm"),
+        output_bytes=4 * width,
+        work_dir=work_dir,
+        concurrency=concurrency,
+        timeout_s=120 + 10 * duration_s,
+        **windows,
+    )
     return {"protocol": protocol, "concurrency": concurrency, "sent": measured["requests"], **measured}
 
 
 def _pa_input_data(rows: np.ndarray, work_dir: Path) -> Path:
     """The B=1 rows as perf_analyzer input data: ROW_PARAMS, min_p 0 and a seed per row."""
     count = rows.shape[0]
-    params = {"temperature": np.full(count, ROW_PARAMS["temperature"], np.float32),
-              "top_k": np.full(count, ROW_PARAMS["top_k"], np.int32),
-              "top_p": np.full(count, ROW_PARAMS["top_p"], np.float32),
-              "min_p": np.zeros(count, np.float32), "seed": np.arange(count, dtype=np.uint64),
-              "return_sampling_mask": np.full(count, ROW_PARAMS["return_sampling_mask"], np.bool_)}
+    params = {
+        "temperature": np.full(count, ROW_PARAMS["temperature"], np.float32),
+        "top_k": np.full(count, ROW_PARAMS["top_k"], np.int32),
+        "top_p": np.full(count, ROW_PARAMS["top_p"], np.float32),
+        "min_p": np.zeros(count, np.float32),
+        "seed": np.arange(count, dtype=np.uint64),
+        "return_sampling_mask": np.full(count, ROW_PARAMS["return_sampling_mask"], np.bool_),
+    }
     return pa_module.write_input_data(work_dir / "rows_b1.json", rows.reshape(count, -1), params)
 
 
-def run_served_benchmark(width: int, vocab: int, concurrencies, duration_s: float, warmup_s: float,
-                         progress=print, *, call_tiny: bool | None = None, call_requests: int | None = None,
-                         use_perf_analyzer: bool = True) -> tuple[dict, dict | None]:
+def run_served_benchmark(
+    width: int,
+    vocab: int,
+    concurrencies,
+    duration_s: float,
+    warmup_s: float,
+    progress=print,
+    *,
+    call_tiny: bool | None = None,
+    call_requests: int | None = None,
+    use_perf_analyzer: bool = True,
+) -> tuple[dict, dict | None]:
     """In-process first (server not yet up), then every protocol x concurrency on one server, then
     (unless `call_tiny` is None) the one-call B x V table of served_call on the same server.
     Returns the B=1 results and the call table (None when not run)."""
@@ -224,7 +266,9 @@ def run_served_benchmark(width: int, vocab: int, concurrencies, duration_s: floa
         progress(f"  in-process {entry['rows_per_call']} rows/call: {entry['rows_per_s']:.1f} rows/s")
     prepared = None if call_tiny is None else served_call.prepare(call_tiny, width, progress=progress)
     pa, pa_status = pa_module.locate() if use_perf_analyzer else (None, "disabled (--no-perf-analyzer)")
-    progress(f"  load generator: {'perf_analyzer, ' + pa_status if pa else 'Python (perf_analyzer: ' + pa_status + ')'}")
+    progress(
+        f"  load generator: {'perf_analyzer, ' + pa_status if pa else 'Python (perf_analyzer: ' + pa_status + ')'}"
+    )
     served, call = [], None
     with tempfile.TemporaryDirectory(prefix="bench-models-") as tmp:
         repository = Path(tmp) / "model_repository"
@@ -233,8 +277,9 @@ def run_served_benchmark(width: int, vocab: int, concurrencies, duration_s: floa
         if prepared is not None:
             models += pa_module.noop_models(repository)
         input_data = _pa_input_data(rows, Path(tmp)) if pa else None
-        with TritonServer(repository, extra_args=served_call.explicit_models(models),
-                          log_path=Path(tmp) / "tritonserver.log") as server:
+        with TritonServer(
+            repository, extra_args=served_call.explicit_models(models), log_path=Path(tmp) / "tritonserver.log"
+        ) as server:
             if pa is not None:  # the first call of a model grows its stub's pool: not in a timed point
                 served_call.warm_up(server, pa_module.BENCH_MODELS["FP32"], rows[0], "FP32")
             for protocol in PROTOCOLS:
@@ -245,12 +290,15 @@ def run_served_benchmark(width: int, vocab: int, concurrencies, duration_s: floa
                     entry = None
                     if pa is not None:
                         try:
-                            entry = perf_analyzer_load(pa, server, protocol, concurrency, input_data, vocab, width,
-                                                       duration_s, Path(tmp))
+                            entry = perf_analyzer_load(
+                                pa, server, protocol, concurrency, input_data, vocab, width, duration_s, Path(tmp)
+                            )
                             entry["client"] = "perf_analyzer"
                         except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
-                            progress(f"  perf_analyzer failed at {protocol} c={concurrency}; Python load instead: "
-                                     f"{str(exc)[:300]}")
+                            progress(
+                                f"  perf_analyzer failed at {protocol} c={concurrency}; Python load instead: "
+                                f"{str(exc)[:300]}"
+                            )
                             model = MODEL
                             before = model_statistics(server, model)
                             cpu_before = (cpu_seconds(server.process.pid), cpu_seconds(os.getpid(), descendants=False))
@@ -263,18 +311,34 @@ def run_served_benchmark(width: int, vocab: int, concurrencies, duration_s: floa
                     # and server share the 2 cores, so this shows what the client costs. The
                     # perf_analyzer client's figure includes its start-up (reading the input data).
                     done = max(entry["sent"], 1)
-                    client_cpu = (entry["client_cpu_s"] if entry["client"] == "perf_analyzer"
-                                  else cpu_seconds(os.getpid(), descendants=False) - cpu_before[1])
+                    client_cpu = (
+                        entry["client_cpu_s"]
+                        if entry["client"] == "perf_analyzer"
+                        else cpu_seconds(os.getpid(), descendants=False) - cpu_before[1]
+                    )
                     entry["cpu_ms_per_row"] = {
                         "server": (cpu_seconds(server.process.pid) - cpu_before[0]) * 1e3 / done,
                         "client": client_cpu * 1e3 / done,
                     }
                     served.append(entry)
-                    progress(f"  {protocol} c={concurrency} ({entry['client']}): {entry['rows_per_s']:.1f} rows/s, "
-                             f"p50 {entry['p50_ms']:.2f} ms, p99 {entry['p99_ms']:.2f} ms, server {entry['server']}")
+                    progress(
+                        f"  {protocol} c={concurrency} ({entry['client']}): {entry['rows_per_s']:.1f} rows/s, "
+                        f"p50 {entry['p50_ms']:.2f} ms, p99 {entry['p99_ms']:.2f} ms, server {entry['server']}"
+                    )
             if prepared is not None:
-                call = served_call.run_on_server(prepared, server, call_requests, Path(tmp), pa, pa_status, progress,
-                                                 statistics=model_statistics)
+                call = served_call.run_on_server(
+                    prepared, server, call_requests, Path(tmp), pa, pa_status, progress, statistics=model_statistics
+                )
     clients = sorted({e["client"] for e in served})
-    return ({"vocab": vocab, "row_params": ROW_PARAMS, "duration_s": duration_s, "load_generator": ", ".join(clients),
-             "perf_analyzer": pa_status, "in_process": in_process, "served": served}, call)
+    return (
+        {
+            "vocab": vocab,
+            "row_params": ROW_PARAMS,
+            "duration_s": duration_s,
+            "load_generator": ", ".join(clients),
+            "perf_analyzer": pa_status,
+            "in_process": in_process,
+            "served": served,
+        },
+        call,
+    )

@@ -120,24 +120,37 @@ def in_process_part(logits: dict[str, np.ndarray], width: int, timing: dict) -> 
             if outcome.error is not None:
                 raise RuntimeError(outcome.error)
             return [np.ascontiguousarray(v) for n, v in outcome.outputs.items() if n in wanted]
+
         return run
 
-    functions = {"fp32": call(tensors["fp32"], every), "fp32_no_support_logprobs": call(tensors["fp32"], without),
-                 "bf16": call(tensors["bf16"], every)}
+    functions = {
+        "fp32": call(tensors["fp32"], every),
+        "fp32_no_support_logprobs": call(tensors["fp32"], without),
+        "bf16": call(tensors["bf16"], every),
+    }
     timed = interleaved_medians(functions, torch.device("cpu"), **timing)
     return {
         "ms": {name: t["median_ms"] for name, t in timed.items()},
         "min_ms": {name: t["min_ms"] for name, t in timed.items()},
         "rounds": timed["fp32"]["rounds"],
         "support_logprobs_ratio": timed["fp32"]["median_ms"] / timed["fp32_no_support_logprobs"]["median_ms"],
-        "support_logprobs_paired": paired_median_ratio(timed["fp32"]["samples_ms"],
-                                                       timed["fp32_no_support_logprobs"]["samples_ms"]),
+        "support_logprobs_paired": paired_median_ratio(
+            timed["fp32"]["samples_ms"], timed["fp32_no_support_logprobs"]["samples_ms"]
+        ),
         "support_logprobs_best_of": timed["fp32"]["min_ms"] / timed["fp32_no_support_logprobs"]["min_ms"],
     }
 
 
-def _python_point(server, path: str, model: str, logits: np.ndarray, datatype: str, params: dict | None,
-                  requests: int, statistics=None) -> dict:
+def _python_point(
+    server,
+    path: str,
+    model: str,
+    logits: np.ndarray,
+    datatype: str,
+    params: dict | None,
+    requests: int,
+    statistics=None,
+) -> dict:
     """`requests` calls through a Python tritonclient (one warm-up first): latencies in ms
     (`requests` 0: the warm-up call only; `params` None: the logits only, for the no-op model)."""
     module = grpcclient if path.startswith("grpc") else httpclient
@@ -172,8 +185,12 @@ def _python_point(server, path: str, model: str, logits: np.ndarray, datatype: s
                 shm.destroy_shared_memory_region(handle)
         client.close()
     lat = np.asarray(latencies) * 1e3
-    out = {"requests": len(lat), "p50_ms": float(np.percentile(lat, 50)), "p99_ms": float(np.percentile(lat, 99)),
-           "mean_ms": float(lat.mean())}
+    out = {
+        "requests": len(lat),
+        "p50_ms": float(np.percentile(lat, 50)),
+        "p99_ms": float(np.percentile(lat, 99)),
+        "mean_ms": float(lat.mean()),
+    }
     return out if breakdown is None else {**out, "server": breakdown}
 
 
@@ -183,8 +200,20 @@ def warm_up(server, model: str, logits: np.ndarray, datatype: str) -> None:
     _python_point(server, "grpc", model, logits, datatype, call_params(logits.shape[0]), requests=0)
 
 
-def _measure_point(server, pa, path: str, dtype: str, logits: np.ndarray, params: dict, width: int,
-                   requests: int, input_json: Path | None, work_dir: Path, progress, statistics) -> dict:
+def _measure_point(
+    server,
+    pa,
+    path: str,
+    dtype: str,
+    logits: np.ndarray,
+    params: dict,
+    width: int,
+    requests: int,
+    input_json: Path | None,
+    work_dir: Path,
+    progress,
+    statistics,
+) -> dict:
     """One run of one served point: perf_analyzer where it runs, else the Python client."""
     datatype = DTYPES[dtype][0]
     model = pa_module.BENCH_MODELS[datatype]
@@ -193,9 +222,19 @@ def _measure_point(server, pa, path: str, dtype: str, logits: np.ndarray, params
     if pa is not None:
         try:
             before = statistics(server, model) if statistics else None
-            measured = pa_module.measure(pa, server.grpc_url if path.startswith("grpc") else server.http_url,
-                                         path.split("_")[0], model, input_json, rows, vocab, shared,
-                                         output_bytes=rows * 4 * width, work_dir=work_dir, request_count=requests)
+            measured = pa_module.measure(
+                pa,
+                server.grpc_url if path.startswith("grpc") else server.http_url,
+                path.split("_")[0],
+                model,
+                input_json,
+                rows,
+                vocab,
+                shared,
+                output_bytes=rows * 4 * width,
+                work_dir=work_dir,
+                request_count=requests,
+            )
             if statistics:
                 measured["server"] = server_breakdown(before, statistics(server, model))
             return {**measured, "client": "perf_analyzer"}
@@ -209,17 +248,31 @@ def _measure_point(server, pa, path: str, dtype: str, logits: np.ndarray, params
 def _combine_rounds(runs: list[dict]) -> dict:
     """One point from its interleaved runs: the median of their p50s, the mean of their means, the
     largest p99, the mean of each server phase; every run's p50 kept (`round_p50_ms`)."""
-    out = {"requests": sum(r["requests"] for r in runs), "p50_ms": float(np.median([r["p50_ms"] for r in runs])),
-           "mean_ms": float(np.mean([r["mean_ms"] for r in runs])), "p99_ms": max(r["p99_ms"] for r in runs),
-           "round_p50_ms": [r["p50_ms"] for r in runs], "client": runs[-1]["client"]}
+    out = {
+        "requests": sum(r["requests"] for r in runs),
+        "p50_ms": float(np.median([r["p50_ms"] for r in runs])),
+        "mean_ms": float(np.mean([r["mean_ms"] for r in runs])),
+        "p99_ms": max(r["p99_ms"] for r in runs),
+        "round_p50_ms": [r["p50_ms"] for r in runs],
+        "client": runs[-1]["client"],
+    }
     if all("server" in r for r in runs):
         out["server"] = {k: float(np.mean([r["server"][k] for r in runs])) for k in runs[0]["server"]}
     errors = [r["perf_analyzer_error"] for r in runs if "perf_analyzer_error" in r]
     return {**out, "perf_analyzer_error": errors[-1]} if errors else out
 
 
-def served_part(server, logits: dict[str, np.ndarray], width: int, requests: int, work_dir: Path,
-                pa: pa_module.PerfAnalyzer | None, progress=print, statistics=None, rounds: int = 1) -> list[dict]:
+def served_part(
+    server,
+    logits: dict[str, np.ndarray],
+    width: int,
+    requests: int,
+    work_dir: Path,
+    pa: pa_module.PerfAnalyzer | None,
+    progress=print,
+    statistics=None,
+    rounds: int = 1,
+) -> list[dict]:
     """Every path x dtype on a running server that serves the bench_sampler models, in `rounds`
     interleaved rounds of `requests / rounds` calls per point (so a slow spell of this shared
     machine lands on every point alike). `statistics` (served.model_statistics) adds the server's own
@@ -229,46 +282,92 @@ def served_part(server, logits: dict[str, np.ndarray], width: int, requests: int
     per_round = max(1, requests // rounds)
     input_json = {}
     for dtype, (datatype, _) in DTYPES.items():
-        input_json[dtype] = (pa_module.write_input_data(work_dir / f"call_{dtype}.json", logits[dtype], params)
-                             if pa else None)
+        input_json[dtype] = (
+            pa_module.write_input_data(work_dir / f"call_{dtype}.json", logits[dtype], params) if pa else None
+        )
         warm_up(server, pa_module.BENCH_MODELS[datatype], logits[dtype], datatype)
     runs: dict[tuple[str, str], list[dict]] = {}
     for _ in range(rounds):
         for dtype in DTYPES:
             for path in PATHS:
-                runs.setdefault((dtype, path), []).append(_measure_point(
-                    server, pa, path, dtype, logits[dtype], params, width, per_round, input_json[dtype], work_dir,
-                    progress, statistics))
+                runs.setdefault((dtype, path), []).append(
+                    _measure_point(
+                        server,
+                        pa,
+                        path,
+                        dtype,
+                        logits[dtype],
+                        params,
+                        width,
+                        per_round,
+                        input_json[dtype],
+                        work_dir,
+                        progress,
+                        statistics,
+                    )
+                )
     entries = []
     for dtype, (datatype, _) in DTYPES.items():
         data = logits[dtype]
         counts = byte_counts(rows, vocab, data.dtype.itemsize, width)
         for path in PATHS:
-            entry = {"path": path, "logits": dtype, "model": pa_module.BENCH_MODELS[datatype], "rows": rows,
-                     "vocab": vocab, "bytes": counts, **_combine_rounds(runs[dtype, path])}
+            entry = {
+                "path": path,
+                "logits": dtype,
+                "model": pa_module.BENCH_MODELS[datatype],
+                "rows": rows,
+                "vocab": vocab,
+                "bytes": counts,
+                **_combine_rounds(runs[dtype, path]),
+            }
             # perf_analyzer's shm mode puts every tensor in shm; the Python client only the logits.
-            shared_bytes = (counts["payload"] if entry["client"] == "perf_analyzer" else counts["logits"])
+            shared_bytes = counts["payload"] if entry["client"] == "perf_analyzer" else counts["logits"]
             entry["socket_bytes"] = counts["payload"] - (shared_bytes if path.endswith("_shm") else 0)
             entries.append(entry)
-            progress(f"  call B={rows} V={vocab} {path} {dtype} ({entry['client']}): p50 {entry['p50_ms']:.1f} ms "
-                     f"(rounds {', '.join(f'{v:.1f}' for v in entry['round_p50_ms'])}), mean {entry['mean_ms']:.1f} ms "
-                     f"over {entry['requests']} calls")
+            progress(
+                f"  call B={rows} V={vocab} {path} {dtype} ({entry['client']}): p50 {entry['p50_ms']:.1f} ms "
+                f"(rounds {', '.join(f'{v:.1f}' for v in entry['round_p50_ms'])}), mean {entry['mean_ms']:.1f} ms "
+                f"over {entry['requests']} calls"
+            )
         # The Python backend alone: the same logits through gRPC + shm to a model that reads nothing.
         noop = pa_module.NOOP_MODELS[datatype]
         _python_point(server, "grpc", noop, data, datatype, None, requests=0)  # the stub's first call
-        entry = {"path": "grpc_shm", "logits": dtype, "model": noop, "noop": True, "rows": rows, "vocab": vocab,
-                 "bytes": {"logits": counts["logits"], "params": 0, "outputs": rows * 4,
-                           "payload": counts["logits"] + rows * 4},
-                 **_python_point(server, "grpc_shm", noop, data, datatype, None, requests, statistics),
-                 "client": "python", "socket_bytes": rows * 4}
+        entry = {
+            "path": "grpc_shm",
+            "logits": dtype,
+            "model": noop,
+            "noop": True,
+            "rows": rows,
+            "vocab": vocab,
+            "bytes": {
+                "logits": counts["logits"],
+                "params": 0,
+                "outputs": rows * 4,
+                "payload": counts["logits"] + rows * 4,
+            },
+            **_python_point(server, "grpc_shm", noop, data, datatype, None, requests, statistics),
+            "client": "python",
+            "socket_bytes": rows * 4,
+        }
         entries.append(entry)
-        progress(f"  call B={rows} V={vocab} grpc_shm {dtype}, no-op model (python): p50 {entry['p50_ms']:.1f} ms, "
-                 f"server {({k: round(v, 2) for k, v in entry.get('server', {}).items()})}")
+        progress(
+            f"  call B={rows} V={vocab} grpc_shm {dtype}, no-op model (python): p50 {entry['p50_ms']:.1f} ms, "
+            f"server { ({k: round(v, 2) for k, v in entry.get('server', {}).items()}) }"
+        )
     return entries
 
 
-def summarise(in_process: dict, served: list[dict], bandwidth: dict, rows: int, vocab: int, width: int,
-              requests: int, client: str, rounds: int = 1) -> dict:
+def summarise(
+    in_process: dict,
+    served: list[dict],
+    bandwidth: dict,
+    rows: int,
+    vocab: int,
+    width: int,
+    requests: int,
+    client: str,
+    rounds: int = 1,
+) -> dict:
     """The call table: each served point with its floor and its ratios to in-process."""
     for entry in served:
         floor_ms = entry["bytes"]["payload"] / bandwidth["bytes_per_s"] * 1e3
@@ -280,10 +379,19 @@ def summarise(in_process: dict, served: list[dict], bandwidth: dict, rows: int, 
         entry["over_in_process"] = entry["p50_ms"] / reference
         entry["over_in_process_fp32"] = entry["p50_ms"] / in_process["ms"]["fp32"]
         entry["copies_over_in_process"] = (entry["p50_ms"] - reference) / floor_ms
-    return {"rows": rows, "vocab": vocab, "mask_width": width, "params": CALL_PARAMS, "requests_per_point": requests,
-            "rounds": rounds, "client": client, "memcpy": bandwidth, "bytes": {d: byte_counts(rows, vocab, np.dtype(t).itemsize, width)
-                                                             for d, (_, t) in DTYPES.items()},
-            "in_process": in_process, "served": served}
+    return {
+        "rows": rows,
+        "vocab": vocab,
+        "mask_width": width,
+        "params": CALL_PARAMS,
+        "requests_per_point": requests,
+        "rounds": rounds,
+        "client": client,
+        "memcpy": bandwidth,
+        "bytes": {d: byte_counts(rows, vocab, np.dtype(t).itemsize, width) for d, (_, t) in DTYPES.items()},
+        "in_process": in_process,
+        "served": served,
+    }
 
 
 def prepare(tiny: bool, width: int, timing: dict | None = None, progress=print) -> dict:
@@ -293,23 +401,43 @@ def prepare(tiny: bool, width: int, timing: dict | None = None, progress=print) 
     logits = make_logits(rows, vocab)
     bandwidth = memcpy_bandwidth()
     in_process = in_process_part(logits, width, timing)
-    progress(f"  call in-process B={rows} V={vocab}: " + ", ".join(f"{n} {ms:.1f} ms" for n, ms in in_process["ms"].items())
-             + f"; memcpy {bandwidth['bytes_per_s'] / 1e9:.1f} GB/s")
+    progress(
+        f"  call in-process B={rows} V={vocab}: "
+        + ", ".join(f"{n} {ms:.1f} ms" for n, ms in in_process["ms"].items())
+        + f"; memcpy {bandwidth['bytes_per_s'] / 1e9:.1f} GB/s"
+    )
     size = "tiny" if tiny else "full"
-    return {"logits": logits, "bandwidth": bandwidth, "in_process": in_process, "width": width,
-            "requests": REQUESTS[size], "rounds": ROUNDS[size]}
+    return {
+        "logits": logits,
+        "bandwidth": bandwidth,
+        "in_process": in_process,
+        "width": width,
+        "requests": REQUESTS[size],
+        "rounds": ROUNDS[size],
+    }
 
 
-def run_on_server(prepared: dict, server, requests: int | None, work_dir: Path, pa, pa_status: str, progress=print,
-                  statistics=None) -> dict:
+def run_on_server(
+    prepared: dict, server, requests: int | None, work_dir: Path, pa, pa_status: str, progress=print, statistics=None
+) -> dict:
     """The served points on `server` (serving the bench_sampler models), summarised with `prepared`
     (`requests` None: its default for the size)."""
     rows, vocab = prepared["logits"]["fp32"].shape
     requests, rounds = requests or prepared["requests"], prepared["rounds"]
-    served = served_part(server, prepared["logits"], prepared["width"], requests, work_dir, pa, progress, statistics,
-                         rounds=rounds)
-    out = summarise(prepared["in_process"], served, prepared["bandwidth"], rows, vocab, prepared["width"], requests,
-                    "perf_analyzer" if pa else "python", rounds)
+    served = served_part(
+        server, prepared["logits"], prepared["width"], requests, work_dir, pa, progress, statistics, rounds=rounds
+    )
+    out = summarise(
+        prepared["in_process"],
+        served,
+        prepared["bandwidth"],
+        rows,
+        vocab,
+        prepared["width"],
+        requests,
+        "perf_analyzer" if pa else "python",
+        rounds,
+    )
     out["perf_analyzer"] = pa_status
     return out
 
@@ -332,8 +460,15 @@ def main(argv: list[str] | None = None) -> dict:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help=f"B x V = {TINY_SHAPE}, {REQUESTS['tiny']} calls per point")
-    parser.add_argument("--requests", type=int, default=None, help=f"calls per served point (default {REQUESTS['full']} in {ROUNDS['full']} interleaved rounds, tiny {REQUESTS['tiny']})")
-    parser.add_argument("--no-perf-analyzer", action="store_true", help="the Python client even where perf_analyzer runs")
+    parser.add_argument(
+        "--requests",
+        type=int,
+        default=None,
+        help=f"calls per served point (default {REQUESTS['full']} in {ROUNDS['full']} interleaved rounds, tiny {REQUESTS['tiny']})",
+    )
+    parser.add_argument(
+        "--no-perf-analyzer", action="store_true", help="the Python client even where perf_analyzer runs"
+    )
     parser.add_argument("--output", type=Path, default=None, help="write the table's JSON and verdicts here")
     args = parser.parse_args(argv)
     torch.set_num_threads(2)
@@ -347,13 +482,14 @@ def main(argv: list[str] | None = None) -> dict:
         repository.mkdir()
         models = pa_module.bench_models(repository) + pa_module.noop_models(repository)
         with TritonServer(repository, extra_args=explicit_models(models), log_path=tmp / "tritonserver.log") as server:
-            call = run_on_server(prepared, server, args.requests, tmp, pa, status,
-                                 statistics=model_statistics)
+            call = run_on_server(prepared, server, args.requests, tmp, pa, status, statistics=model_statistics)
     call["load_average_1m"] = {"before": load_before, "after": machine_facts()["load_average_1m"]}
     report.print_call_table(call)
     targets = report.call_verdicts(call)
     for key, v in targets.items():
-        print(f"  ({key}) {'MET ' if v['met'] else 'MISS'} {v['value']:.3f} (threshold {v['threshold']}): {v['target']}")
+        print(
+            f"  ({key}) {'MET ' if v['met'] else 'MISS'} {v['value']:.3f} (threshold {v['threshold']}): {v['target']}"
+        )
     if args.output:
         args.output.write_text(json.dumps({"served_call": call, "targets": targets}, indent=2) + "\n")
     return call

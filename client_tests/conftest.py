@@ -20,10 +20,12 @@ from .server import ExternalTritonServer, build_test_repository
 # Tests that start a tritonserver of their own on this host (nodeid -> why that cannot be the
 # external server). Against an external server they are skipped with that reason.
 OWN_SERVER_TESTS = {
-    "client_tests/test_make_serve.py::test_make_serve_honours_the_environment_and_stops_on_sigterm":
-        "tests `make serve`, the local launcher on this host; the container runs docker/serve.sh instead",
-    "client_tests/test_sampler_checks.py::test_unknown_backend_fails_model_load_listing_the_choices":
-        "needs a repository with a broken model of its own; a failed model load happens before any device is used",
+    "client_tests/test_make_serve.py::test_make_serve_honours_the_environment_and_stops_on_sigterm": (
+        "tests `make serve`, the local launcher on this host; the container runs docker/serve.sh instead"
+    ),
+    "client_tests/test_sampler_checks.py::test_unknown_backend_fails_model_load_listing_the_choices": (
+        "needs a repository with a broken model of its own; a failed model load happens before any device is used"
+    ),
 }
 OWN_SERVER_REASON = "starts a local CPU tritonserver of its own; with an external server only that server is tested"
 SERVER_FIXTURES = ("triton_server", "explicit_server")
@@ -42,7 +44,9 @@ def _place(item, external: ExternalTritonServer | None) -> str:
         return "the session's local CPU server"
     if item.nodeid.startswith("client_tests/test_scale_out.py"):
         return "three local CPU servers of its own"
-    if item.nodeid.startswith(("client_tests/test_generate_engine.py", "client_tests/test_load_shedding.py::test_a_burst")):
+    if item.nodeid.startswith(
+        ("client_tests/test_generate_engine.py", "client_tests/test_load_shedding.py::test_a_burst")
+    ):
         return "a local CPU server of its own"
     if "explicit_server" in item.fixturenames or item.nodeid.split("[")[0] in OWN_SERVER_TESTS:
         return "a local CPU server of its own"
@@ -59,7 +63,9 @@ def pytest_collection_modifyitems(config, items):
         if external is not None and reason:
             item.add_marker(pytest.mark.skip(reason=reason))
         elif external is not None and "served" in item.fixturenames:
-            item.add_marker(pytest.mark.skip(reason="crashes and SIGTERMs the server it tests: needs a local launcher of its own"))
+            item.add_marker(
+                pytest.mark.skip(reason="crashes and SIGTERMs the server it tests: needs a local launcher of its own")
+            )
 
 
 def pytest_runtest_logreport(report):

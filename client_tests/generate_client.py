@@ -23,8 +23,14 @@ GENERATE_DTYPES = {
     "stream": "BOOL",
     **{name: dtype for name, dtype in INPUT_DTYPES.items() if name != "logits"},
 }
-ARRAY_OUTPUTS = ("output_ids", "output_logprobs", "sampling_mask", "sampling_mask_len", "sampling_logprobs",
-                 "sampling_mask_logprobs")
+ARRAY_OUTPUTS = (
+    "output_ids",
+    "output_logprobs",
+    "sampling_mask",
+    "sampling_mask_len",
+    "sampling_logprobs",
+    "sampling_mask_logprobs",
+)
 
 
 @dataclass
@@ -68,7 +74,9 @@ class GenerateStream:
 
     def send(self, prompt, max_new_tokens: int, request_id: str = "", **params) -> None:
         self.client.async_stream_infer(
-            self.model, generate_inputs(prompt, max_new_tokens, **params), request_id=request_id,
+            self.model,
+            generate_inputs(prompt, max_new_tokens, **params),
+            request_id=request_id,
             enable_empty_final_response=True,
         )
 
@@ -87,7 +95,7 @@ class GenerateStream:
         self.client.stop_stream(cancel_requests=cancel)
         self.client.close()
 
-    def __enter__(self) -> "GenerateStream":
+    def __enter__(self) -> GenerateStream:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -98,7 +106,9 @@ def collect(responses: list[dict]) -> Generation:
     """Concatenate the responses of one request in arrival order."""
     parts = {name: np.concatenate([r[name] for r in responses]) for name in ARRAY_OUTPUTS}
     finish = responses[-1]["finish_reason"][0]
-    return Generation(**parts, finish_reason=finish.decode() if isinstance(finish, bytes) else str(finish), responses=responses)
+    return Generation(
+        **parts, finish_reason=finish.decode() if isinstance(finish, bytes) else str(finish), responses=responses
+    )
 
 
 def grpc_generate(url: str, prompt, max_new_tokens: int, model: str = "generate", **params) -> Generation:
@@ -116,13 +126,16 @@ def grpc_generate(url: str, prompt, max_new_tokens: int, model: str = "generate"
                 return collect(responses)
 
 
-def http_generate(url: str, prompt, max_new_tokens: int, width: int, model: str = "generate",
-                  **params) -> tuple[int, dict | Generation]:
+def http_generate(
+    url: str, prompt, max_new_tokens: int, width: int, model: str = "generate", **params
+) -> tuple[int, dict | Generation]:
     """POST /v2/models/<model>/generate: (200, Generation) or (status, error JSON)."""
     body = {"input_ids": [int(t) for t in prompt], "max_new_tokens": max_new_tokens}
     body.update({k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in params.items()})
     request = urllib.request.Request(
-        f"http://{url}/v2/models/{model}/generate", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        f"http://{url}/v2/models/{model}/generate",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
     )
     try:
         with urllib.request.urlopen(request, timeout=120) as response:
@@ -146,11 +159,13 @@ def counter(metrics_url: str, name: str, model: str = "generate") -> float:
     """The value of a custom counter or gauge on the metrics endpoint (0 before its first update)."""
     with urllib.request.urlopen(metrics_url, timeout=10) as response:
         text = response.read().decode()
-    match = re.search(r'^%s\{model="%s"\} (\S+)$' % (re.escape(name), re.escape(model)), text, re.MULTILINE)
+    match = re.search(rf'^{re.escape(name)}\{{model="{re.escape(model)}"\}} (\S+)$', text, re.MULTILINE)
     return float(match.group(1)) if match else 0.0
 
 
-def wait_for_counter(metrics_url: str, name: str, until, why: str, timeout_s: float = 30.0, model: str = "generate") -> None:
+def wait_for_counter(
+    metrics_url: str, name: str, until, why: str, timeout_s: float = 30.0, model: str = "generate"
+) -> None:
     """Poll a counter or gauge until `until(value)` holds; fail with `why` after `timeout_s` (a wait
     for the server's state, not a timing assertion)."""
     deadline = time.monotonic() + timeout_s

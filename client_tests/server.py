@@ -37,7 +37,7 @@ def set_logits_type(config_text: str, data_type: str) -> str:
 
 def set_parameter(config_text: str, key: str, value: str) -> str:
     """Replace a `parameters` string value in config.pbtxt text (the key must be there)."""
-    pattern = re.compile(r'(key:\s*"%s",\s*value:\s*\{\s*string_value:\s*)"[^"]*"' % re.escape(key))
+    pattern = re.compile(rf'(key:\s*"{re.escape(key)}",\s*value:\s*\{{\s*string_value:\s*)"[^"]*"')
     text, count = pattern.subn(lambda m: f'{m.group(1)}"{value}"', config_text)
     assert count == 1, f"parameter {key} not found in config"
     return text
@@ -66,7 +66,11 @@ def add_faulty_sampler(repository: Path) -> Path:
     """Add FAULTY_SAMPLER to a test repository (served in explicit model-control mode)."""
     faulty = Path(repository) / FAULTY_SAMPLER
     shutil.copytree(MODEL_REPOSITORY / "sampler", faulty, ignore=shutil.ignore_patterns("__pycache__"))
-    text = (MODEL_REPOSITORY / "sampler" / "config.pbtxt").read_text().replace('name: "sampler"', f'name: "{FAULTY_SAMPLER}"')
+    text = (
+        (MODEL_REPOSITORY / "sampler" / "config.pbtxt")
+        .read_text()
+        .replace('name: "sampler"', f'name: "{FAULTY_SAMPLER}"')
+    )
     (faulty / "config.pbtxt").write_text(set_parameter(text, "sampling_backend", "faulty_backend:FaultyBackend"))
     shutil.copy(Path(__file__).parent / "faulty_backend.py", faulty / "1")
     return repository
@@ -129,7 +133,7 @@ class ExternalTritonServer:
     model_control: str = "none"
 
     @classmethod
-    def from_environment(cls) -> "ExternalTritonServer | None":
+    def from_environment(cls) -> ExternalTritonServer | None:
         """The server named by the TRITON_EXTERNAL_* variables, or None when they are unset."""
         if not os.environ.get("TRITON_EXTERNAL_HTTP_URL"):
             return None

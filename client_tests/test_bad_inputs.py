@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import pytest
@@ -104,7 +104,9 @@ CASES = [
     # Missing logits, empty or oversized vocabulary, oversized batch, unknown input.
     Case("missing-logits", "logits", lambda: [("temperature", column(1.0, np.float32), "FP32")]),
     Case("empty-vocab", "logits", lambda: [("logits", np.zeros((ROWS, 0), np.float32), "FP32")]),
-    Case("vocab-above-max", "max_vocab_size", lambda: [("logits", np.zeros((1, MAX_VOCAB_SIZE + 1), np.float32), "FP32")]),
+    Case(
+        "vocab-above-max", "max_vocab_size", lambda: [("logits", np.zeros((1, MAX_VOCAB_SIZE + 1), np.float32), "FP32")]
+    ),
     Case("batch-above-max", "batch", lambda: [("logits", logits_of(rows=MAX_BATCH_SIZE + 1), "FP32")]),
     Case("unknown-input", "topk", with_logits(("topk", column(5, np.int32), "INT32"))),
     # NaN / infinities in the logits.
@@ -129,8 +131,18 @@ CASES = [
         "top_k",
         with_logits(MASK, ("top_k", column(MASK_WIDTH + 1, np.int32), "INT32"), logits=logits_of(vocab=2 * MASK_WIDTH)),
     ),
-    Case("mask-speculative", "return_sampling_mask", with_logits(MASK, ("top_k", column(5, np.int32), "INT32")), "sampler_speculative"),
-    Case("mask-no-support-backend", "return_sampling_mask", with_logits(MASK, ("top_k", column(5, np.int32), "INT32")), "sampler_nosupport"),
+    Case(
+        "mask-speculative",
+        "return_sampling_mask",
+        with_logits(MASK, ("top_k", column(5, np.int32), "INT32")),
+        "sampler_speculative",
+    ),
+    Case(
+        "mask-no-support-backend",
+        "return_sampling_mask",
+        with_logits(MASK, ("top_k", column(5, np.int32), "INT32")),
+        "sampler_nosupport",
+    ),
     # One bad row fails its request, and the message says which row.
     Case("bad-second-row", "row 1", with_logits(("top_p", np.array([[0.9], [2.0]], np.float32), "FP32"))),
 ]
@@ -227,9 +239,8 @@ def test_malformed_grpc_message_is_invalid_argument(build, names, triton_server,
     import grpc
     from tritonclient.grpc import service_pb2_grpc
 
-    with grpc.insecure_channel(triton_server.grpc_url) as channel:
-        with pytest.raises(grpc.RpcError) as caught:
-            service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer(build(), timeout=30)
+    with grpc.insecure_channel(triton_server.grpc_url) as channel, pytest.raises(grpc.RpcError) as caught:
+        service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer(build(), timeout=30)
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value.details()
     assert names in caught.value.details()
     valid_request_succeeds(grpc_client, grpcclient)

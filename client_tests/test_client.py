@@ -13,10 +13,14 @@ from tritonclient.grpc import model_config_pb2
 
 from tests.reference import reference_row
 from triton_sampling_mask.client import AsyncSamplerClient, SamplerClient, SamplerError
-from triton_sampling_mask.ops.launcher import free_port
 from triton_sampling_mask.client.replay import replay_logprobs, replay_support_logprobs
 from triton_sampling_mask.client.sampling_params import SamplingParams
-from triton_sampling_mask.sampling.validation import SPECULATIVE_MASK_MESSAGE, SamplingRequestError, backend_mask_message
+from triton_sampling_mask.ops.launcher import free_port
+from triton_sampling_mask.sampling.validation import (
+    SPECULATIVE_MASK_MESSAGE,
+    SamplingRequestError,
+    backend_mask_message,
+)
 
 from .server import MODEL_REPOSITORY
 
@@ -62,19 +66,25 @@ def test_results_match_the_reference_and_replay(client, logits):
     asked = np.array([p.return_sampling_mask for p in ROWS])
     temperature = np.array([p.temperature for p in ROWS], np.float32)[asked]
     replayed = replay_logprobs(
-        torch.from_numpy(logits[asked]), result.sampling_mask[asked], result.sampling_mask_len[asked],
-        temperature, result.token_ids[asked],
+        torch.from_numpy(logits[asked]),
+        result.sampling_mask[asked],
+        result.sampling_mask_len[asked],
+        temperature,
+        result.token_ids[asked],
     )
     np.testing.assert_allclose(replayed.numpy(), result.sampling_logprobs[asked], rtol=0, atol=1e-5)
     # The client carries the per-support log-probs; the trainer's replay reproduces them to 1e-5.
-    support = replay_support_logprobs(torch.from_numpy(logits[asked]), result.sampling_mask[asked],
-                                      result.sampling_mask_len[asked], temperature)
+    support = replay_support_logprobs(
+        torch.from_numpy(logits[asked]), result.sampling_mask[asked], result.sampling_mask_len[asked], temperature
+    )
     np.testing.assert_allclose(support.numpy(), result.sampling_mask_logprobs[asked], rtol=0, atol=1e-5)
     assert np.isneginf(result.sampling_mask_logprobs[~asked]).all()
 
 
 def test_mask_width_comes_from_the_server_config(client):
-    config = text_format.Parse((MODEL_REPOSITORY / "sampler" / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
+    config = text_format.Parse(
+        (MODEL_REPOSITORY / "sampler" / "config.pbtxt").read_text(), model_config_pb2.ModelConfig()
+    )
     width = next(o.dims[-1] for o in config.output if o.name == "sampling_mask")
     assert client.mask_policy().mask_width == width
     result = client.sample(np.zeros((1, VOCAB), np.float32), SamplingParams(top_k=VOCAB, return_sampling_mask=True))
@@ -101,7 +111,9 @@ def test_every_transport_gives_the_same_seeded_draws(triton_server, logits):
 
 
 def test_calls_beyond_max_batch_size_are_split_in_order(triton_server, client):
-    config = text_format.Parse((MODEL_REPOSITORY / "sampler" / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
+    config = text_format.Parse(
+        (MODEL_REPOSITORY / "sampler" / "config.pbtxt").read_text(), model_config_pb2.ModelConfig()
+    )
     assert client.server_limits().max_batch_size == config.max_batch_size
     rows = config.max_batch_size + 3
     logits = np.random.default_rng(9).standard_normal((rows, 50)).astype(np.float32)
@@ -130,21 +142,27 @@ def test_unseeded_rows_beside_seeded_ones_keep_the_seeded_draws(client, logits):
 
 
 def test_server_refusals_surface_as_sampler_error(triton_server, client, logits):
-    nosupport = SamplerClient(url_for(triton_server, client.protocol), protocol=client.protocol, model_name="sampler_nosupport")
+    nosupport = SamplerClient(
+        url_for(triton_server, client.protocol), protocol=client.protocol, model_name="sampler_nosupport"
+    )
     with nosupport, pytest.raises(SamplerError) as info:
         nosupport.sample(logits[:1], ROWS[0])
     assert info.value.is_invalid_argument
     assert info.value.status == ("400" if client.protocol == "http" else "StatusCode.INVALID_ARGUMENT")
     assert info.value.message == backend_mask_message("nosupport")
 
-    missing = SamplerClient(url_for(triton_server, client.protocol), protocol=client.protocol, model_name="no_such_model")
+    missing = SamplerClient(
+        url_for(triton_server, client.protocol), protocol=client.protocol, model_name="no_such_model"
+    )
     with missing, pytest.raises(SamplerError) as info:
         missing.sample(logits[:1], SamplingParams())
     assert not info.value.is_invalid_argument and "no_such_model" in info.value.message
 
 
 def test_speculative_deployments_refuse_masks_client_side(triton_server, client, logits):
-    speculative = SamplerClient(url_for(triton_server, client.protocol), protocol=client.protocol, model_name="sampler_speculative")
+    speculative = SamplerClient(
+        url_for(triton_server, client.protocol), protocol=client.protocol, model_name="sampler_speculative"
+    )
     with speculative, pytest.raises(SamplingRequestError, match=SPECULATIVE_MASK_MESSAGE):
         speculative.sample(logits[:1], ROWS[0])
 
@@ -187,14 +205,18 @@ def test_an_unreachable_server_raises_sampler_error(protocol):
 
 # --- several replicas behind one client (client.replicas) ---------------------------------------
 
+
 def test_replica_failures_are_told_from_final_answers():
     from triton_sampling_mask.client.replicas import is_replica_failure
 
     assert is_replica_failure(None, "could not reach the server: ConnectionRefusedError")
     assert is_replica_failure("503", "Exceeds maximum queue size")
     assert is_replica_failure("StatusCode.UNAVAILABLE", "failed to connect to all addresses")
-    assert is_replica_failure("500", "Failed to process the request(s) for model instance 'sampler_0_0', "
-                                     "message: Stub process 'sampler_0_0' is not healthy.")
+    assert is_replica_failure(
+        "500",
+        "Failed to process the request(s) for model instance 'sampler_0_0', "
+        "message: Stub process 'sampler_0_0' is not healthy.",
+    )
     assert not is_replica_failure("400", "top_k must be finite")
     assert not is_replica_failure("StatusCode.INVALID_ARGUMENT", "top_k must be finite")
     assert not is_replica_failure("500", "the backend raised")
@@ -217,8 +239,13 @@ def test_several_urls_never_retry_a_user_error(client, triton_server, logits):
     dead = f"127.0.0.1:{free_port()}"
     live = url_for(triton_server, client.protocol)
     # mask_width and max_batch_size given: no config read, so the first request goes to `live`.
-    with SamplerClient([live, dead], protocol=client.protocol, model_name="sampler_nosupport",
-                       mask_width=client.mask_policy().mask_width, max_batch_size=8) as several:
+    with SamplerClient(
+        [live, dead],
+        protocol=client.protocol,
+        model_name="sampler_nosupport",
+        mask_width=client.mask_policy().mask_width,
+        max_batch_size=8,
+    ) as several:
         with pytest.raises(SamplerError) as info:
             several.sample(logits[:1], ROWS[0])
         assert info.value.is_invalid_argument and info.value.message == backend_mask_message("nosupport")
@@ -242,7 +269,9 @@ def test_async_several_urls_with_shared_memory(triton_server, logits):
 
     async def run(protocol, shm):
         dead = f"127.0.0.1:{free_port()}"
-        async with AsyncSamplerClient([dead, url_for(triton_server, protocol)], protocol=protocol, max_batch_size=2) as several:
+        async with AsyncSamplerClient(
+            [dead, url_for(triton_server, protocol)], protocol=protocol, max_batch_size=2
+        ) as several:
             results = [await several.sample(logits, ROWS, use_shared_memory=shm) for _ in range(3)]
             return [r.token_ids.tolist() for r in results], several.replica_shares()[dead]
 

@@ -105,7 +105,9 @@ def test_streaming_equals_non_streaming(triton_server, width):
 def test_seeded_generation_reproduces_and_masks_do_not_change_tokens(triton_server):
     with_mask = grpc_generate(triton_server.grpc_url, PROMPT, 10, ignore_eos=True, **SAMPLED)
     again = grpc_generate(triton_server.grpc_url, PROMPT, 10, ignore_eos=True, **SAMPLED)
-    without = grpc_generate(triton_server.grpc_url, PROMPT, 10, ignore_eos=True, **{**SAMPLED, "return_sampling_mask": False})
+    without = grpc_generate(
+        triton_server.grpc_url, PROMPT, 10, ignore_eos=True, **{**SAMPLED, "return_sampling_mask": False}
+    )
     np.testing.assert_array_equal(again.output_ids, with_mask.output_ids)
     np.testing.assert_array_equal(again.sampling_mask, with_mask.sampling_mask)
     np.testing.assert_array_equal(without.output_ids, with_mask.output_ids)
@@ -143,7 +145,9 @@ def test_eos_ends_generation_and_keeps_its_row(triton_server, width):
     assert_aligned(stopped, j + 1, width)
     assert stopped.finish_reason == "stop"
     assert stopped.output_ids[-1] == eos and stopped.mask_row(j).tolist() == [eos]
-    ignored = grpc_generate(triton_server.grpc_url, prompt, 8, temperature=0.0, return_sampling_mask=True, ignore_eos=True)
+    ignored = grpc_generate(
+        triton_server.grpc_url, prompt, 8, temperature=0.0, return_sampling_mask=True, ignore_eos=True
+    )
     assert ignored.finish_reason == "length" and len(ignored.output_ids) == 8
     np.testing.assert_array_equal(ignored.output_ids[: j + 1], stopped.output_ids)
 
@@ -258,7 +262,8 @@ def test_http_generate_stream_sends_one_event_per_token(triton_server):
     body = {"input_ids": PROMPT, "max_new_tokens": 5, "stream": True, "ignore_eos": True, **SAMPLED}
     request = urllib.request.Request(
         f"http://{triton_server.http_url}/v2/models/generate/generate_stream",
-        data=json.dumps(body).encode(), headers={"Content-Type": "application/json"},
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
     )
     with urllib.request.urlopen(request, timeout=120) as response:
         events = [json.loads(line[5:]) for line in response.read().decode().splitlines() if line.startswith("data:")]

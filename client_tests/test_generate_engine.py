@@ -46,7 +46,9 @@ def engine_server(tmp_path_factory):
     repository = build_engine_repository(tmp_path_factory.mktemp("engine_models"), VARIANTS)
     # Explicit model control: the last test unloads a variant while it generates.
     control = ["--model-control-mode=explicit", *(f"--load-model={name}" for name in VARIANTS)]
-    with TritonServer(repository, extra_args=control, log_path=tmp_path_factory.mktemp("engine_logs") / "tritonserver.log") as server:
+    with TritonServer(
+        repository, extra_args=control, log_path=tmp_path_factory.mktemp("engine_logs") / "tritonserver.log"
+    ) as server:
         yield server
 
 
@@ -92,7 +94,9 @@ def test_a_request_joining_a_running_batch_equals_it_run_alone(engine_server):
     np.testing.assert_allclose(joined.output_logprobs, alone.output_logprobs, atol=1e-4)
     streamed_alone = grpc_generate(engine_server.grpc_url, [40, 41, 42, 43], 12, stream=True, **dict(SAMPLED, seed=11))
     np.testing.assert_array_equal(streamed_alone.output_ids, alone.output_ids)
-    static = grpc_generate(engine_server.grpc_url, [40, 41, 42, 43], 12, model="generate_static", **dict(SAMPLED, seed=11))
+    static = grpc_generate(
+        engine_server.grpc_url, [40, 41, 42, 43], 12, model="generate_static", **dict(SAMPLED, seed=11)
+    )
     np.testing.assert_array_equal(static.output_ids, alone.output_ids)
 
 
@@ -105,8 +109,13 @@ def test_cancellation_frees_its_slot_while_others_continue(engine_server):
         for _ in range(3):
             assert doomed.next()[3] is None
         doomed.close(cancel=True)
-        wait_for_counter(engine_server.metrics_url, "generate_cancelled_total", lambda v: v != cancelled_before,
-                         "the server never saw the cancellation", timeout_s=60)
+        wait_for_counter(
+            engine_server.metrics_url,
+            "generate_cancelled_total",
+            lambda v: v != cancelled_before,
+            "the server never saw the cancellation",
+            timeout_s=60,
+        )
         survivor = read_to_final(other, 1)["other"]
     finally:
         other.close()
@@ -114,8 +123,12 @@ def test_cancellation_frees_its_slot_while_others_continue(engine_server):
     alone = grpc_generate(engine_server.grpc_url, [8, 9], 120, **dict(SAMPLED, seed=2))
     np.testing.assert_array_equal(collect(survivor["outputs"]).output_ids, alone.output_ids)
     # The slot is free: the tight variant (one slot) shows it best, below; here the batch empties.
-    wait_for_counter(engine_server.metrics_url, "generate_active_sequences", lambda v: v == 0,
-                     "a cancelled or finished sequence kept its slot")
+    wait_for_counter(
+        engine_server.metrics_url,
+        "generate_active_sequences",
+        lambda v: v == 0,
+        "a cancelled or finished sequence kept its slot",
+    )
     assert counter(engine_server.metrics_url, "generate_kv_tokens") == 0
 
 
@@ -126,8 +139,13 @@ def test_beyond_the_bounds_requests_are_refused_unavailable_and_each_ends_once(e
         stream.send([5, 6, 7], 480, request_id="running", stream=True, **dict(SAMPLED, seed=1))
         assert stream.next()[3] is None  # it holds the only slot
         stream.send([5, 6, 7], 4, request_id="waiting", **dict(SAMPLED, seed=2))
-        wait_for_counter(engine_server.metrics_url, "generate_waiting_requests", lambda v: v == 1,
-                         "the second request never queued", model=model)
+        wait_for_counter(
+            engine_server.metrics_url,
+            "generate_waiting_requests",
+            lambda v: v == 1,
+            "the second request never queued",
+            model=model,
+        )
         stream.send([5, 6, 7], 4, request_id="refused", **dict(SAMPLED, seed=3))
         with pytest.raises(InferenceServerException) as refused:
             grpc_generate(engine_server.grpc_url, [5], 4, model=model)
@@ -141,8 +159,14 @@ def test_beyond_the_bounds_requests_are_refused_unavailable_and_each_ends_once(e
     finally:
         stream.close(cancel=True)
     # A fresh request is served once the cancelled ones have left (waiting one cancelled too).
-    wait_for_counter(engine_server.metrics_url, "generate_active_sequences", lambda v: v == 0,
-                     "the cancelled requests kept the slot", timeout_s=60, model=model)
+    wait_for_counter(
+        engine_server.metrics_url,
+        "generate_active_sequences",
+        lambda v: v == 0,
+        "the cancelled requests kept the slot",
+        timeout_s=60,
+        model=model,
+    )
     assert len(grpc_generate(engine_server.grpc_url, [5], 3, model=model, ignore_eos=True).output_ids) == 3
 
 
@@ -183,8 +207,13 @@ def test_unloading_ends_every_in_flight_request_with_one_final(engine_server):
         # still in the one waiting place and be refused (max_waiting 1), as CI once saw.
         assert stream.next()[3] is None  # generating
         stream.send([5, 6, 7], 200, request_id="waiting", **dict(SAMPLED, seed=2))
-        wait_for_counter(engine_server.metrics_url, "generate_waiting_requests", lambda v: v == 1,
-                         "the second request never queued", model=model)
+        wait_for_counter(
+            engine_server.metrics_url,
+            "generate_waiting_requests",
+            lambda v: v == 1,
+            "the second request never queued",
+            model=model,
+        )
         admin.unload_model(model)
         results = read_to_final(stream, 2)
         time.sleep(0.2)

@@ -38,7 +38,9 @@ MAX_BURSTS = 5  # bounded: the first burst normally mixes already
 
 def execution_mix(before: dict, after: dict) -> tuple[int, int, list[tuple[int, int]]]:
     """(requests, executions, [(valid, invalid) requests of each new mixed execution])."""
-    requests = sum(after["inference_stats"][k]["count"] - before["inference_stats"][k]["count"] for k in ("success", "fail"))
+    requests = sum(
+        after["inference_stats"][k]["count"] - before["inference_stats"][k]["count"] for k in ("success", "fail")
+    )
     executions = after["execution_count"] - before["execution_count"]
     counts_before = {b["batch_size"]: b["compute_infer"]["count"] for b in before.get("batch_stats", [])}
     mixed = []

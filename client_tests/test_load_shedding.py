@@ -28,15 +28,20 @@ def queue_policy(config_text: str) -> dict[str, int]:
     """The numbers of the default_queue_policy block of a config.pbtxt."""
     block = re.search(r"default_queue_policy\s*\{([^}]*)\}", config_text)
     assert block, "no default_queue_policy: the sampler would queue without bound"
-    return {key: int(value) if value.isdigit() else value
-            for key, value in re.findall(r"(\w+)\s*:\s*(\w+)", block.group(1))}
+    return {
+        key: int(value) if value.isdigit() else value for key, value in re.findall(r"(\w+)\s*:\s*(\w+)", block.group(1))
+    }
 
 
 def test_shipped_models_shed_load_with_bounded_queues():
     for model in ("sampler", "generate"):
         policy = queue_policy((MODEL_REPOSITORY / model / "config.pbtxt").read_text())
         assert 0 < policy["max_queue_size"] <= 64 and policy["timeout_action"] == "REJECT", (model, policy)
-    assert 0 < queue_policy((MODEL_REPOSITORY / "sampler" / "config.pbtxt").read_text())["default_timeout_microseconds"] <= 2_000_000
+    assert (
+        0
+        < queue_policy((MODEL_REPOSITORY / "sampler" / "config.pbtxt").read_text())["default_timeout_microseconds"]
+        <= 2_000_000
+    )
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +63,11 @@ def burst(server, protocol: str, requests: int) -> list[tuple[str, float]]:
     logits = np.random.default_rng(0).standard_normal((1, 2000)).astype(np.float32)
 
     def one(_):
-        client = (httpclient.InferenceServerClient(server.http_url) if protocol == "http"
-                  else grpcclient.InferenceServerClient(server.grpc_url))
+        client = (
+            httpclient.InferenceServerClient(server.http_url)
+            if protocol == "http"
+            else grpcclient.InferenceServerClient(server.grpc_url)
+        )
         started = time.perf_counter()
         try:
             client.infer(MODEL, sampler_inputs(module, logits, top_k=5, return_sampling_mask=True))

@@ -31,8 +31,9 @@ def test_bf16_logits_are_sampled_as_sent(http_client, grpc_client, module):
     client = http_client if module is httpclient else grpc_client
     rng = np.random.default_rng(11)
     logits = (rng.standard_normal((6, 4000)) * 3).astype(ml_dtypes.bfloat16)  # bf16: many exact ties
-    params = dict(temperature=0.8, top_k=[1, 16, 64, 200, 512, 40], top_p=0.9, seed=np.arange(6) + 7,
-                  return_sampling_mask=True)
+    params = dict(
+        temperature=0.8, top_k=[1, 16, 64, 200, 512, 40], top_p=0.9, seed=np.arange(6) + 7, return_sampling_mask=True
+    )
     result = client.infer("sampler_bf16", bf16_inputs(module, logits, **params))
     out = {name: result.as_numpy(name) for name in OUTPUTS}
     as_sent = logits.astype(np.float64)  # the values the server ranks, exactly

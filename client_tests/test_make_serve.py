@@ -17,13 +17,18 @@ from .server import MODEL_REPOSITORY, REPO_ROOT
 def test_make_serve_honours_the_environment_and_stops_on_sigterm(tmp_path):
     repository = tmp_path / "repo"
     shutil.copytree(MODEL_REPOSITORY / "sampler", repository / "sampler")
-    ports = {"TRITON_HTTP_PORT": free_port(), "TRITON_GRPC_PORT": free_port(), "TRITON_METRICS_PORT": free_port(),
-             "TRITON_PROBE_PORT": free_port()}
+    ports = {
+        "TRITON_HTTP_PORT": free_port(),
+        "TRITON_GRPC_PORT": free_port(),
+        "TRITON_METRICS_PORT": free_port(),
+        "TRITON_PROBE_PORT": free_port(),
+    }
     env = {**os.environ, "MODEL_REPOSITORY": str(repository), **{k: str(v) for k, v in ports.items()}}
-    log = open(tmp_path / "serve.log", "w")
+    log = open(tmp_path / "serve.log", "w")  # noqa: SIM115 (open while the server runs)
     # A session of its own, so cleanup can reach the exec'd tritonserver whatever happens to make.
-    make = subprocess.Popen(["make", "-s", "serve"], cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    make = subprocess.Popen(
+        ["make", "-s", "serve"], cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
     try:
         url = f"http://127.0.0.1:{ports['TRITON_HTTP_PORT']}/v2/models/sampler/ready"
         deadline = time.monotonic() + 120

@@ -6,8 +6,8 @@ import numpy as np
 import tritonclient.http as httpclient
 
 from tests.reference import reference_row
-from triton_sampling_mask.serving.metrics import mask_length_buckets
 from triton_sampling_mask.client.wire import infer_input as tensor
+from triton_sampling_mask.serving.metrics import mask_length_buckets
 
 from .reliability import INVALID_ARGUMENT, expect_error, scrape
 from .server import infer
@@ -29,7 +29,16 @@ def test_metrics_count_outcomes_mask_rows_lengths_and_time(triton_server, http_c
     lengths = []
     for temperature, top_k, min_p in MASK_REQUESTS:
         logits = rng.standard_normal((2, VOCAB)).astype(np.float32) * 2
-        outputs = infer(http_client, httpclient, "sampler", logits, temperature=temperature, top_k=top_k, min_p=min_p, return_sampling_mask=True)
+        outputs = infer(
+            http_client,
+            httpclient,
+            "sampler",
+            logits,
+            temperature=temperature,
+            top_k=top_k,
+            min_p=min_p,
+            return_sampling_mask=True,
+        )
         for row in logits:
             ref = reference_row(row, temperature=temperature, top_k=top_k, min_p=min_p)
             lengths.append(len(ref.support))

@@ -20,10 +20,29 @@ VOCAB, WIDTH = 3000, 512  # WIDTH: the dims of sampling_mask in model_repository
 def test_per_support_logprobs_are_renormalised_over_the_mask(protocol):
     client, module = protocol
     logits = (np.random.default_rng(3).standard_normal((4, VOCAB)) * 2).astype(np.float32)
-    out = infer(client, module, "sampler", logits, temperature=0.7, top_k=[1, 20, 300, 64], top_p=0.9,
-                seed=[1, 2, 3, 4], return_sampling_mask=[True, True, True, False])
-    result = client.infer("sampler", sampler_inputs(module, logits, temperature=0.7, top_k=[1, 20, 300, 64], top_p=0.9,
-                                                    seed=[1, 2, 3, 4], return_sampling_mask=[True, True, True, False]))
+    out = infer(
+        client,
+        module,
+        "sampler",
+        logits,
+        temperature=0.7,
+        top_k=[1, 20, 300, 64],
+        top_p=0.9,
+        seed=[1, 2, 3, 4],
+        return_sampling_mask=[True, True, True, False],
+    )
+    result = client.infer(
+        "sampler",
+        sampler_inputs(
+            module,
+            logits,
+            temperature=0.7,
+            top_k=[1, 20, 300, 64],
+            top_p=0.9,
+            seed=[1, 2, 3, 4],
+            return_sampling_mask=[True, True, True, False],
+        ),
+    )
     support = result.as_numpy("sampling_mask_logprobs")
     assert support.shape == (4, WIDTH) and support.dtype == np.float32
     for row, top_k in enumerate([1, 20, 300, 64]):
@@ -44,10 +63,17 @@ def test_per_support_logprobs_are_renormalised_over_the_mask(protocol):
 def raw_binary_infer(url: str, logits: np.ndarray, outputs: list[str] | None) -> tuple[int, dict, bytes]:
     """POST a binary-tensor request naming `outputs` (None: name none); (status, header, body)."""
     rows = logits.shape[0]
-    tensors = [("logits", "FP32", logits), ("top_k", "INT32", np.full((rows, 1), 8, np.int32)),
-               ("return_sampling_mask", "BOOL", np.ones((rows, 1), np.bool_))]
-    header = {"inputs": [{"name": n, "datatype": d, "shape": list(a.shape), "parameters": {"binary_data_size": a.nbytes}}
-                         for n, d, a in tensors]}
+    tensors = [
+        ("logits", "FP32", logits),
+        ("top_k", "INT32", np.full((rows, 1), 8, np.int32)),
+        ("return_sampling_mask", "BOOL", np.ones((rows, 1), np.bool_)),
+    ]
+    header = {
+        "inputs": [
+            {"name": n, "datatype": d, "shape": list(a.shape), "parameters": {"binary_data_size": a.nbytes}}
+            for n, d, a in tensors
+        ]
+    }
     if outputs is not None:
         header["outputs"] = [{"name": name, "parameters": {"binary_data": True}} for name in outputs]
     else:
@@ -56,8 +82,12 @@ def raw_binary_infer(url: str, logits: np.ndarray, outputs: list[str] | None) ->
     host, port = url.rsplit(":", 1)
     connection = http.client.HTTPConnection(host, int(port), timeout=60)
     try:
-        connection.request("POST", "/v2/models/sampler/infer", body=head + b"".join(a.tobytes() for _, _, a in tensors),
-                           headers={"Inference-Header-Content-Length": str(len(head))})
+        connection.request(
+            "POST",
+            "/v2/models/sampler/infer",
+            body=head + b"".join(a.tobytes() for _, _, a in tensors),
+            headers={"Inference-Header-Content-Length": str(len(head))},
+        )
         response = connection.getresponse()
         body = response.read()
         length = int(response.getheader("Inference-Header-Content-Length", len(body)))
@@ -72,11 +102,23 @@ def test_only_the_outputs_asked_for_are_sent(triton_server):
     status, header, everything = raw_binary_infer(triton_server.http_url, logits, None)
     assert status == 200
     assert {o["name"] for o in header["outputs"]} == {
-        "output_ids", "output_logprobs", "sampling_mask", "sampling_mask_len", "sampling_logprobs", "sampling_mask_logprobs"}
+        "output_ids",
+        "output_logprobs",
+        "sampling_mask",
+        "sampling_mask_len",
+        "sampling_logprobs",
+        "sampling_mask_logprobs",
+    }
     status, header, ids_only = raw_binary_infer(triton_server.http_url, logits, ["output_ids"])
     assert status == 200 and [o["name"] for o in header["outputs"]] == ["output_ids"]
-    status, header, masks = raw_binary_infer(triton_server.http_url, logits, ["output_ids", "sampling_mask", "sampling_mask_len"])
-    assert status == 200 and {o["name"] for o in header["outputs"]} == {"output_ids", "sampling_mask", "sampling_mask_len"}
+    status, header, masks = raw_binary_infer(
+        triton_server.http_url, logits, ["output_ids", "sampling_mask", "sampling_mask_len"]
+    )
+    assert status == 200 and {o["name"] for o in header["outputs"]} == {
+        "output_ids",
+        "sampling_mask",
+        "sampling_mask_len",
+    }
     # Two [rows, W] float/int tensors dominate the full answer; naming ids alone sends 4 B a row.
     assert len(everything) >= rows * WIDTH * 4 * 2
     assert len(ids_only) < 1024
@@ -84,20 +126,32 @@ def test_only_the_outputs_asked_for_are_sent(triton_server):
 
 
 def test_generate_returns_per_support_logprobs_per_token(triton_server):
-    generation = grpc_generate(triton_server.grpc_url, [5, 6, 7], 6, top_k=12, temperature=0.9, seed=9,
-                               return_sampling_mask=True, ignore_eos=True)
+    generation = grpc_generate(
+        triton_server.grpc_url,
+        [5, 6, 7],
+        6,
+        top_k=12,
+        temperature=0.9,
+        seed=9,
+        return_sampling_mask=True,
+        ignore_eos=True,
+    )
     support = generation.sampling_mask_logprobs
     assert support.shape == generation.sampling_mask.shape
     for step, length in enumerate(generation.sampling_mask_len):
         assert np.isneginf(support[step, length:]).all()
         assert abs(np.logaddexp.reduce(support[step, :length].astype(np.float64))) < 1e-5
         token = int(generation.output_ids[step])
-        assert support[step, list(generation.sampling_mask[step, :length]).index(token)] == generation.sampling_logprobs[step]
+        assert (
+            support[step, list(generation.sampling_mask[step, :length]).index(token)]
+            == generation.sampling_logprobs[step]
+        )
 
 
 def test_a_client_naming_no_mask_outputs_gets_none(http_client):
     logits = np.random.default_rng(5).standard_normal((2, VOCAB)).astype(np.float32)
-    result = http_client.infer("sampler", sampler_inputs(httpclient, logits, top_k=5),
-                               outputs=[httpclient.InferRequestedOutput("output_ids")])
+    result = http_client.infer(
+        "sampler", sampler_inputs(httpclient, logits, top_k=5), outputs=[httpclient.InferRequestedOutput("output_ids")]
+    )
     assert result.as_numpy("output_ids").shape == (2, 1)
     assert result.as_numpy("sampling_mask") is None and result.as_numpy("sampling_mask_logprobs") is None

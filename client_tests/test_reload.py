@@ -26,6 +26,7 @@ def keyed(server) -> dict | None:
     """The admin-key header model control needs where the server locks it (the container does)."""
     return admin_headers("http", getattr(server, "admin_key", None))
 
+
 FAULTY = FAULTY_SAMPLER
 FAULT_LOG = "sampler internal error: RuntimeError: injected sampler fault"  # faulty_backend.py's error, as logged
 TEMPERATURE, TOP_K, VOCAB = 0.9, 16, 256
@@ -41,8 +42,10 @@ def explicit_server(tmp_path_factory):
     external = ExternalTritonServer.from_environment()
     if external is not None:
         if external.model_control != "explicit":
-            pytest.skip("the external server does not run in explicit model-control mode "
-                        "(TRITON_EXTERNAL_MODEL_CONTROL); docker/run-gpu-tests.sh starts the container so")
+            pytest.skip(
+                "the external server does not run in explicit model-control mode "
+                "(TRITON_EXTERNAL_MODEL_CONTROL); docker/run-gpu-tests.sh starts the container so"
+            )
         yield external
         return
     repository = add_faulty_sampler(build_test_repository(tmp_path_factory.mktemp("reload") / "model_repository"))
@@ -117,7 +120,9 @@ def test_unload_and_load_under_load(explicit_server):
         Traffic(grpcclient, explicit_server.grpc_url, seed=4),
     ]
     answered = lambda: sum(c.ok for c in clients)  # noqa: E731
-    finalized_before = log_count(explicit_server, "sampler finalized")  # an external server's log holds the whole session
+    finalized_before = log_count(
+        explicit_server, "sampler finalized"
+    )  # an external server's log holds the whole session
     for client in clients:
         client.start()
     try:

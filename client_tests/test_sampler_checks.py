@@ -46,16 +46,23 @@ def test_mask_at_the_width_is_accepted(protocol):
 
 
 def test_speculative_decoding_refuses_masks_only(protocol):
-    expect_invalid(protocol, "sampler_speculative", LOGITS, SPECULATIVE_MASK_MESSAGE, top_k=5, return_sampling_mask=True)
+    expect_invalid(
+        protocol, "sampler_speculative", LOGITS, SPECULATIVE_MASK_MESSAGE, top_k=5, return_sampling_mask=True
+    )
     client, module = protocol
     out = infer(client, module, "sampler_speculative", LOGITS, top_k=5)
     assert 0 <= out["output_ids"][0, 0] < 1000
 
 
 def test_backend_without_support_refuses_masks_only(protocol):
-    expect_invalid(protocol, "sampler_nosupport", LOGITS,
-                   "return_sampling_mask is not supported with the nosupport sampling backend.",
-                   top_k=5, return_sampling_mask=True)
+    expect_invalid(
+        protocol,
+        "sampler_nosupport",
+        LOGITS,
+        "return_sampling_mask is not supported with the nosupport sampling backend.",
+        top_k=5,
+        return_sampling_mask=True,
+    )
     client, module = protocol
     out = infer(client, module, "sampler_nosupport", LOGITS, top_k=5)
     assert 0 <= out["output_ids"][0, 0] < 1000
@@ -141,9 +148,14 @@ def test_concurrent_burst_of_mixed_requests(http_client, grpc_client):
 
     # HTTP requests go out asynchronously (tritonclient.http is gevent-based, not thread-safe)
     # while gRPC requests are sent from threads, so both protocols overlap in the server's batches.
-    pending = {i: http_client.async_infer("sampler", sampler_inputs(httpclient, cases[i][0], **cases[i][1]))
-               for i in range(0, len(cases), 2)}
-    grpc_call = lambda i: outcome(lambda: grpc_client.infer("sampler", sampler_inputs(grpcclient, cases[i][0], **cases[i][1])))  # noqa: E731
+    pending = {
+        i: http_client.async_infer("sampler", sampler_inputs(httpclient, cases[i][0], **cases[i][1]))
+        for i in range(0, len(cases), 2)
+    }
+
+    def grpc_call(i):
+        return outcome(lambda: grpc_client.infer("sampler", sampler_inputs(grpcclient, cases[i][0], **cases[i][1])))
+
     with ThreadPoolExecutor(max_workers=16) as pool:
         grpc_results = dict(zip(range(1, len(cases), 2), pool.map(grpc_call, range(1, len(cases), 2))))
     results = [grpc_results[i] if i % 2 else outcome(pending[i].get_result) for i in range(len(cases))]
@@ -167,8 +179,12 @@ def test_concurrent_burst_of_mixed_requests(http_client, grpc_client):
 def test_unknown_backend_fails_model_load_listing_the_choices(tmp_path):
     repository = tmp_path / "repo"
     (repository / "sampler" / "1").mkdir(parents=True)
-    (repository / "sampler" / "1" / "model.py").write_text((MODEL_REPOSITORY / "sampler" / "1" / "model.py").read_text())
-    config = set_parameter((MODEL_REPOSITORY / "sampler" / "config.pbtxt").read_text(), "sampling_backend", "warp-drive")
+    (repository / "sampler" / "1" / "model.py").write_text(
+        (MODEL_REPOSITORY / "sampler" / "1" / "model.py").read_text()
+    )
+    config = set_parameter(
+        (MODEL_REPOSITORY / "sampler" / "config.pbtxt").read_text(), "sampling_backend", "warp-drive"
+    )
     (repository / "sampler" / "config.pbtxt").write_text(config)
     server = TritonServer(repository, extra_args=["--model-control-mode=explicit"], log_path=tmp_path / "log")
     with server:

@@ -55,8 +55,13 @@ def test_batch_against_reference(protocol):
     )
     out = infer(client, module, "sampler", logits, **params)
     for row in range(rows):
-        ref = reference_row(logits[row], *(float(params[k][row]) for k in ("temperature",)), int(params["top_k"][row]),
-                            float(np.float32(params["top_p"][row])), float(np.float32(params["min_p"][row])))
+        ref = reference_row(
+            logits[row],
+            *(float(params[k][row]) for k in ("temperature",)),
+            int(params["top_k"][row]),
+            float(np.float32(params["top_p"][row])),
+            float(np.float32(params["min_p"][row])),
+        )
         length = int(out["sampling_mask_len"][row, 0])
         assert ref.support_min <= length <= ref.support_max
         np.testing.assert_array_equal(out["sampling_mask"][row, :length], ref.order[:length])
@@ -103,6 +108,12 @@ def test_seeded_tokens_do_not_depend_on_the_mask_flag_or_protocol(http_client, g
     np.testing.assert_allclose(with_mask["output_logprobs"], without["output_logprobs"], rtol=1e-6)
     # Same rows again, shuffled into a different batch: same tokens row by row.
     order = np.random.default_rng(4).permutation(16)
-    shuffled = infer(http_client, httpclient, "sampler", logits[order], return_sampling_mask=True,
-                     **{**common, "seed": common["seed"][order]})
+    shuffled = infer(
+        http_client,
+        httpclient,
+        "sampler",
+        logits[order],
+        return_sampling_mask=True,
+        **{**common, "seed": common["seed"][order]},
+    )
     np.testing.assert_array_equal(shuffled["output_ids"], with_mask["output_ids"][order])

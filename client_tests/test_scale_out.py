@@ -47,8 +47,16 @@ def seeded_cases() -> list[tuple[np.ndarray, list[SamplingParams]]]:
     for case in range(CASES):
         rows = 1 + case % 4
         logits = (rng.standard_normal((rows, VOCAB)) * 3).astype(np.float32)
-        params = [SamplingParams(temperature=0.6 + 0.1 * row, top_k=5 + case, top_p=0.95, seed=1000 * case + row,
-                                 return_sampling_mask=True) for row in range(rows)]
+        params = [
+            SamplingParams(
+                temperature=0.6 + 0.1 * row,
+                top_k=5 + case,
+                top_p=0.95,
+                seed=1000 * case + row,
+                return_sampling_mask=True,
+            )
+            for row in range(rows)
+        ]
         cases.append((logits, params))
     return cases
 
@@ -88,8 +96,10 @@ def test_a_replica_killed_mid_run_loses_no_request(replicas, capsys):
     stop = threading.Event()
     events: dict[str, object] = {}
 
-    with SamplerClient(urls, protocol="grpc") as grpc_client, \
-            SamplerClient([server.http_url for server in replicas], protocol="http") as http_client:
+    with (
+        SamplerClient(urls, protocol="grpc") as grpc_client,
+        SamplerClient([server.http_url for server in replicas], protocol="http") as http_client,
+    ):
         clients = [grpc_client, http_client]
 
         def worker(index: int) -> None:
@@ -140,8 +150,10 @@ def test_a_replica_killed_mid_run_loses_no_request(replicas, capsys):
         # must be probed back in and serve again, here or already during the run.
         for client in clients:
             victim_url, deadline, turn = client.urls[1], time.monotonic() + 20, 0
-            while (time.monotonic() < deadline
-                   and client.replica_shares()[victim_url] <= events["after_restart"][client.protocol][victim_url]):
+            while (
+                time.monotonic() < deadline
+                and client.replica_shares()[victim_url] <= events["after_restart"][client.protocol][victim_url]
+            ):
                 turn += 1
                 logits, params = cases[turn % CASES]
                 try:
@@ -153,14 +165,21 @@ def test_a_replica_killed_mid_run_loses_no_request(replicas, capsys):
         final = {c.protocol: c.replica_shares() for c in clients}
 
     with capsys.disabled():
-        print(f"\n[scale-out] {THREADS} threads, {REPLICAS} replicas, {elapsed:.1f} s of load: {answered[0]} calls answered, "
-              f"{len(lost)} lost, {len(wrong)} differing from the single-server run; replica {victim.grpc_url} "
-              f"SIGKILLed at {events['killed_at']:.1f} s, ready again at {events['restarted_at']:.1f} s")
+        print(
+            f"\n[scale-out] {THREADS} threads, {REPLICAS} replicas, {elapsed:.1f} s of load: {answered[0]} calls answered, "
+            f"{len(lost)} lost, {len(wrong)} differing from the single-server run; replica {victim.grpc_url} "
+            f"SIGKILLed at {events['killed_at']:.1f} s, ready again at {events['restarted_at']:.1f} s"
+        )
         for protocol, shares in final.items():
             total = sum(shares.values()) or 1
             after = {url: shares[url] - events["after_restart"][protocol][url] for url in shares}
-            print(f"[scale-out] {protocol} requests per replica: " + ", ".join(
-                f"{url} {count} ({100 * count / total:.0f}%, {after[url]} after the restart)" for url, count in shares.items()))
+            print(
+                f"[scale-out] {protocol} requests per replica: "
+                + ", ".join(
+                    f"{url} {count} ({100 * count / total:.0f}%, {after[url]} after the restart)"
+                    for url, count in shares.items()
+                )
+            )
 
     victim_regions = events["victim_regions"]
     assert victim_regions, "the victim's stub region was not found under its prefix"

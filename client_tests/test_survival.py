@@ -31,8 +31,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,8 +88,9 @@ class Supervised(LoopbackUrls):
         return time.monotonic() - started
 
 
-def request(port: int, method: str, path: str, body: bytes | None = None, headers: dict | None = None,
-            timeout_s: float = 10.0) -> tuple[int | None, str]:
+def request(
+    port: int, method: str, path: str, body: bytes | None = None, headers: dict | None = None, timeout_s: float = 10.0
+) -> tuple[int | None, str]:
     """(status, body text) over a fresh connection; (None, error) when the server did not answer."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
     try:
@@ -106,10 +105,15 @@ def request(port: int, method: str, path: str, body: bytes | None = None, header
 
 def sampler_answers(server: Supervised) -> tuple[bool, str]:
     """Whether the sampler samples a greedy row correctly; else why not (a short key)."""
-    body = json.dumps({"inputs": [
-        {"name": "logits", "shape": [1, 8], "datatype": "FP32", "data": GREEDY_LOGITS},
-        {"name": "temperature", "shape": [1, 1], "datatype": "FP32", "data": [0.0]},
-    ], "outputs": [{"name": "output_ids"}]}).encode()
+    body = json.dumps(
+        {
+            "inputs": [
+                {"name": "logits", "shape": [1, 8], "datatype": "FP32", "data": GREEDY_LOGITS},
+                {"name": "temperature", "shape": [1, 1], "datatype": "FP32", "data": [0.0]},
+            ],
+            "outputs": [{"name": "output_ids"}],
+        }
+    ).encode()
     status, text = request(server.ports["http"], "POST", "/v2/models/sampler/infer", body)
     if status == 200:
         ids = json.loads(text)["outputs"][0]["data"]
@@ -143,7 +147,8 @@ def recover(check, limit_s: float = RECOVERY_LIMIT_S) -> tuple[float | None, Cou
 def assert_recovers(server: Supervised, check, attack: str) -> None:
     seconds, failures = recover(check)
     assert seconds is not None, (
-        f"{attack}: still failing {RECOVERY_LIMIT_S:g} s later ({dict(failures)})\n{server.log_tail()}")
+        f"{attack}: still failing {RECOVERY_LIMIT_S:g} s later ({dict(failures)})\n{server.log_tail()}"
+    )
     print(f"\n{attack}: answered correctly again after {seconds:.1f} s; failed meanwhile: {dict(failures)}")
 
 
@@ -156,15 +161,26 @@ def served(tmp_path_factory):
     for model in ("sampler", "generate"):
         shutil.copytree(MODEL_REPOSITORY / model, repository / model, ignore=shutil.ignore_patterns("__pycache__"))
     ports = {"http": free_port(), "grpc": free_port(), "metrics": free_port(), "probe": free_port()}
-    env = {**os.environ, "TRITON_HTTP_PORT": str(ports["http"]), "TRITON_GRPC_PORT": str(ports["grpc"]),
-           "TRITON_METRICS_PORT": str(ports["metrics"]), "TRITON_PROBE_PORT": str(ports["probe"]),
-           "TRITON_ADMIN_KEY": ADMIN_KEY}
+    env = {
+        **os.environ,
+        "TRITON_HTTP_PORT": str(ports["http"]),
+        "TRITON_GRPC_PORT": str(ports["grpc"]),
+        "TRITON_METRICS_PORT": str(ports["metrics"]),
+        "TRITON_PROBE_PORT": str(ports["probe"]),
+        "TRITON_ADMIN_KEY": ADMIN_KEY,
+    }
     script = os.environ.get("SURVIVAL_LAUNCHER")
     command = [sys.executable, script] if script else [sys.executable, "-m", "triton_sampling_mask.ops.launcher"]
     log_path = tmp_path_factory.mktemp("survival-logs") / "launcher.log"
     with open(log_path, "w") as log:
-        process = subprocess.Popen([*command, "--model-repository", str(repository)], cwd=REPO_ROOT, env=env,
-                                   stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        process = subprocess.Popen(
+            [*command, "--model-repository", str(repository)],
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     server = Supervised(process, ports, log_path)
     try:
         deadline = time.monotonic() + START_LIMIT_S
@@ -189,7 +205,9 @@ def test_the_admin_header_is_one_name():
 
 def test_shm_cleanup_removes_only_regions_no_process_uses():
     prefix = f"tsm_cleanup_test_{os.getpid()}_"
-    used, unused, other = (Path("/dev/shm") / name for name in (prefix + "used", prefix + "unused", f"tsm_other_{os.getpid()}"))
+    used, unused, other = (
+        Path("/dev/shm") / name for name in (prefix + "used", prefix + "unused", f"tsm_other_{os.getpid()}")
+    )
     for path in (used, unused, other):
         path.write_bytes(b"\0" * 4096)
     try:
@@ -213,10 +231,14 @@ def test_readiness_is_a_real_inference_and_the_probe_command_agrees(served):
     assert status == 200, text
     report = json.loads(text)
     assert report["ready"] and {name: (model["ok"], model["kind"]) for name, model in report["models"].items()} == {
-        "generate": (True, "generate"), "sampler": (True, "sampler")}
+        "generate": (True, "generate"),
+        "sampler": (True, "sampler"),
+    }
     assert request(served.ports["probe"], "GET", "/live")[0] == 200
     probe = [sys.executable, "-m", "triton_sampling_mask.ops.probe", "--url", served.http_url]
-    done = subprocess.run([*probe, "--model", "sampler", "--model", "generate"], capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [*probe, "--model", "sampler", "--model", "generate"], capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     done = subprocess.run([*probe, "--model", "no_such_model"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and "no_such_model: FAILED" in done.stdout, done.stdout + done.stderr
@@ -234,9 +256,16 @@ def test_admin_apis_need_the_key_and_inference_does_not(served):
             (lambda: http.register_system_shared_memory(name, key, 64), "403", RESTRICTED_HTTP),
             (lambda: http.load_model("sampler"), "403", RESTRICTED_HTTP),
             (lambda: http.unload_model("sampler"), "403", RESTRICTED_HTTP),
-            (lambda: http.register_system_shared_memory(name, key, 64, headers={launcher.ADMIN_HEADER: "wrong"}),
-             "403", RESTRICTED_HTTP),
-            (lambda: grpc_client.register_system_shared_memory(name, key, 64), "StatusCode.UNAVAILABLE", RESTRICTED_GRPC),
+            (
+                lambda: http.register_system_shared_memory(name, key, 64, headers={launcher.ADMIN_HEADER: "wrong"}),
+                "403",
+                RESTRICTED_HTTP,
+            ),
+            (
+                lambda: grpc_client.register_system_shared_memory(name, key, 64),
+                "StatusCode.UNAVAILABLE",
+                RESTRICTED_GRPC,
+            ),
             (lambda: grpc_client.load_model("sampler"), "StatusCode.UNAVAILABLE", RESTRICTED_GRPC),
             (lambda: grpc_client.unload_model("sampler"), "StatusCode.UNAVAILABLE", RESTRICTED_GRPC),
         ]
@@ -271,11 +300,20 @@ def test_admin_apis_need_the_key_and_inference_does_not(served):
 
 
 def test_wrapped_shape_over_http_binary_kills_the_stub_and_the_model_comes_back(served):
-    header = json.dumps({"inputs": [{"name": "logits", "shape": [1, WRAPPED], "datatype": "FP32",
-                                     "parameters": {"binary_data_size": 12}}]}).encode()
-    status, text = request(served.ports["http"], "POST", "/v2/models/sampler/infer",
-                           header + struct.pack("<3f", 1.0, 2.0, 3.0),
-                           {"Inference-Header-Content-Length": str(len(header)), "Content-Type": "application/octet-stream"})
+    header = json.dumps(
+        {
+            "inputs": [
+                {"name": "logits", "shape": [1, WRAPPED], "datatype": "FP32", "parameters": {"binary_data_size": 12}}
+            ]
+        }
+    ).encode()
+    status, text = request(
+        served.ports["http"],
+        "POST",
+        "/v2/models/sampler/infer",
+        header + struct.pack("<3f", 1.0, 2.0, 3.0),
+        {"Inference-Header-Content-Length": str(len(header)), "Content-Type": "application/octet-stream"},
+    )
     # What Triton 2.51 answers the attack itself; anything else means upstream changed: revisit.
     assert status == 500 and "Stub process 'sampler_0_0' is not healthy" in text, (status, text)
     assert_recovers(served, lambda: sampler_answers(served), "wrapped shape, HTTP binary")
@@ -312,8 +350,9 @@ def test_wrapped_input_ids_shape_kills_the_generate_stub_and_it_comes_back(serve
 
 
 def _kill_with_json(served: Supervised, body: bytes, attack: str) -> None:
-    status, text = request(served.ports["http"], "POST", "/v2/models/sampler/infer", body,
-                           {"Content-Type": "application/json"})
+    status, text = request(
+        served.ports["http"], "POST", "/v2/models/sampler/infer", body, {"Content-Type": "application/json"}
+    )
     # Triton 2.51 dies without answering; an answer means upstream changed: revisit the test.
     assert status is None, (status, text[:200])
     assert_recovers(served, lambda: sampler_answers(served), attack)

@@ -68,5 +68,7 @@ def config_path(args: dict) -> str:
     """This model's config.pbtxt relative to the model repository ("sampler/config.pbtxt"), for
     messages that tell users what to edit without showing clients the server's file system."""
     repository = args.get("model_repository")
-    model_directory = os.path.basename(os.path.normpath(repository)) if repository else args.get("model_name", "<model>")
+    model_directory = (
+        os.path.basename(os.path.normpath(repository)) if repository else args.get("model_name", "<model>")
+    )
     return f"{model_directory}/config.pbtxt"

@@ -12,10 +12,16 @@ from triton_sampling_mask.sampling.sampler import SamplingBatch, sample
 # instance runs them) where a GPU is present. `pytest -m gpu tests/` runs only the CUDA cases.
 DEVICES = [
     pytest.param("cpu", id="cpu"),
-    pytest.param("cuda", id="cuda", marks=[
-        pytest.mark.gpu,
-        pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here; run `pytest -m gpu tests/` on a GPU"),
-    ]),
+    pytest.param(
+        "cuda",
+        id="cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(
+                not torch.cuda.is_available(), reason="no CUDA device here; run `pytest -m gpu tests/` on a GPU"
+            ),
+        ],
+    ),
 ]
 _device = {"name": "cpu"}
 
@@ -25,7 +31,9 @@ def use_device(name: str) -> None:
     _device["name"] = name
 
 
-def run_sampler(logits, temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0, seed=0, want_mask=True, mask_width=64, fused=None):
+def run_sampler(
+    logits, temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0, seed=0, want_mask=True, mask_width=64, fused=None
+):
     """Sample rows of `logits` [B, V]; scalar parameters are broadcast over the rows."""
     logits = torch.as_tensor(np.asarray(logits, dtype=np.float32)).to(_device["name"])
     rows = logits.shape[0]

@@ -20,8 +20,13 @@ def test_baseline_support_matches_reference():
     logits = rng.standard_normal((4, 300)).astype(np.float32) * 2  # continuous: no ties
     top_k, top_p, temperature = 20, 0.8, 0.8
     out = baseline.full_sort_sample(
-        torch.from_numpy(logits), torch.full((4,), temperature), torch.full((4,), top_k),
-        torch.full((4,), top_p), torch.zeros(4), mask_width=32, want_mask=True,
+        torch.from_numpy(logits),
+        torch.full((4,), temperature),
+        torch.full((4,), top_k),
+        torch.full((4,), top_p),
+        torch.zeros(4),
+        mask_width=32,
+        want_mask=True,
     )
     for row in range(4):
         ref = reference_row(logits[row], temperature, top_k, top_p)
@@ -35,8 +40,14 @@ def test_baseline_support_matches_reference():
 
 def test_kernel_case_reports_every_timing():
     fake_ms = {"ours_mask": 2.0, "ours_nomask": 1.6, "baseline_mask": 30.0, "baseline_nomask": 29.0, "floor": 4.0}
-    case = kernel.run_case(2, 500, 8, 16, torch.device("cpu"),
-                           lambda fns, device: {n: {"median_ms": fake_ms[n], "min_ms": fake_ms[n], "rounds": 1} for n in fns})
+    case = kernel.run_case(
+        2,
+        500,
+        8,
+        16,
+        torch.device("cpu"),
+        lambda fns, device: {n: {"median_ms": fake_ms[n], "min_ms": fake_ms[n], "rounds": 1} for n in fns},
+    )
     assert case["ms"] == fake_ms
     assert case["speedup_vs_baseline_mask"] == pytest.approx(15.0)
     assert case["ours_over_floor_mask"] == pytest.approx(0.5)
@@ -49,9 +60,12 @@ def test_vllm_style_sampler_stays_in_support():
     row = rng.standard_normal(300).astype(np.float32) * 2  # continuous: no ties
     logits = torch.from_numpy(np.repeat(row[None], 256, axis=0))
     for top_k, top_p in ((20, 0.8), (None, 0.5), (7, None)):
-        ids = baseline.vllm_style_sample(logits, torch.full((256,), 0.8),
-                                         None if top_k is None else torch.full((256,), top_k),
-                                         None if top_p is None else torch.full((256,), top_p))
+        ids = baseline.vllm_style_sample(
+            logits,
+            torch.full((256,), 0.8),
+            None if top_k is None else torch.full((256,), top_k),
+            None if top_p is None else torch.full((256,), top_p),
+        )
         ref = reference_row(row, 0.8, -1 if top_k is None else top_k, 1.0 if top_p is None else top_p)
         assert set(ids.tolist()) <= set(ref.support.tolist())
 
@@ -61,19 +75,31 @@ def test_previous_top_p_path_restores_the_candidate_count():
 
     saved = sampler._TOP_P_CANDIDATES
     with pytest.raises(RuntimeError), kernel.previous_top_p_path(10 * saved):
-        assert sampler._TOP_P_CANDIDATES == 10 * saved
+        assert 10 * saved == sampler._TOP_P_CANDIDATES
         raise RuntimeError("a failing call")
-    assert sampler._TOP_P_CANDIDATES == saved
+    assert saved == sampler._TOP_P_CANDIDATES
 
 
 def test_floor_targets_read_their_cases():
     """b1/b2/b3 read B=1 V=151936, B=1 V=32000 and B=64 V=151936 (top_k 512) on the full grid."""
     grid = kernel.FULL_GRID
-    cases = [{"rows": b, "vocab": v, "top_k": k, "logits": "fp32", "ours_over_floor_mask": b + v / 1e6 + k / 1e9,
-              "ours_over_floor_nomask": 1.0, "speedup_vs_baseline_mask": 20.0, "speedup_vs_baseline_nomask": 20.0,
-              "mask_on_over_off": 1.0, "best_of": dict.fromkeys(("ours_over_floor_mask", "speedup_vs_baseline_mask",
-                                                                 "mask_on_over_off"), 1.0)}
-             for b in grid["rows"] for v in grid["vocab"] for k in grid["top_k"]]
+    cases = [
+        {
+            "rows": b,
+            "vocab": v,
+            "top_k": k,
+            "logits": "fp32",
+            "ours_over_floor_mask": b + v / 1e6 + k / 1e9,
+            "ours_over_floor_nomask": 1.0,
+            "speedup_vs_baseline_mask": 20.0,
+            "speedup_vs_baseline_nomask": 20.0,
+            "mask_on_over_off": 1.0,
+            "best_of": dict.fromkeys(("ours_over_floor_mask", "speedup_vs_baseline_mask", "mask_on_over_off"), 1.0),
+        }
+        for b in grid["rows"]
+        for v in grid["vocab"]
+        for k in grid["top_k"]
+    ]
     targets = report.verdicts(cases, None)
     assert "b" not in targets
     for key, (rows, vocab) in {"b1": (1, 151936), "b2": (1, 32000), "b3": (64, 151936)}.items():

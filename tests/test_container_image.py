@@ -41,7 +41,9 @@ def image_target(text: str) -> tuple[str, str]:
     """(IMAGE_PYTHON, IMAGE_PLATFORM) from the Dockerfile's ARGs."""
     args = dockerfile_args(text)
     missing = {"IMAGE_PYTHON", "IMAGE_PLATFORM"} - args.keys()
-    assert not missing, f"docker/Dockerfile declares no ARG {sorted(missing)}: the image's Python and platform live there"
+    assert not missing, (
+        f"docker/Dockerfile declares no ARG {sorted(missing)}: the image's Python and platform live there"
+    )
     assert re.fullmatch(r"3\.\d+", args["IMAGE_PYTHON"]), args["IMAGE_PYTHON"]
     assert re.fullmatch(r"manylinux_2_\d+_(x86_64|aarch64)", args["IMAGE_PLATFORM"]), args["IMAGE_PLATFORM"]
     return args["IMAGE_PYTHON"], args["IMAGE_PLATFORM"]
@@ -75,7 +77,7 @@ def pip_install_targets(text: str) -> list[str]:
     for words in (words for command in run_commands(text) for words in shell_commands(command)):
         if "pip" not in words or "install" not in words:
             continue
-        for word in words[words.index("install") + 1:]:
+        for word in words[words.index("install") + 1 :]:
             if word.startswith("-"):
                 assert word in HARMLESS_PIP_FLAGS, f"pip option {word!r} in docker/Dockerfile: teach this test about it"
                 continue
@@ -100,28 +102,51 @@ def target_environment(python: str, platform: str) -> dict[str, str]:
     --python-version, so the test re-checks them; patch level unknown, taken as .0)."""
     machine = platform.split("_", 3)[3]
     return {
-        "python_version": python, "python_full_version": f"{python}.0", "implementation_name": "cpython",
-        "implementation_version": f"{python}.0", "platform_python_implementation": "CPython", "os_name": "posix",
-        "sys_platform": "linux", "platform_system": "Linux", "platform_machine": machine, "platform_release": "",
-        "platform_version": "", "extra": "",
+        "python_version": python,
+        "python_full_version": f"{python}.0",
+        "implementation_name": "cpython",
+        "implementation_version": f"{python}.0",
+        "platform_python_implementation": "CPython",
+        "os_name": "posix",
+        "sys_platform": "linux",
+        "platform_system": "Linux",
+        "platform_machine": machine,
+        "platform_release": "",
+        "platform_version": "",
+        "extra": "",
     }
 
 
 def pip_resolve(targets: list[str], python: str, platform: str, report: Path) -> dict:
     """`pip install --dry-run` for the image's Python and platform; the --report as a dict."""
     command = [
-        sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--only-binary=:all:",
-        "--python-version", python, "--implementation", "cp",
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "--dry-run",
+        "--ignore-installed",
+        "--only-binary=:all:",
+        "--python-version",
+        python,
+        "--implementation",
+        "cp",
         *[flag for tag in compatible_platforms(platform) for flag in ("--platform", tag)],
-        "--use-feature=fast-deps", "--progress-bar=off", "--disable-pip-version-check",
-        "--report", str(report), *targets,
+        "--use-feature=fast-deps",
+        "--progress-bar=off",
+        "--disable-pip-version-check",
+        "--report",
+        str(report),
+        *targets,
     ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=PIP_TIMEOUT_S, cwd=REPO_ROOT)
     if done.returncode != 0:
         tail = "\n".join((done.stdout + done.stderr).splitlines()[-25:])
         if "fast-deps" in tail and "invalid choice" in tail:
             tail += "\n(this pip dropped --use-feature=fast-deps: resolve torch's pins from its wheel's METADATA another way)"
-        pytest.fail(f"docker/Dockerfile's pip install cannot resolve for Python {python} on {platform}:\n{tail}", pytrace=False)
+        pytest.fail(
+            f"docker/Dockerfile's pip install cannot resolve for Python {python} on {platform}:\n{tail}", pytrace=False
+        )
     return json.loads(report.read_text())
 
 
@@ -146,7 +171,9 @@ def unmet_requirements(report: dict, environment: dict[str, str]) -> list[str]:
                     missing[str(requirement)] = None
                     continue
                 version = installed[dependency]["metadata"]["version"]
-                assert requirement.specifier.contains(version, prereleases=True), f"{name} needs {requirement}, resolved {version}"
+                assert requirement.specifier.contains(version, prereleases=True), (
+                    f"{name} needs {requirement}, resolved {version}"
+                )
                 if not requirement.extras <= extras[dependency]:
                     extras[dependency] |= requirement.extras
                     changed = True
@@ -209,7 +236,10 @@ def test_package_parses_with_the_image_python():
 def serve_command(gpu_count: int) -> list[str]:
     done = subprocess.run(
         ["bash", str(REPO_ROOT / "docker" / "serve.sh"), "--dry-run", "--model-control-mode=explicit"],
-        capture_output=True, text=True, env={**os.environ, "GPU_COUNT": str(gpu_count)}, check=True,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "GPU_COUNT": str(gpu_count)},
+        check=True,
     )
     return done.stdout.splitlines()
 
@@ -218,16 +248,23 @@ def test_server_flags_hold_the_largest_request_of_the_config():
     from google.protobuf import text_format
     from tritonclient.grpc import model_config_pb2
 
-    config = text_format.Parse((REPO_ROOT / "model_repository" / "sampler" / "config.pbtxt").read_text(),
-                               model_config_pb2.ModelConfig())
+    config = text_format.Parse(
+        (REPO_ROOT / "model_repository" / "sampler" / "config.pbtxt").read_text(), model_config_pb2.ModelConfig()
+    )
     largest_request = 4 * config.max_batch_size * int(config.parameters["max_vocab_size"].string_value)
     command = serve_command(gpu_count=3)
     # The supervisor runs tritonserver (README "Failure modes"); its flags follow the "--".
     assert command[:3] == ["python3", "-m", "triton_sampling_mask.ops.launcher"], command
     assert command[-1] == "--model-control-mode=explicit"
     command = command[command.index("--") :]
-    flags = dict(arg.split("=", 1) for arg in command[1:] if arg.startswith("--") and "=" in arg and "cuda-memory" not in arg)
-    backend = dict(arg.split("=", 1)[1].split(",", 1)[1].split("=") for arg in command if arg.startswith("--backend-config=python,"))
+    flags = dict(
+        arg.split("=", 1) for arg in command[1:] if arg.startswith("--") and "=" in arg and "cuda-memory" not in arg
+    )
+    backend = dict(
+        arg.split("=", 1)[1].split(",", 1)[1].split("=")
+        for arg in command
+        if arg.startswith("--backend-config=python,")
+    )
     default, growth = int(backend["shm-default-byte-size"]), int(backend["shm-growth-byte-size"])
     assert default >= 1 << 20 and growth >= 1 << 20
     # At most 4 growth steps for the largest batch (the backend asks 1.1 x what it needs).

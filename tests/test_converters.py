@@ -18,9 +18,7 @@ WIDTH = 12
 def per_token_lists(draw):
     """The ground truth: T lists of distinct ids (ranked order is arbitrary), each <= WIDTH long."""
     tokens = draw(st.integers(0, 6))
-    return [
-        draw(st.lists(st.integers(0, VOCAB - 1), max_size=WIDTH, unique=True)) for _ in range(tokens)
-    ]
+    return [draw(st.lists(st.integers(0, VOCAB - 1), max_size=WIDTH, unique=True)) for _ in range(tokens)]
 
 
 def fixed_width(lists):
@@ -101,7 +99,9 @@ def test_per_support_logprobs_travel_with_their_ids_and_round_trip(lists):
 
     sglang = converters.to_sglang(mask, lengths, np.zeros(len(lists)), support)
     assert sglang["output_token_sampling_support_logprobs"] == expected
-    back = converters.from_sglang(sglang["output_token_sampling_mask"], WIDTH, sglang["output_token_sampling_support_logprobs"])
+    back = converters.from_sglang(
+        sglang["output_token_sampling_mask"], WIDTH, sglang["output_token_sampling_support_logprobs"]
+    )
     np.testing.assert_array_equal(back.support_logprobs, support)
 
     csr = converters.to_vllm_csr(mask, lengths, support)

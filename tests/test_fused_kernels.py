@@ -20,8 +20,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from triton_sampling_mask.sampling import fused, rng
 from tests.reference import reference_row
+from triton_sampling_mask.sampling import fused, rng
 
 pytestmark = pytest.mark.skipif(not fused.AVAILABLE, reason="triton is not installed")
 
@@ -29,16 +29,26 @@ DEVICE = torch.device("cuda:0") if torch.cuda.is_available() else torch.device("
 TOLERANCE = 1e-5  # the fused path computes in float32
 
 
-def run_fused(logits, temperature=1.0, top_k=50, top_p=1.0, min_p=0.0, seed=0, want_mask=True,
-              mask_width=64, dtype=torch.float32) -> dict[str, np.ndarray]:
+def run_fused(
+    logits, temperature=1.0, top_k=50, top_p=1.0, min_p=0.0, seed=0, want_mask=True, mask_width=64, dtype=torch.float32
+) -> dict[str, np.ndarray]:
     """Sample rows of `logits` [B, V] with the fused path; scalar parameters broadcast over rows."""
     logits = np.asarray(logits, dtype=np.float32)
     rows, vocab = logits.shape
     per_row = lambda value, dtype: np.broadcast_to(np.asarray(value, dtype), (rows,)).copy()  # noqa: E731
-    params = fused.pack_params(per_row(temperature, np.float32), per_row(top_k, np.int64), per_row(top_p, np.float32),
-                               per_row(min_p, np.float32), per_row(seed, np.int64), per_row(want_mask, bool), vocab)
+    params = fused.pack_params(
+        per_row(temperature, np.float32),
+        per_row(top_k, np.int64),
+        per_row(top_p, np.float32),
+        per_row(min_p, np.float32),
+        per_row(seed, np.int64),
+        per_row(want_mask, bool),
+        vocab,
+    )
     k_max = int(params[:, fused.PARAM_K_EFF].max())
-    packed = fused.sample_packed(torch.from_numpy(logits).to(DEVICE, dtype), torch.from_numpy(params), k_max, mask_width)
+    packed = fused.sample_packed(
+        torch.from_numpy(logits).to(DEVICE, dtype), torch.from_numpy(params), k_max, mask_width
+    )
     assert packed.dtype == torch.int32 and packed.shape == (rows, fused.PACKED_COLUMNS + 2 * mask_width)
     return fused.unpack(packed.cpu().numpy())
 
@@ -51,7 +61,11 @@ def check_row(out, row, logits, temperature, top_k, top_p, min_p, want_mask, mas
     rank = int(np.flatnonzero(ref.order == token)[0])
     assert rank < longest, f"row {row}: token {token} (rank {rank}) is outside the support (<= {longest})"
     expected = ref.logprobs[token]
-    assert abs(out["logprobs"][row] - expected) <= TOLERANCE * max(1.0, abs(expected)), (row, out["logprobs"][row], expected)
+    assert abs(out["logprobs"][row] - expected) <= TOLERANCE * max(1.0, abs(expected)), (
+        row,
+        out["logprobs"][row],
+        expected,
+    )
 
     mask_len, mask_ids = int(out["mask_len"][row]), out["mask_ids"][row]
     support_logprobs = out["mask_support_logprobs"][row]
@@ -84,8 +98,17 @@ def check_batch(logits, mask_width=64, dtype=torch.float32, **params) -> dict[st
     defaults = dict(temperature=1.0, top_k=50, top_p=1.0, min_p=0.0, want_mask=True)
     per_row = {name: np.broadcast_to(np.asarray(params.get(name, value)), (rows,)) for name, value in defaults.items()}
     for row in range(rows):
-        check_row(out, row, logits[row], float(per_row["temperature"][row]), int(per_row["top_k"][row]),
-                  float(per_row["top_p"][row]), float(per_row["min_p"][row]), bool(per_row["want_mask"][row]), mask_width)
+        check_row(
+            out,
+            row,
+            logits[row],
+            float(per_row["temperature"][row]),
+            int(per_row["top_k"][row]),
+            float(per_row["top_p"][row]),
+            float(per_row["min_p"][row]),
+            bool(per_row["want_mask"][row]),
+            mask_width,
+        )
     return out
 
 
@@ -125,9 +148,14 @@ ROW_PARAMS = [
 
 def params_of(rows: int) -> dict[str, np.ndarray]:
     table = np.array([ROW_PARAMS[row % len(ROW_PARAMS)] for row in range(rows)], dtype=object)
-    return dict(temperature=table[:, 0].astype(np.float32), top_k=table[:, 1].astype(np.int64),
-                top_p=table[:, 2].astype(np.float32), min_p=table[:, 3].astype(np.float32),
-                want_mask=table[:, 4].astype(bool), seed=np.arange(rows, dtype=np.int64) * 7919 - 3)
+    return dict(
+        temperature=table[:, 0].astype(np.float32),
+        top_k=table[:, 1].astype(np.int64),
+        top_p=table[:, 2].astype(np.float32),
+        min_p=table[:, 3].astype(np.float32),
+        want_mask=table[:, 4].astype(bool),
+        seed=np.arange(rows, dtype=np.int64) * 7919 - 3,
+    )
 
 
 @pytest.mark.parametrize("kind", ["random", "integer", "bf16", "fp16", "long_run", "all_equal", "neg_inf"])
@@ -141,7 +169,9 @@ def test_rows_match_the_float64_reference(kind):
 def test_batch_of_one_and_batch_of_64():
     generator = np.random.default_rng(1)
     check_batch(make_logits("random", 1, 777, generator), top_k=40, top_p=0.9, temperature=0.8, seed=5)
-    logits = np.concatenate([make_logits(kind, 16, 1000, generator) for kind in ("random", "integer", "bf16", "neg_inf")])
+    logits = np.concatenate(
+        [make_logits(kind, 16, 1000, generator) for kind in ("random", "integer", "bf16", "neg_inf")]
+    )
     check_batch(logits, mask_width=64, **params_of(64))
 
 
@@ -150,8 +180,15 @@ def test_large_vocabularies(vocab, top_k, rows):
     generator = np.random.default_rng(vocab + top_k)
     logits = make_logits("bf16", rows, vocab, generator)
     logits[:, generator.permutation(vocab)[:3]] = -np.inf
-    check_batch(logits, mask_width=1024, dtype=torch.bfloat16, top_k=top_k, top_p=np.array([1.0, 0.8][:rows], np.float32),
-                temperature=0.9, seed=np.arange(rows))
+    check_batch(
+        logits,
+        mask_width=1024,
+        dtype=torch.bfloat16,
+        top_k=top_k,
+        top_p=np.array([1.0, 0.8][:rows], np.float32),
+        temperature=0.9,
+        seed=np.arange(rows),
+    )
 
 
 def test_top_k_above_the_vocabulary_and_whole_vocabulary():
@@ -222,7 +259,9 @@ def test_draws_are_the_gumbel_argmax_of_rng_noise():
     # the seed's noise over the ids (lowest id on ties).
     vocab = 64
     out = run_fused(np.zeros((len(SEEDS), vocab)), top_k=vocab, seed=SEEDS, mask_width=vocab)
-    noise = rng.gumbel(rng.seed_state(torch.from_numpy(SEEDS)).unsqueeze(1), torch.arange(vocab).expand(len(SEEDS), vocab))
+    noise = rng.gumbel(
+        rng.seed_state(torch.from_numpy(SEEDS)).unsqueeze(1), torch.arange(vocab).expand(len(SEEDS), vocab)
+    )
     np.testing.assert_array_equal(out["token_ids"], noise.argmax(dim=1).numpy())
     assert (out["mask_len"] == vocab).all()
     np.testing.assert_allclose(out["mask_logprobs"], -np.log(vocab), atol=TOLERANCE)
@@ -252,7 +291,9 @@ def test_seeded_rows_ignore_their_batch_and_the_mask_flag():
     inside = run_fused(logits, **batch)
     for name in ("token_ids", "logprobs", "mask_len", "mask_logprobs", "mask_ids"):
         np.testing.assert_array_equal(inside[name][position], alone[name][0])
-    different_seed = run_fused(np.repeat(target, 8, 0), seed=np.arange(8), **{k: v for k, v in params.items() if k != "seed"})
+    different_seed = run_fused(
+        np.repeat(target, 8, 0), seed=np.arange(8), **{k: v for k, v in params.items() if k != "seed"}
+    )
     assert len(set(different_seed["token_ids"].tolist())) > 1
 
 
@@ -286,8 +327,12 @@ def sampling_cases(draw):
     vocab = draw(st.integers(1, 80))
     tied = draw(st.booleans())
     element = st.integers(-3, 3).map(float) if tied else st.floats(-30, 30, width=32)
-    logits = np.array(draw(st.lists(st.lists(element, min_size=vocab, max_size=vocab), min_size=rows, max_size=rows)), np.float32)
-    banned = np.array(draw(st.lists(st.lists(st.booleans(), min_size=vocab, max_size=vocab), min_size=rows, max_size=rows)))
+    logits = np.array(
+        draw(st.lists(st.lists(element, min_size=vocab, max_size=vocab), min_size=rows, max_size=rows)), np.float32
+    )
+    banned = np.array(
+        draw(st.lists(st.lists(st.booleans(), min_size=vocab, max_size=vocab), min_size=rows, max_size=rows))
+    )
     banned[:, 0] = False  # keep one finite logit per row
     logits[banned & draw(st.booleans())] = -np.inf
     per_row = lambda strategy: draw(st.lists(strategy, min_size=rows, max_size=rows))  # noqa: E731
@@ -332,8 +377,16 @@ class _Paused:
 
 
 _HOST_SYNCS = {
-    torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.tolist, torch.Tensor.cpu, torch.Tensor.numpy,
-    torch.nonzero, torch.Tensor.nonzero, torch.Tensor.__int__, torch.Tensor.__float__, torch.Tensor.__index__,
+    torch.Tensor.item,
+    torch.Tensor.__bool__,
+    torch.Tensor.tolist,
+    torch.Tensor.cpu,
+    torch.Tensor.numpy,
+    torch.nonzero,
+    torch.Tensor.nonzero,
+    torch.Tensor.__int__,
+    torch.Tensor.__float__,
+    torch.Tensor.__index__,
 }
 
 
@@ -410,14 +463,23 @@ def test_the_sync_and_float64_checks_can_fail():
 
 
 def test_pack_params_conventions():
-    params = fused.pack_params(np.array([0.0, 0.5, 1.0], np.float32), np.array([7, -1, 5000]), np.float32(0.9),
-                               np.float32(0.1), np.array([1, 2, 3], np.uint64) << np.uint64(62), np.array([True, False, True]), 1000)
+    params = fused.pack_params(
+        np.array([0.0, 0.5, 1.0], np.float32),
+        np.array([7, -1, 5000]),
+        np.float32(0.9),
+        np.float32(0.1),
+        np.array([1, 2, 3], np.uint64) << np.uint64(62),
+        np.array([True, False, True]),
+        1000,
+    )
     assert params.dtype == np.int64 and params.shape == (3, fused.PARAM_COLUMNS)
     temperature = params[:, fused.PARAM_TEMPERATURE].astype(np.int32).view(np.float32)
     np.testing.assert_array_equal(temperature, [1.0, 0.5, 1.0])  # greedy: temperature 1 ...
     np.testing.assert_array_equal(params[:, fused.PARAM_K_EFF], [1, 1000, 1000])  # ... top_k 1; -1 and > V: V
     assert params[:, fused.PARAM_TOP_P].astype(np.int32).view(np.float32)[0] == np.float32(0.9)
-    np.testing.assert_array_equal(params[:, fused.PARAM_SEED], (np.array([1, 2, 3], np.uint64) << np.uint64(62)).view(np.int64))
+    np.testing.assert_array_equal(
+        params[:, fused.PARAM_SEED], (np.array([1, 2, 3], np.uint64) << np.uint64(62)).view(np.int64)
+    )
     np.testing.assert_array_equal(params[:, fused.PARAM_WANT_MASK], [1, 0, 1])
     assert fused.candidate_count(1024, 262144) == 1024 + 16 + 256
     assert fused.candidate_count(50, 60) == 60 and fused.candidate_count(5, 3) == 3

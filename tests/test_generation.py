@@ -6,17 +6,21 @@ The loop runs on a bigram LM (logits = a fixed row per previous token) plugged i
 
 from __future__ import annotations
 
+import threading
+import time
+
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from triton_sampling_mask.generation.engine import ContinuousEngine, EngineFull, EngineLimits
+from triton_sampling_mask.generation.generator import GenerationRequest, Generator, check_generation_request
+from triton_sampling_mask.generation.lm import load_lm
 from triton_sampling_mask.sampling import rng
 from triton_sampling_mask.sampling.backends import load_backend
 from triton_sampling_mask.sampling.batching import BatchSampler
-from triton_sampling_mask.generation.generator import GenerationRequest, Generator, check_generation_request
-from triton_sampling_mask.generation.lm import load_lm
 from triton_sampling_mask.sampling.params import RowParams
 from triton_sampling_mask.sampling.validation import MaskPolicy, SamplingRequestError
 
@@ -92,7 +96,9 @@ def request(prompt, max_new_tokens, stream=False, stop=(), ignore_eos=False, **p
         setattr(row, name, np.array([value], dtype=getattr(row, name).dtype))
         if name == "seed":
             row.has_seed = np.ones(1, np.bool_)
-    return GenerationRequest(np.array(prompt, np.int64), max_new_tokens, np.array(stop, np.int64), ignore_eos, stream, row)
+    return GenerationRequest(
+        np.array(prompt, np.int64), max_new_tokens, np.array(stop, np.int64), ignore_eos, stream, row
+    )
 
 
 def generator(lm) -> Generator:
@@ -111,8 +117,14 @@ def test_step_seeds_are_deterministic_and_distinct():
 
 @pytest.mark.parametrize(
     "prompt, budget, stops, field",
-    [([], 4, [], "input_ids"), ([1, 64], 4, [], "input_ids"), ([-1], 4, [], "input_ids"),
-     ([1], 4, [64], "stop_token_ids"), ([1], -1, [], "max_new_tokens"), ([1] * 90, 11, [], "max_new_tokens")],
+    [
+        ([], 4, [], "input_ids"),
+        ([1, 64], 4, [], "input_ids"),
+        ([-1], 4, [], "input_ids"),
+        ([1], 4, [64], "stop_token_ids"),
+        ([1], -1, [], "max_new_tokens"),
+        ([1] * 90, 11, [], "max_new_tokens"),
+    ],
 )
 def test_generation_request_checks_name_the_field(prompt, budget, stops, field):
     with pytest.raises(SamplingRequestError) as error:
@@ -170,7 +182,13 @@ def test_eos_stops_and_keeps_its_row_unless_ignored():
     lm = BigramLM()
     lm.TABLE = table
     sink = RecordingSink()
-    generator(lm).run([request([30], 5, temperature=0.0, return_sampling_mask=True), request([30], 5, ignore_eos=True, temperature=0.0)], sink)
+    generator(lm).run(
+        [
+            request([30], 5, temperature=0.0, return_sampling_mask=True),
+            request([30], 5, ignore_eos=True, temperature=0.0),
+        ],
+        sink,
+    )
     stopped = sink.chunks[0][0]
     assert stopped.output_ids.tolist() == [first, EOS] and stopped.finish_reason == "stop"
     assert stopped.sampling_mask[1, : stopped.sampling_mask_len[1]].tolist() == [EOS]
@@ -180,11 +198,15 @@ def test_eos_stops_and_keeps_its_row_unless_ignored():
 
 def test_cancellation_and_broken_logits_end_only_their_request():
     sink = RecordingSink(cancel_after={0: 3})
-    generator(BigramLM()).run([request([10], 20, stream=True, ignore_eos=True, **MASKED), request([11], 20, ignore_eos=True, **MASKED)], sink)
+    generator(BigramLM()).run(
+        [request([10], 20, stream=True, ignore_eos=True, **MASKED), request([11], 20, ignore_eos=True, **MASKED)], sink
+    )
     assert sink.cancels == {0: 3} and len(sink.ids(0)) == 3 and 0 not in sink.finals
     assert len(sink.ids(1)) == 20 and sink.finals[1] == 1
     broken = RecordingSink()
-    generator(BigramLM(nan_after=2)).run([request([10], 6, ignore_eos=True, **MASKED), request([11], 6, ignore_eos=True, **MASKED)], broken)
+    generator(BigramLM(nan_after=2)).run(
+        [request([10], 6, ignore_eos=True, **MASKED), request([11], 6, ignore_eos=True, **MASKED)], broken
+    )
     assert 0 in broken.failures and 0 not in broken.chunks
     assert len(broken.ids(1)) == 6
 
@@ -252,11 +274,6 @@ def test_streaming_and_masks_never_change_the_tokens(seed, temperature, top_k, t
 
 
 # The continuous engine (in-process, no Triton): joins, cancellation, bounds, stop.
-
-import threading
-import time
-
-from triton_sampling_mask.generation.engine import ContinuousEngine, EngineFull, EngineLimits
 
 
 class RecordingHandle:
@@ -334,7 +351,10 @@ def test_a_seeded_request_joining_mid_flight_equals_running_alone():
         while len(long.chunks) < 5:
             time.sleep(0.001)
         joined = [RecordingHandle() for _ in range(2)]
-        short = [request([40, 41], 12, ignore_eos=True, **MASKED), request([9], 10, stream=True, ignore_eos=True, **dict(MASKED, seed=9))]
+        short = [
+            request([40, 41], 12, ignore_eos=True, **MASKED),
+            request([9], 10, stream=True, ignore_eos=True, **dict(MASKED, seed=9)),
+        ]
         for handle, req in zip(joined, short):
             running.submit(req, handle)
         for handle in [long, *joined]:

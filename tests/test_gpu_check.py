@@ -13,7 +13,7 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
-PROBE_TESTS = '''
+PROBE_TESTS = """
 import pytest
 
 
@@ -28,7 +28,7 @@ def test_the_carried_wheel_and_the_package_from_plugin_are_importable():
 
 def test_a_missing_third_party_package_is_a_skip():
     import not_a_real_package  # noqa: F401
-'''
+"""
 
 
 def write_wheel(folder: Path) -> None:
@@ -36,8 +36,12 @@ def write_wheel(folder: Path) -> None:
     with zipfile.ZipFile(folder / "gpucheck_probe-1.0-py3-none-any.whl", "w") as wheel:
         wheel.writestr("gpucheck_probe/__init__.py", "VALUE = 7\n")
         wheel.writestr("gpucheck_probe-1.0.data/purelib/gpucheck_probe_data.py", "VALUE = 7\n")
-        wheel.writestr("gpucheck_probe-1.0.dist-info/METADATA", "Metadata-Version: 2.1\nName: gpucheck-probe\nVersion: 1.0\n")
-        wheel.writestr("gpucheck_probe-1.0.dist-info/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        wheel.writestr(
+            "gpucheck_probe-1.0.dist-info/METADATA", "Metadata-Version: 2.1\nName: gpucheck-probe\nVersion: 1.0\n"
+        )
+        wheel.writestr(
+            "gpucheck_probe-1.0.dist-info/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        )
         wheel.writestr("gpucheck_probe-1.0.dist-info/RECORD", "")
 
 
@@ -45,7 +49,9 @@ def test_quick_check_runs_on_cpu_and_skips_the_cuda_steps(tmp_path):
     wheels, out = tmp_path / "wheels", tmp_path / "out"
     wheels.mkdir()
     write_wheel(wheels)
-    (wheels / "MANIFEST.tsv").write_text("status\tgroup\tbytes\tneeded by\nkept\tprobe\t1\tthis test\nleft-out\tbig\t99\tnothing\n")
+    (wheels / "MANIFEST.tsv").write_text(
+        "status\tgroup\tbytes\tneeded by\nkept\tprobe\t1\tthis test\nleft-out\tbig\t99\tnothing\n"
+    )
     probe = tmp_path / "test_probe.py"
     probe.write_text(PROBE_TESTS)
     env = {
@@ -57,8 +63,9 @@ def test_quick_check_runs_on_cpu_and_skips_the_cuda_steps(tmp_path):
         "CUDA_VISIBLE_DEVICES": "",
     }
     env.pop("PYTHONPATH", None)
-    done = subprocess.run(["bash", "bench/gpu-check.sh", "--quick"], cwd=REPO_ROOT, env=env,
-                          capture_output=True, text=True, timeout=180)
+    done = subprocess.run(
+        ["bash", "bench/gpu-check.sh", "--quick"], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=180
+    )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     assert "no CUDA device: the CUDA-only steps (bench, served) are skipped" in done.stdout
 
@@ -67,7 +74,10 @@ def test_quick_check_runs_on_cpu_and_skips_the_cuda_steps(tmp_path):
     steps = {step["step"]: step for step in summary["steps"]}
     assert list(steps) == ["install", "unit", "bench", "served"]
     assert steps["install"]["status"] == "passed"
-    assert steps["install"]["detail"].startswith("1 wheels") and "left out of the budget: big" in steps["install"]["detail"]
+    assert (
+        steps["install"]["detail"].startswith("1 wheels")
+        and "left out of the budget: big" in steps["install"]["detail"]
+    )
     assert steps["unit"]["status"] == "passed"
     assert steps["unit"]["detail"].startswith("on cpu: 1 passed, 0 failed, 1 skipped")
     assert "skipped for want of not_a_real_package (1)" in steps["unit"]["detail"]

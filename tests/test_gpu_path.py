@@ -8,11 +8,10 @@ import torch
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
-from triton_sampling_mask.ops.gpu_repository import build_gpu_repository, gpu_config_text
-from triton_sampling_mask.model_config import instance_device
-from triton_sampling_mask.serving.triton_io import input_to_numpy, input_to_torch, read_params
-
 from client_tests.server import MODEL_REPOSITORY
+from triton_sampling_mask.model_config import instance_device
+from triton_sampling_mask.ops.gpu_repository import build_gpu_repository, gpu_config_text
+from triton_sampling_mask.serving.triton_io import input_to_numpy, input_to_torch, read_params
 
 DEVICE = torch.device("cuda:0") if torch.cuda.is_available() else torch.device("cpu")
 
@@ -29,7 +28,9 @@ def test_gpu_config_changes_only_the_instance_kind_and_input_placement(tmp_path)
 
     assert [g.kind for g in gpu.instance_group] == [model_config_pb2.ModelInstanceGroup.KIND_GPU]
     assert gpu.parameters["FORCE_CPU_ONLY_INPUT_TENSORS"].string_value == "no"
-    assert (gpu_dir / "sampler" / "1" / "model.py").read_bytes() == (MODEL_REPOSITORY / "sampler" / "1" / "model.py").read_bytes()
+    assert (gpu_dir / "sampler" / "1" / "model.py").read_bytes() == (
+        MODEL_REPOSITORY / "sampler" / "1" / "model.py"
+    ).read_bytes()
     # Everything else, the mask width W included, is the CPU config's.
     del gpu.instance_group[:], cpu.instance_group[:]
     del gpu.parameters["FORCE_CPU_ONLY_INPUT_TENSORS"]

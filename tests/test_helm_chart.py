@@ -56,8 +56,13 @@ def render_files(values: dict | None = None, namespace: str = NAMESPACE) -> dict
 
 def render(values: dict | None = None, namespace: str = NAMESPACE) -> list[dict]:
     """Every manifest the chart renders, parsed."""
-    return [doc for path, text in sorted(render_files(values, namespace).items()) if path.endswith(".yaml")
-            for doc in yaml.safe_load_all(text) if doc]
+    return [
+        doc
+        for path, text in sorted(render_files(values, namespace).items())
+        if path.endswith(".yaml")
+        for doc in yaml.safe_load_all(text)
+        if doc
+    ]
 
 
 def one(manifests: list[dict], kind: str) -> dict:
@@ -84,7 +89,13 @@ def quantity_bytes(quantity: str) -> int:
     match = re.fullmatch(r"(\d+)(Ki|Mi|Gi|Ti|k|M|G|T)?", quantity)
     assert match, quantity
     unit = match.group(2) or ""
-    scale = 1024 ** ("KMGT".index(unit[0].upper()) + 1) if unit.endswith("i") else 1000 ** ("kMGT".index(unit) + 1) if unit else 1
+    scale = (
+        1024 ** ("KMGT".index(unit[0].upper()) + 1)
+        if unit.endswith("i")
+        else 1000 ** ("kMGT".index(unit) + 1)
+        if unit
+        else 1
+    )
     return int(match.group(1)) * scale
 
 
@@ -114,9 +125,22 @@ def test_chart_version_and_image_tag_follow_the_package():
 
 def test_default_objects_all_in_the_release_namespace():
     manifests = render()
-    assert sorted(m["kind"] for m in manifests) == ["Deployment", "NetworkPolicy", "Secret", "Service", "ServiceAccount"]
+    assert sorted(m["kind"] for m in manifests) == [
+        "Deployment",
+        "NetworkPolicy",
+        "Secret",
+        "Service",
+        "ServiceAccount",
+    ]
     assert sorted(m["kind"] for m in render(EVERYTHING_ON)) == [
-        "Deployment", "HorizontalPodAutoscaler", "NetworkPolicy", "Secret", "Service", "ServiceAccount", "ServiceMonitor"]
+        "Deployment",
+        "HorizontalPodAutoscaler",
+        "NetworkPolicy",
+        "Secret",
+        "Service",
+        "ServiceAccount",
+        "ServiceMonitor",
+    ]
     assert {m["metadata"]["namespace"] for m in render(EVERYTHING_ON)} == {NAMESPACE}
 
 
@@ -137,7 +161,10 @@ def test_replicas_unless_the_autoscaler_owns_them():
 
 
 def test_gpu_requested_and_limited_alike():
-    for gpus, values in ((1, None), (2, {"resources": {"requests": {"nvidia.com/gpu": 2}, "limits": {"nvidia.com/gpu": 2}}})):
+    for gpus, values in (
+        (1, None),
+        (2, {"resources": {"requests": {"nvidia.com/gpu": 2}, "limits": {"nvidia.com/gpu": 2}}}),
+    ):
         resources = container(render(values))["resources"]
         assert resources["requests"]["nvidia.com/gpu"] == resources["limits"]["nvidia.com/gpu"] == gpus
         for kind in ("cpu", "memory"):
@@ -167,7 +194,9 @@ def test_probes_use_the_supervisors_endpoints():
         assert server[probe]["httpGet"] == {"path": path, "port": "probe"}, probe
     # The exec alternative documented in values.yaml replaces the HTTP handler.
     command = ["python3", "-m", "triton_sampling_mask.ops.probe", "--url", f"localhost:{PORTS['http']}"]
-    probe = container(render({"probes": {"readiness": {"httpGet": None, "exec": {"command": command}}}}))["readinessProbe"]
+    probe = container(render({"probes": {"readiness": {"httpGet": None, "exec": {"command": command}}}}))[
+        "readinessProbe"
+    ]
     assert probe["exec"]["command"] == command and "httpGet" not in probe
     values_text = (CHART / "values.yaml").read_text()
     assert "triton_sampling_mask.ops.probe, --url, localhost:8000" in values_text
@@ -188,11 +217,16 @@ def test_service_exposes_every_port_by_name():
 def test_metrics_scrape_annotations_and_service_monitor():
     template = one(render(), "Deployment")["spec"]["template"]
     assert template["metadata"]["annotations"] == {
-        "prometheus.io/scrape": "true", "prometheus.io/port": str(PORTS["metrics"]), "prometheus.io/path": "/metrics"}
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(PORTS["metrics"]),
+        "prometheus.io/path": "/metrics",
+    }
     unannotated = one(render({"metrics": {"scrapeAnnotations": False}}), "Deployment")["spec"]["template"]["metadata"]
     assert "prometheus.io/scrape" not in unannotated.get("annotations", {})
 
-    manifests = render({"metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}}}})
+    manifests = render(
+        {"metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}}}}
+    )
     monitor = one(manifests, "ServiceMonitor")
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
     assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
@@ -209,8 +243,10 @@ def test_autoscaler_scales_the_deployment_on_pending_requests_per_pod():
     assert one(manifests, "Deployment")["metadata"]["name"] == FULLNAME
     assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (2, 6)
     (metric,) = hpa["spec"]["metrics"]
-    assert metric == {"type": "Pods", "pods": {"metric": {"name": PENDING_METRIC},
-                                               "target": {"type": "AverageValue", "averageValue": "8"}}}
+    assert metric == {
+        "type": "Pods",
+        "pods": {"metric": {"name": PENDING_METRIC}, "target": {"type": "AverageValue", "averageValue": "8"}},
+    }
     assert hpa["spec"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"] > 0
     with pytest.raises(Exception, match="maxReplicas must be at least"):
         render({"autoscaling": {"enabled": True, "minReplicas": 5, "maxReplicas": 2}})
@@ -220,7 +256,9 @@ def test_readme_gives_the_adapter_rule_for_the_autoscalers_metric():
     """The prometheus-adapter rule in the chart's README exposes, per pod, the metric the HPA reads."""
     readme = (CHART / "README.md").read_text()
     blocks = [yaml.safe_load(block) for block in re.findall(r"```yaml\n(.*?)```", readme, flags=re.DOTALL)]
-    rules = [rule for block in blocks if isinstance(block, dict) and "rules" in block for rule in block["rules"]["custom"]]
+    rules = [
+        rule for block in blocks if isinstance(block, dict) and "rules" in block for rule in block["rules"]["custom"]
+    ]
     (rule,) = [rule for rule in rules if rule["name"]["as"] == PENDING_METRIC]
     assert rule["seriesQuery"].startswith(PENDING_METRIC + "{")
     assert rule["resources"]["overrides"]["pod"] == {"resource": "pod"}
@@ -285,11 +323,13 @@ def test_model_repository_baked_in_or_mounted():
 
 def test_mask_width_has_one_source_of_truth():
     """W lives in config.pbtxt only: the chart has no value for it, and its schema refuses one."""
+
     def keys(node):
         if isinstance(node, dict):
             for key, value in node.items():
                 yield key
                 yield from keys(value)
+
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     assert not [key for key in keys(values) if re.search(r"mask|width", key, flags=re.IGNORECASE)]
     with pytest.raises(Exception, match="maskWidth"):
@@ -300,8 +340,12 @@ def test_mask_width_has_one_source_of_truth():
 def checkov() -> list[str]:
     """The checkov command: CHECKOV, a checkov venv inside this one (.venv/checkov; checkov pins
     dependencies the project's venv must not take), this venv's bin/, or PATH."""
-    candidates = [os.environ.get("CHECKOV", ""), str(Path(sys.prefix) / "checkov" / "bin" / "checkov"),
-                  str(Path(sys.executable).parent / "checkov"), shutil.which("checkov") or ""]
+    candidates = [
+        os.environ.get("CHECKOV", ""),
+        str(Path(sys.prefix) / "checkov" / "bin" / "checkov"),
+        str(Path(sys.executable).parent / "checkov"),
+        shutil.which("checkov") or "",
+    ]
     for candidate in candidates:
         if candidate and Path(candidate).is_file():
             return [candidate]
@@ -318,22 +362,28 @@ def test_checkov_finds_nothing_unexplained(tmp_path):
             if path.endswith(".yaml") and text.strip():
                 (tmp_path / variant / Path(path).name).write_text(text)
     done = subprocess.run(
-        [*checkov(), "--directory", str(tmp_path), "--framework", "kubernetes", "--skip-download",
-         "--output", "json"],
-        capture_output=True, text=True, timeout=CHECKOV_TIMEOUT_S, env={**os.environ, "LOG_LEVEL": "WARNING"},
+        [*checkov(), "--directory", str(tmp_path), "--framework", "kubernetes", "--skip-download", "--output", "json"],
+        capture_output=True,
+        text=True,
+        timeout=CHECKOV_TIMEOUT_S,
+        env={**os.environ, "LOG_LEVEL": "WARNING"},
     )
     assert done.stdout.lstrip().startswith(("{", "[")), done.stdout[-2000:] + done.stderr[-2000:]
     report = json.loads(done.stdout)
     if isinstance(report, list):  # one report per framework when several ran
         (report,) = [r for r in report if r["check_type"] == "kubernetes"]
     results = report["results"]
-    failed = [f"{c['check_id']} {c['check_name']} ({c['resource']}, {c['file_path']})" for c in results["failed_checks"]]
+    failed = [
+        f"{c['check_id']} {c['check_name']} ({c['resource']}, {c['file_path']})" for c in results["failed_checks"]
+    ]
     assert not failed, "checkov findings (fix them, or skip them in the chart with a reason):\n" + "\n".join(failed)
     assert report["summary"]["parsing_errors"] == 0, done.stdout[-2000:]
     assert report["summary"]["passed"] > 50, "checkov checked almost nothing"
     skipped = {}
     for check in results["skipped_checks"]:
-        assert check["check_result"].get("suppress_comment", "").strip(), f"{check['check_id']} skipped without a reason"
+        assert check["check_result"].get("suppress_comment", "").strip(), (
+            f"{check['check_id']} skipped without a reason"
+        )
         skipped.setdefault(check["file_path"].split("/")[1], set()).add(check["check_id"])
     assert skipped["defaults"] <= KEPT_FINDINGS and skipped["everything"] <= KEPT_FINDINGS
     # Each conditional skip goes away with the value that fixes its finding.

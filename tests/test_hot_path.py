@@ -26,8 +26,18 @@ DEVICE = torch.device("cuda:0") if torch.cuda.is_available() else torch.device("
 LAUNCH_BUDGET = 8  # aten ops + Triton launches per execute on the finite-top_k path
 
 # Host synchronisations: a device tensor read from the host stops the CPU running ahead.
-SYNCING = {torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.tolist, torch.Tensor.cpu, torch.Tensor.numpy,
-           torch.Tensor.nonzero, torch.nonzero, torch.Tensor.__int__, torch.Tensor.__float__, torch.Tensor.__index__}
+SYNCING = {
+    torch.Tensor.item,
+    torch.Tensor.__bool__,
+    torch.Tensor.tolist,
+    torch.Tensor.cpu,
+    torch.Tensor.numpy,
+    torch.Tensor.nonzero,
+    torch.nonzero,
+    torch.Tensor.__int__,
+    torch.Tensor.__float__,
+    torch.Tensor.__index__,
+}
 
 
 class CountSyncs(TorchFunctionMode):
@@ -40,8 +50,11 @@ class CountSyncs(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         # .to("cpu") syncs when it moves a device tensor to the host (on CPU tensors it is a no-op).
-        to_cpu = (func is torch.Tensor.to and args[0].device.type != "cpu"
-                  and any(str(a).startswith("cpu") for a in (*args[1:], *kwargs.values())))
+        to_cpu = (
+            func is torch.Tensor.to
+            and args[0].device.type != "cpu"
+            and any(str(a).startswith("cpu") for a in (*args[1:], *kwargs.values()))
+        )
         if func in SYNCING or to_cpu:
             self.calls.append(getattr(func, "__name__", str(func)))
         return func(*args, **kwargs)
@@ -60,7 +73,11 @@ class CountOps(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         self.ops.append(str(func.overloadpacket))
         for tensor in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(tensor, torch.Tensor) and tensor.dtype == torch.float64 and tensor.numel() >= self.min_elements:
+            if (
+                isinstance(tensor, torch.Tensor)
+                and tensor.dtype == torch.float64
+                and tensor.numel() >= self.min_elements
+            ):
                 self.large_float64.append(str(func))
         return out
 
@@ -130,8 +147,11 @@ def test_several_requests_in_one_execute_stay_within_the_budget():
 def test_fused_execute_answers_match_the_reference_and_the_torch_path():
     logits, params = requests(8, vocab=5000, seed=4)
     fused_out = fused_sampler().run([(logits, params)])[0].outputs
-    torch_out = BatchSampler(TorchSamplingBackend(fused=False), MaskPolicy(WIDTH, "x"), DEVICE).run(
-        [(logits, params)])[0].outputs
+    torch_out = (
+        BatchSampler(TorchSamplingBackend(fused=False), MaskPolicy(WIDTH, "x"), DEVICE)
+        .run([(logits, params)])[0]
+        .outputs
+    )
     for row in range(8):
         ref = reference_row(logits[row].cpu().numpy(), 0.8, int(params.top_k[row]), 0.95, tolerance=1e-5)
         length = int(fused_out["sampling_mask_len"][row, 0])
@@ -139,7 +159,9 @@ def test_fused_execute_answers_match_the_reference_and_the_torch_path():
         np.testing.assert_array_equal(fused_out["sampling_mask"][row, :length], ref.order[:length])
         token = int(fused_out["output_ids"][row, 0])
         assert token in ref.order[:length]
-        assert fused_out["sampling_logprobs"][row, 0] == pytest.approx(ref.renormalised_logprob(token, length), abs=1e-5)
+        assert fused_out["sampling_logprobs"][row, 0] == pytest.approx(
+            ref.renormalised_logprob(token, length), abs=1e-5
+        )
     # Same seeds, same uniforms on both paths: the tokens agree (fp32 vs fp64 scores can only
     # differ on a near-tie of the Gumbel-perturbed scores, which these rows do not have).
     np.testing.assert_array_equal(fused_out["output_ids"], torch_out["output_ids"])

@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-SHELL_SCRIPTS = sorted(REPO_ROOT.glob("docker/*.sh")) + sorted(REPO_ROOT.glob("bench/*.sh")) + [REPO_ROOT / ".ci" / "run"]
+SHELL_SCRIPTS = (
+    sorted(REPO_ROOT.glob("docker/*.sh")) + sorted(REPO_ROOT.glob("bench/*.sh")) + [REPO_ROOT / ".ci" / "run"]
+)
 
 
 def tool(name: str) -> str:

@@ -16,8 +16,9 @@ def config(logits_type="TYPE_FP32", support_width=8):
     return {"input": [{"name": "logits", "data_type": logits_type, "dims": [-1]}], "output": outputs}
 
 
-@pytest.mark.parametrize("data_type, dtype", [("TYPE_FP32", torch.float32), ("TYPE_BF16", torch.bfloat16),
-                                              ("TYPE_FP16", torch.float16)])
+@pytest.mark.parametrize(
+    "data_type, dtype", [("TYPE_FP32", torch.float32), ("TYPE_BF16", torch.bfloat16), ("TYPE_FP16", torch.float16)]
+)
 def test_logits_dtype_comes_from_the_config(data_type, dtype):
     assert input_dtype(config(data_type), "logits", LOGITS_DATA_TYPES) is dtype
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from triton_sampling_mask.sampling.sampler import SamplingBatch, ranked_candidates, sample
 from tests.reference import reference_row
+from triton_sampling_mask.sampling.sampler import SamplingBatch, ranked_candidates, sample
 
 
 def _expected(logits: np.ndarray, k: int) -> np.ndarray:
@@ -49,9 +49,13 @@ def test_mask_is_the_reference_support_under_ties(kind):
     logits = _tied_logits(kind, 4, 3000, rng)
     top_k, top_p, temperature = np.array([1, 20, 100, 512]), np.float32(0.9), np.float32(0.8)
     batch = SamplingBatch(
-        logits=torch.from_numpy(logits), temperature=torch.full((4,), float(temperature)),
-        top_k=torch.from_numpy(top_k), top_p=torch.full((4,), float(top_p)), min_p=torch.zeros(4),
-        seed=torch.arange(4, dtype=torch.int64), want_mask=torch.ones(4, dtype=torch.bool),
+        logits=torch.from_numpy(logits),
+        temperature=torch.full((4,), float(temperature)),
+        top_k=torch.from_numpy(top_k),
+        top_p=torch.full((4,), float(top_p)),
+        min_p=torch.zeros(4),
+        seed=torch.arange(4, dtype=torch.int64),
+        want_mask=torch.ones(4, dtype=torch.bool),
     )
     result = sample(batch, mask_width=512)
     checked = 0
@@ -77,9 +81,9 @@ def _selection_rows(vocab: int, k: int, rng: np.random.Generator) -> np.ndarray:
     rows[1] = torch.from_numpy(rng.standard_normal(vocab) * 3).bfloat16().float().numpy()
     rows[2] = rng.standard_normal(vocab) - 20
     rows[2, rng.permutation(vocab)[: k + 20]] = rng.choice([0.0, -0.0], k + 20)
-    rows[2, rng.permutation(vocab)[:k // 2]] = 1.0
+    rows[2, rng.permutation(vocab)[: k // 2]] = 1.0
     rows[3] = rng.standard_normal(vocab) - 10
-    rows[3, rng.permutation(vocab)[:k // 2]] = 0.0
+    rows[3, rng.permutation(vocab)[: k // 2]] = 0.0
     rows[3, rng.permutation(vocab)[:3000]] = -1.0  # the boundary run: the top-k fallback repairs it
     rows[4] = rng.standard_normal(vocab)
     rows[4, :: vocab // 2048] = 10 + rng.standard_normal(rows[4, :: vocab // 2048].size)
@@ -95,8 +99,9 @@ def test_threshold_selection_is_exact_and_hands_the_rows_it_cannot_settle_to_top
     logits = _selection_rows(vocab, k, np.random.default_rng(11))
     fallback_rows = []
     by_topk = sampler._ranked_by_topk_cpu
-    monkeypatch.setattr(sampler, "_ranked_by_topk_cpu",
-                        lambda lg, kk: fallback_rows.append(lg.shape[0]) or by_topk(lg, kk))
+    monkeypatch.setattr(
+        sampler, "_ranked_by_topk_cpu", lambda lg, kk: fallback_rows.append(lg.shape[0]) or by_topk(lg, kk)
+    )
     values, ids = ranked_candidates(torch.from_numpy(logits), k)
     assert fallback_rows == [3], "rows 3, 4 and 5 (only they) go to the top-k fallback, as one group"
     expected = _expected(logits, k)
@@ -132,8 +137,12 @@ def _batch(logits: torch.Tensor, k: int, temperature: float = 0.8, top_p: float 
     """Every row of `logits` with the same top_k, temperature and top_p, masks on, seeded by row."""
     rows = logits.shape[0]
     return SamplingBatch(
-        logits=logits, temperature=np.full(rows, temperature, np.float32), top_k=np.full(rows, k),
-        top_p=np.full(rows, top_p, np.float32), min_p=np.zeros(rows, np.float32), seed=np.arange(rows),
+        logits=logits,
+        temperature=np.full(rows, temperature, np.float32),
+        top_k=np.full(rows, k),
+        top_p=np.full(rows, top_p, np.float32),
+        min_p=np.zeros(rows, np.float32),
+        seed=np.arange(rows),
         want_mask=np.ones(rows, bool),
     )
 
@@ -199,8 +208,7 @@ class _LargeFloat32Allocations(TorchDispatchMode):
         out = func(*args, **kwargs)
         # A return without alias annotation is new memory (views, in-place and out= ops alias).
         fresh = all(r.alias_info is None for r in func._schema.returns)
-        if (fresh and isinstance(out, torch.Tensor) and out.dtype == torch.float32
-                and out.numel() >= self.min_elements):
+        if fresh and isinstance(out, torch.Tensor) and out.dtype == torch.float32 and out.numel() >= self.min_elements:
             self.seen.append(str(func))
         return out
 

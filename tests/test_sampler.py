@@ -21,6 +21,7 @@ def sampler_device(request):
     yield request.param
     use_device("cpu")
 
+
 TOLERANCE = 1e-6
 
 
@@ -31,8 +32,12 @@ def sampling_cases(draw):
     vocab = draw(st.integers(1, 80))
     tied = draw(st.booleans())
     element = st.integers(-3, 3).map(float) if tied else st.floats(-30, 30, width=32)
-    logits = np.array(draw(st.lists(st.lists(element, min_size=vocab, max_size=vocab), min_size=rows, max_size=rows)), np.float32)
-    banned = np.array(draw(st.lists(st.lists(st.booleans(), min_size=vocab, max_size=vocab), min_size=rows, max_size=rows)))
+    logits = np.array(
+        draw(st.lists(st.lists(element, min_size=vocab, max_size=vocab), min_size=rows, max_size=rows)), np.float32
+    )
+    banned = np.array(
+        draw(st.lists(st.lists(st.booleans(), min_size=vocab, max_size=vocab), min_size=rows, max_size=rows))
+    )
     banned[:, 0] = False  # keep at least one finite logit per row
     logits[banned & draw(st.booleans())] = -np.inf
     per_row = lambda strategy: draw(st.lists(strategy, min_size=rows, max_size=rows))  # noqa: E731
@@ -208,7 +213,9 @@ def test_large_top_k_rows_are_ranked_apart_in_row_blocks():
             length = int(out["mask_len"][row])
             assert ref.support_min <= length <= ref.support_max
             np.testing.assert_array_equal(out["mask"][row, :length], ref.order[:length])
-        alone = run_sampler(logits[row : row + 1], top_k=int(top_k[row]), top_p=0.3, seed=row, want_mask=False, mask_width=20)
+        alone = run_sampler(
+            logits[row : row + 1], top_k=int(top_k[row]), top_p=0.3, seed=row, want_mask=False, mask_width=20
+        )
         assert alone["ids"][0] == out["ids"][row], "a row's token depends on its batch-mates"
 
 

@@ -38,8 +38,9 @@ PROBE = textwrap.dedent(
 
 
 def peak_kib(kind: str) -> dict:
-    done = subprocess.run([sys.executable, "-c", PROBE, kind, str(ROWS), str(VOCAB)],
-                          capture_output=True, text=True, timeout=240)
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE, kind, str(ROWS), str(VOCAB)], capture_output=True, text=True, timeout=240
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 

@@ -52,7 +52,9 @@ def test_valid_values_pass(kwargs):
 
 
 def test_width_rule_needs_the_server_policy_and_names_the_row():
-    rows = rows_to_params([SamplingParams(top_k=4, return_sampling_mask=True), SamplingParams(top_k=9, return_sampling_mask=True)])
+    rows = rows_to_params(
+        [SamplingParams(top_k=4, return_sampling_mask=True), SamplingParams(top_k=9, return_sampling_mask=True)]
+    )
     policy = MaskPolicy(mask_width=8, width_source="the server")
     check_rows_like_server(rows)  # without W, nothing to refuse
     check_rows_like_server(rows, vocab_size=8, policy=policy)  # min(top_k, V) = 8 fits

@@ -26,10 +26,9 @@ from pathlib import Path
 
 import numpy as np
 
-from triton_sampling_mask.ops.launcher import TritonServer
-
 from client_tests.generate_client import GenerateStream
 from client_tests.server import MODEL_REPOSITORY, set_parameter
+from triton_sampling_mask.ops.launcher import TritonServer
 
 PARAMS = dict(temperature=1.0, top_k=20, top_p=0.95, return_sampling_mask=True, ignore_eos=True)
 SCHEDULERS = {"continuous": "generate", "static": "generate_static"}
@@ -49,8 +48,11 @@ class LoadStats:
     def row(self, label: str) -> str:
         def pct(values, q):
             return f"{1000 * np.percentile(values, q):8.1f}" if values else "       -"
-        return (f"{label:<26} {self.tokens / self.seconds:9.1f} {pct(self.ttft, 50)} {pct(self.ttft, 99)} "
-                f"{pct(self.itl, 50)} {pct(self.itl, 99)}   ({self.tokens} tokens in {self.seconds:.1f}s)")
+
+        return (
+            f"{label:<26} {self.tokens / self.seconds:9.1f} {pct(self.ttft, 50)} {pct(self.ttft, 99)} "
+            f"{pct(self.itl, 50)} {pct(self.itl, 99)}   ({self.tokens} tokens in {self.seconds:.1f}s)"
+        )
 
 
 def client_loop(url: str, model: str, budgets: list[int], stream: bool, client: int, stats: LoadStats, lock) -> None:
@@ -59,8 +61,14 @@ def client_loop(url: str, model: str, budgets: list[int], stream: bool, client: 
     with GenerateStream(url, model) as connection:
         for k, budget in enumerate(budgets):
             sent = last = time.perf_counter()
-            connection.send([5 + client % 50, 6 + k, 7], budget, request_id=f"{client}-{k}", stream=stream,
-                            seed=client * 1000 + k, **PARAMS)
+            connection.send(
+                [5 + client % 50, 6 + k, 7],
+                budget,
+                request_id=f"{client}-{k}",
+                stream=stream,
+                seed=client * 1000 + k,
+                **PARAMS,
+            )
             first = True
             while True:
                 # Every output is sent; only output_ids is decoded, so the CPUs go to the server.
@@ -91,8 +99,10 @@ def client_loop(url: str, model: str, budgets: list[int], stream: bool, client: 
 def closed_loop(url: str, model: str, budgets: np.ndarray, stream: bool) -> LoadStats:
     """All clients at once (budgets: [clients, requests per client]); wall time to the last answer."""
     stats, lock = LoadStats(), threading.Lock()
-    threads = [threading.Thread(target=client_loop, args=(url, model, [int(b) for b in row], stream, c, stats, lock))
-               for c, row in enumerate(budgets)]
+    threads = [
+        threading.Thread(target=client_loop, args=(url, model, [int(b) for b in row], stream, c, stats, lock))
+        for c, row in enumerate(budgets)
+    ]
     start = time.perf_counter()
     for thread in threads:
         thread.start()
@@ -118,32 +128,42 @@ def main() -> None:
     parser.add_argument("--requests-per-client", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0, help="seed of the max_new_tokens draws")
     args = parser.parse_args()
-    budgets = np.random.default_rng(args.seed).integers(BUDGET_RANGE[0], BUDGET_RANGE[1] + 1,
-                                                        size=(args.clients, args.requests_per_client))
+    budgets = np.random.default_rng(args.seed).integers(
+        BUDGET_RANGE[0], BUDGET_RANGE[1] + 1, size=(args.clients, args.requests_per_client)
+    )
     workdir = Path(tempfile.mkdtemp())
     started = time.perf_counter()
     try:
         with TritonServer(build_repository(workdir / "model_repository")) as server:
-            print(f"server ready in {time.perf_counter() - started:.1f}s; {args.clients} closed-loop clients x "
-                  f"{args.requests_per_client} requests, max_new_tokens in {list(BUDGET_RANGE)} "
-                  f"(mean {budgets.mean():.0f}); load average before: {os.getloadavg()}")
+            print(
+                f"server ready in {time.perf_counter() - started:.1f}s; {args.clients} closed-loop clients x "
+                f"{args.requests_per_client} requests, max_new_tokens in {list(BUDGET_RANGE)} "
+                f"(mean {budgets.mean():.0f}); load average before: {os.getloadavg()}"
+            )
             for model in SCHEDULERS.values():  # warm-up
                 closed_loop(server.grpc_url, model, np.full((2, 1), 8), stream=False)
-            print(f"{'configuration':<26} {'tokens/s':>9} {'TTFT p50':>8} {'TTFT p99':>8} {'ITL p50':>8} {'ITL p99':>8}   (ms)")
+            print(
+                f"{'configuration':<26} {'tokens/s':>9} {'TTFT p50':>8} {'TTFT p99':>8} {'ITL p50':>8} {'ITL p99':>8}   (ms)"
+            )
             results = {}
             for stream in (False, True):
                 for scheduler, model in SCHEDULERS.items():
                     stats = closed_loop(server.grpc_url, model, budgets, stream)
                     label = f"{scheduler}, {'streaming' if stream else 'non-streaming'}"
                     results[(scheduler, stream)] = stats
-                    print(stats.row(label) + (f"  ERRORS: {len(stats.errors)} e.g. {stats.errors[0]}" if stats.errors else ""),
-                          flush=True)
+                    print(
+                        stats.row(label)
+                        + (f"  ERRORS: {len(stats.errors)} e.g. {stats.errors[0]}" if stats.errors else ""),
+                        flush=True,
+                    )
             for stream in (False, True):
                 cont, static = results[("continuous", stream)], results[("static", stream)]
                 speedup = (cont.tokens / cont.seconds) / (static.tokens / static.seconds)
                 ttft_gain = np.percentile(static.ttft, 99) / np.percentile(cont.ttft, 99)
-                print(f"{'streaming' if stream else 'non-streaming'}: continuous/static tokens/s x{speedup:.2f}, "
-                      f"TTFT p99 static/continuous x{ttft_gain:.1f}")
+                print(
+                    f"{'streaming' if stream else 'non-streaming'}: continuous/static tokens/s x{speedup:.2f}, "
+                    f"TTFT p99 static/continuous x{ttft_gain:.1f}"
+                )
             print(f"load average after: {os.getloadavg()} ({os.cpu_count()} CPUs; the clients run on them too)")
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

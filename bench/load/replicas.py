@@ -67,10 +67,13 @@ def drive(urls: list[str], protocol: str, threads: int, seconds: float, rows: in
         shares = {url: count - before[url] for url, count in client.replica_shares().items()}
     calls = len(latencies)
     return {
-        "replicas": len(urls), "calls_per_s": calls / elapsed, "rows_per_s": calls * rows / elapsed,
+        "replicas": len(urls),
+        "calls_per_s": calls / elapsed,
+        "rows_per_s": calls * rows / elapsed,
         "p50_ms": 1000 * float(np.median(latencies)) if calls else float("nan"),
         "p99_ms": 1000 * float(np.percentile(latencies, 99)) if calls else float("nan"),
-        "errors": len(errors), "shares": shares,
+        "errors": len(errors),
+        "shares": shares,
     }
 
 
@@ -91,16 +94,21 @@ def main(argv: list[str] | None = None) -> None:
         with ThreadPoolExecutor(args.replicas) as pool:
             list(pool.map(lambda server: server.start(), servers))
         urls = [server.grpc_url if args.protocol == "grpc" else server.http_url for server in servers]
-        print(f"# {os.cpu_count()} CPU cores for the client and every replica; {args.threads} threads, "
-              f"{args.rows} x {args.vocab} logits per call, top_k=50 masks, {args.protocol}, {args.seconds:.0f} s each")
+        print(
+            f"# {os.cpu_count()} CPU cores for the client and every replica; {args.threads} threads, "
+            f"{args.rows} x {args.vocab} logits per call, top_k=50 masks, {args.protocol}, {args.seconds:.0f} s each"
+        )
         print("| replicas | calls/s | rows/s | p50 ms | p99 ms | errors | share per replica |")
         print("|---:|---:|---:|---:|---:|---:|---|")
         for count in range(1, args.replicas + 1):
             row = drive(urls[:count], args.protocol, args.threads, args.seconds, args.rows, args.vocab)
             total = sum(row["shares"].values()) or 1
             shares = " / ".join(f"{100 * n / total:.0f}%" for n in row["shares"].values())
-            print(f"| {count} | {row['calls_per_s']:.0f} | {row['rows_per_s']:.0f} | {row['p50_ms']:.1f} | "
-                  f"{row['p99_ms']:.1f} | {row['errors']} | {shares} |", flush=True)
+            print(
+                f"| {count} | {row['calls_per_s']:.0f} | {row['rows_per_s']:.0f} | {row['p50_ms']:.1f} | "
+                f"{row['p99_ms']:.1f} | {row['errors']} | {shares} |",
+                flush=True,
+            )
     finally:
         for server in servers:
             server.stop()

@@ -227,8 +227,11 @@ def mapped_shm_regions(pids: list[int]) -> dict[str, int]:
             maps = Path(f"/proc/{pid}/maps").read_text()
         except OSError:
             continue
-        names.update(line.split(None, 5)[5] for line in maps.splitlines()
-                     if " /dev/shm/" in line and len(line.split(None, 5)) == 6)
+        names.update(
+            line.split(None, 5)[5]
+            for line in maps.splitlines()
+            if " /dev/shm/" in line and len(line.split(None, 5)) == 6
+        )
     sizes = {}
     for name in names:
         try:
@@ -298,7 +301,9 @@ class _Client(threading.Thread):
         if self.protocol == "http":
             import tritonclient.http as module
 
-            client = module.InferenceServerClient(self.url, connection_timeout=self.timeout_s, network_timeout=self.timeout_s)
+            client = module.InferenceServerClient(
+                self.url, connection_timeout=self.timeout_s, network_timeout=self.timeout_s
+            )
             send = lambda inputs: client.infer(MODEL, inputs)  # noqa: E731
         else:
             import tritonclient.grpc as module
@@ -353,7 +358,9 @@ class _Client(threading.Thread):
 def _run_clients(http_url, grpc_url, clients, duration_s, vocab, seed, timeout_s) -> list[_Client]:
     stop = threading.Event()
     threads = [
-        _Client("http" if i % 2 == 0 else "grpc", http_url if i % 2 == 0 else grpc_url, seed + i, vocab, stop, timeout_s)
+        _Client(
+            "http" if i % 2 == 0 else "grpc", http_url if i % 2 == 0 else grpc_url, seed + i, vocab, stop, timeout_s
+        )
         for i in range(clients)
     ]
     for thread in threads:

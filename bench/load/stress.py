@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from triton_sampling_mask.client.replicas import DEFAULT_EJECT_BACKOFF_S, DEFAULT_MAX_EJECT_BACKOFF_S
+
 from .soak import ProcessMemory, mapped_shm_regions, process_tree_memory
 
 MODEL = "sampler"
@@ -50,10 +51,13 @@ RSS_GROWTH_LIMIT = 0.15
 BACKOFF_S = DEFAULT_EJECT_BACKOFF_S
 MAX_BACKOFF_S = DEFAULT_MAX_EJECT_BACKOFF_S
 # Triton's per-model counters (metrics port) that say where an admitted request's time went.
-TRITON_DURATIONS = {"request": "nv_inference_request_duration_us", "queue": "nv_inference_queue_duration_us",
-                    "compute_input": "nv_inference_compute_input_duration_us",
-                    "compute_infer": "nv_inference_compute_infer_duration_us",
-                    "compute_output": "nv_inference_compute_output_duration_us"}
+TRITON_DURATIONS = {
+    "request": "nv_inference_request_duration_us",
+    "queue": "nv_inference_queue_duration_us",
+    "compute_input": "nv_inference_compute_input_duration_us",
+    "compute_infer": "nv_inference_compute_infer_duration_us",
+    "compute_output": "nv_inference_compute_output_duration_us",
+}
 TRITON_SUCCESS = "nv_inference_request_success"
 
 
@@ -66,8 +70,15 @@ def binary_request(rows: int, vocab: int, seed: int = 0) -> tuple[bytes, dict[st
         ("return_sampling_mask", "BOOL", np.ones((rows, 1), np.bool_)),
     ]
     header = {
-        "inputs": [{"name": name, "datatype": datatype, "shape": list(array.shape),
-                    "parameters": {"binary_data_size": array.nbytes}} for name, datatype, array in tensors],
+        "inputs": [
+            {
+                "name": name,
+                "datatype": datatype,
+                "shape": list(array.shape),
+                "parameters": {"binary_data_size": array.nbytes},
+            }
+            for name, datatype, array in tensors
+        ],
         "outputs": [{"name": name, "parameters": {"binary_data": True}} for name in OUTPUTS],
     }
     head = json.dumps(header).encode()
@@ -105,8 +116,18 @@ class RoundReport:
 
 
 class _Client(threading.Thread):
-    def __init__(self, host: str, port: int, body: bytes, headers: dict, stop: threading.Event, timeout_s: float,
-                 backoff_s: float = BACKOFF_S, max_backoff_s: float = MAX_BACKOFF_S, seed: int = 0):
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        body: bytes,
+        headers: dict,
+        stop: threading.Event,
+        timeout_s: float,
+        backoff_s: float = BACKOFF_S,
+        max_backoff_s: float = MAX_BACKOFF_S,
+        seed: int = 0,
+    ):
         super().__init__(daemon=True)
         self.address, self.body, self.headers, self.stop, self.timeout_s = (host, port), body, headers, stop, timeout_s
         self.backoff_s, self.max_backoff_s, self.random = backoff_s, max(max_backoff_s, backoff_s), random.Random(seed)
@@ -186,14 +207,26 @@ def _client_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def run_round(number: int, http_url: str, pid: int, clients: int, duration_s: float, body: bytes, headers: dict,
-              timeout_s: float = 60.0, metrics_url: str | None = None, backoff_s: float = BACKOFF_S,
-              max_backoff_s: float = MAX_BACKOFF_S) -> RoundReport:
+def run_round(
+    number: int,
+    http_url: str,
+    pid: int,
+    clients: int,
+    duration_s: float,
+    body: bytes,
+    headers: dict,
+    timeout_s: float = 60.0,
+    metrics_url: str | None = None,
+    backoff_s: float = BACKOFF_S,
+    max_backoff_s: float = MAX_BACKOFF_S,
+) -> RoundReport:
     """One round of `clients` closed-loop clients for `duration_s` seconds."""
     host, port = http_url.rsplit(":", 1)
     stop = threading.Event()
-    threads = [_Client(host, int(port), body, headers, stop, timeout_s, backoff_s, max_backoff_s, seed=number * 100_003 + i)
-               for i in range(clients)]
+    threads = [
+        _Client(host, int(port), body, headers, stop, timeout_s, backoff_s, max_backoff_s, seed=number * 100_003 + i)
+        for i in range(clients)
+    ]
     counters_before, started = triton_counters(metrics_url), time.perf_counter()
     client_cpu_before, server_cpu_before = _client_cpu_s(), _server_cpu_s(pid)
     for thread in threads:
@@ -222,12 +255,24 @@ def run_round(number: int, http_url: str, pid: int, clients: int, duration_s: fl
         report.shed_p99_s = float(np.percentile(shed, 99))
     successes = counters.get(TRITON_SUCCESS, 0.0) - counters_before.get(TRITON_SUCCESS, 0.0)
     if successes > 0:
-        report.server_ms = {key: (counters.get(name, 0.0) - counters_before.get(name, 0.0)) / successes / 1e3
-                            for key, name in TRITON_DURATIONS.items()}
+        report.server_ms = {
+            key: (counters.get(name, 0.0) - counters_before.get(name, 0.0)) / successes / 1e3
+            for key, name in TRITON_DURATIONS.items()
+        }
     memories, report.rss_mb, report.pss_mb = tree_memory_mb(pid)
-    report.processes = [{"pid": m.pid, "name": m.name, "rss_mb": m.rss / 2**20, "anon_mb": m.anon / 2**20,
-                         "file_mb": m.file / 2**20, "shmem_mb": m.shmem / 2**20, "pss_mb": m.pss / 2**20,
-                         "shm_mappings": m.shm_mappings} for m in memories]
+    report.processes = [
+        {
+            "pid": m.pid,
+            "name": m.name,
+            "rss_mb": m.rss / 2**20,
+            "anon_mb": m.anon / 2**20,
+            "file_mb": m.file / 2**20,
+            "shmem_mb": m.shmem / 2**20,
+            "pss_mb": m.pss / 2**20,
+            "shm_mappings": m.shm_mappings,
+        }
+        for m in memories
+    ]
     report.shm_regions_mb = {name: size / 2**20 for name, size in mapped_shm_regions([m.pid for m in memories]).items()}
     return report
 
@@ -235,36 +280,57 @@ def run_round(number: int, http_url: str, pid: int, clients: int, duration_s: fl
 def problems(rounds: list[RoundReport]) -> list[str]:
     """Why the stress run fails (empty when it passes)."""
     found = [f"round {r.round}: {r.failed} failed ({r.failures[:2]})" for r in rounds if r.failed]
-    found += [f"round {r.round}: p99 of admitted {r.p99_s:.2f} s >= {P99_LIMIT_S} s" for r in rounds if r.p99_s >= P99_LIMIT_S]
+    found += [
+        f"round {r.round}: p99 of admitted {r.p99_s:.2f} s >= {P99_LIMIT_S} s" for r in rounds if r.p99_s >= P99_LIMIT_S
+    ]
     if len(rounds) > 1 and rounds[-1].rss_mb > rounds[0].rss_mb * (1 + RSS_GROWTH_LIMIT):
-        found.append(f"RSS grew {rounds[-1].rss_mb / rounds[0].rss_mb - 1:+.1%} from round 1 to round {rounds[-1].round}")
+        found.append(
+            f"RSS grew {rounds[-1].rss_mb / rounds[0].rss_mb - 1:+.1%} from round 1 to round {rounds[-1].round}"
+        )
     return found
 
 
 def table(rounds: list[RoundReport], rss_idle_mb: float, pss_idle_mb: float | None = None) -> str:
     """The report as Markdown tables: outcomes, where admitted requests spent their time, memory."""
     idle = f"server RSS before traffic: {rss_idle_mb:.0f} MB" + (f" (PSS {pss_idle_mb:.0f} MB)" if pss_idle_mb else "")
-    lines = [idle,
-             "| round | sent | admitted | shed (503) | failed | p50 admitted | p99 admitted | p99 shed | RSS after round | PSS after round |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        idle,
+        "| round | sent | admitted | shed (503) | failed | p50 admitted | p99 admitted | p99 shed | RSS after round | PSS after round |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rounds:
-        lines.append(f"| {r.round} | {r.sent} | {r.admitted} | {r.shed} ({r.shed_share:.0%}) | {r.failed} | "
-                     f"{r.p50_s:.2f} s | {r.p99_s:.2f} s | {r.shed_p99_s:.2f} s | {r.rss_mb:.0f} MB | {r.pss_mb:.0f} MB |")
-    lines += ["", "Admitted requests, mean ms (upload: the client handing its body to the socket; Triton's from its metrics):",
-              "| round | client latency | upload (p99) | Triton request | queue | compute input | infer | output | CPU clients / server |",
-              "|---|---|---|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {r.round} | {r.sent} | {r.admitted} | {r.shed} ({r.shed_share:.0%}) | {r.failed} | "
+            f"{r.p50_s:.2f} s | {r.p99_s:.2f} s | {r.shed_p99_s:.2f} s | {r.rss_mb:.0f} MB | {r.pss_mb:.0f} MB |"
+        )
+    lines += [
+        "",
+        "Admitted requests, mean ms (upload: the client handing its body to the socket; Triton's from its metrics):",
+        "| round | client latency | upload (p99) | Triton request | queue | compute input | infer | output | CPU clients / server |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rounds:
         server = r.server_ms
-        triton = " | ".join(f"{server[k]:.0f}" if k in server else "-"
-                            for k in ("request", "queue", "compute_input", "compute_infer", "compute_output"))
-        lines.append(f"| {r.round} | {r.mean_s * 1e3:.0f} | {r.send_mean_s * 1e3:.0f} ({r.send_p99_s * 1e3:.0f}) | {triton} | "
-                     f"{r.client_cpu:.0%} / {r.server_cpu:.0%} |")
-    lines += ["", "Memory after each round, MB (RSS = anon + file + shmem; shmem counts each mapping of a /dev/shm pool):",
-              "| round | process | RSS | anon | file | shmem | PSS | /dev/shm mappings |", "|---|---|---|---|---|---|---|---|"]
+        triton = " | ".join(
+            f"{server[k]:.0f}" if k in server else "-"
+            for k in ("request", "queue", "compute_input", "compute_infer", "compute_output")
+        )
+        lines.append(
+            f"| {r.round} | {r.mean_s * 1e3:.0f} | {r.send_mean_s * 1e3:.0f} ({r.send_p99_s * 1e3:.0f}) | {triton} | "
+            f"{r.client_cpu:.0%} / {r.server_cpu:.0%} |"
+        )
+    lines += [
+        "",
+        "Memory after each round, MB (RSS = anon + file + shmem; shmem counts each mapping of a /dev/shm pool):",
+        "| round | process | RSS | anon | file | shmem | PSS | /dev/shm mappings |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rounds:
         for p in r.processes:
-            lines.append(f"| {r.round} | {p['name']} | {p['rss_mb']:.0f} | {p['anon_mb']:.0f} | {p['file_mb']:.0f} | "
-                         f"{p['shmem_mb']:.0f} | {p['pss_mb']:.0f} | {p['shm_mappings']} |")
+            lines.append(
+                f"| {r.round} | {p['name']} | {p['rss_mb']:.0f} | {p['anon_mb']:.0f} | {p['file_mb']:.0f} | "
+                f"{p['shmem_mb']:.0f} | {p['pss_mb']:.0f} | {p['shm_mappings']} |"
+            )
         pools = ", ".join(f"{size:.0f}" for size in sorted(r.shm_regions_mb.values(), reverse=True))
         lines.append(f"| {r.round} | /dev/shm pools (file sizes) | {pools} | | | | | |")
     return "\n".join(lines)
@@ -279,9 +345,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--duration", type=float, default=30.0, help="seconds per round")
     parser.add_argument("--model-repository", default=os.environ.get("MODEL_REPOSITORY", "model_repository"))
-    parser.add_argument("--backoff", type=float, default=BACKOFF_S,
-                        help="seconds a client waits after a 503, doubling while shed (0: resend at once; default %(default)s)")
-    parser.add_argument("--max-backoff", type=float, default=MAX_BACKOFF_S, help="longest wait after a 503 (default %(default)s)")
+    parser.add_argument(
+        "--backoff",
+        type=float,
+        default=BACKOFF_S,
+        help="seconds a client waits after a 503, doubling while shed (0: resend at once; default %(default)s)",
+    )
+    parser.add_argument(
+        "--max-backoff", type=float, default=MAX_BACKOFF_S, help="longest wait after a 503 (default %(default)s)"
+    )
     parser.add_argument("--http-url")
     parser.add_argument("--metrics-url", help="Triton's metrics URL, http://H:P/metrics (with --http-url)")
     parser.add_argument("--pid", type=int, help="tritonserver pid, for RSS (with --http-url)")
@@ -294,15 +366,34 @@ def main(argv: list[str] | None = None) -> int:
         _, idle, idle_pss = tree_memory_mb(pid)
         rounds = []
         for number in range(1, args.rounds + 1):
-            rounds.append(run_round(number, http_url, pid, args.clients, args.duration, body, headers,
-                                    metrics_url=metrics_url, backoff_s=args.backoff, max_backoff_s=args.max_backoff))
-            summary = {k: v for k, v in asdict(rounds[-1]).items() if k not in ("processes", "shm_regions_mb", "failures")}
+            rounds.append(
+                run_round(
+                    number,
+                    http_url,
+                    pid,
+                    args.clients,
+                    args.duration,
+                    body,
+                    headers,
+                    metrics_url=metrics_url,
+                    backoff_s=args.backoff,
+                    max_backoff_s=args.max_backoff,
+                )
+            )
+            summary = {
+                k: v for k, v in asdict(rounds[-1]).items() if k not in ("processes", "shm_regions_mb", "failures")
+            }
             print(f"round {number}: {summary | {'failures': len(rounds[-1].failures)}}", flush=True)
         return rounds, idle, idle_pss
 
-    clients = (f"{args.clients} clients x {args.rows} x {args.vocab} rows, {args.rounds} rounds of {args.duration:g} s, "
-               + (f"{args.backoff:g} s backoff after a 503 (doubling up to {args.max_backoff:g} s)" if args.backoff > 0
-                  else "no backoff after a 503 (retry storm)"))
+    clients = (
+        f"{args.clients} clients x {args.rows} x {args.vocab} rows, {args.rounds} rounds of {args.duration:g} s, "
+        + (
+            f"{args.backoff:g} s backoff after a 503 (doubling up to {args.max_backoff:g} s)"
+            if args.backoff > 0
+            else "no backoff after a 503 (retry storm)"
+        )
+    )
     print(clients, flush=True)
     if args.http_url:
         rounds, idle, idle_pss = stress(args.http_url, args.pid, args.metrics_url)
@@ -312,16 +403,27 @@ def main(argv: list[str] | None = None) -> int:
         with TritonServer(Path(args.model_repository), extra_args=args.extra) as server:
             print("+ tritonserver " + " ".join(server.command()[1:]), flush=True)
             rounds, idle, idle_pss = stress(server.http_url, server.process.pid, server.metrics_url)
-    print(f"load average after the run (this machine's {len(os.sched_getaffinity(0))} cores): "
-          + " ".join(f"{v:.2f}" for v in os.getloadavg()))
+    print(
+        f"load average after the run (this machine's {len(os.sched_getaffinity(0))} cores): "
+        + " ".join(f"{v:.2f}" for v in os.getloadavg())
+    )
     print(clients)
     print(table(rounds, idle, idle_pss))
     found = problems(rounds)
     print("PASS" if not found else "FAIL:\n  " + "\n  ".join(found))
     if args.json:
-        Path(args.json).write_text(json.dumps({"rounds": [asdict(r) for r in rounds], "rss_idle_mb": idle,
-                                               "pss_idle_mb": idle_pss, "backoff_s": args.backoff,
-                                               "problems": found}, indent=2))
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "rounds": [asdict(r) for r in rounds],
+                    "rss_idle_mb": idle,
+                    "pss_idle_mb": idle_pss,
+                    "backoff_s": args.backoff,
+                    "problems": found,
+                },
+                indent=2,
+            )
+        )
     return 1 if found else 0
 
 

@@ -7,6 +7,6 @@ prime-rl / dense form), `replay` (training log-probs renormalised over the same 
 never `pb_utils`, so it runs in any trainer process.
 """
 
-from .sampler_client import AsyncSamplerClient, SamplerClient, SampleResult, SamplerError, unregister_shared_memory
+from .sampler_client import AsyncSamplerClient, SamplerClient, SamplerError, SampleResult, unregister_shared_memory
 
 __all__ = ["AsyncSamplerClient", "SamplerClient", "SampleResult", "SamplerError", "unregister_shared_memory"]

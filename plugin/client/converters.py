@@ -145,8 +145,11 @@ def to_sglang(mask, lengths, sampling_logprobs, support_logprobs=None) -> dict[s
     return out
 
 
-def from_sglang(output_token_sampling_mask: list[list[int]], width: int,
-                output_token_sampling_support_logprobs: list[list[float]] | None = None) -> FixedWidthMasks:
+def from_sglang(
+    output_token_sampling_mask: list[list[int]],
+    width: int,
+    output_token_sampling_support_logprobs: list[list[float]] | None = None,
+) -> FixedWidthMasks:
     """The fixed-width layout of SGLang's per-token id lists (and their log-probs when given)."""
     counts = np.array([len(ids) for ids in output_token_sampling_mask], dtype=np.int64)
     flat = np.fromiter((i for ids in output_token_sampling_mask for i in ids), dtype=np.int64, count=int(counts.sum()))

@@ -78,13 +78,17 @@ def _score_masks(logits: torch.Tensor, mask, mask_len, temperature) -> _Scored:
 
     valid = torch.arange(mask.shape[1], device=device).unsqueeze(0) < mask_len.unsqueeze(1)
     if bool((mask_len < 1).any()):
-        raise ValueError("every row needs a non-empty mask (rows sampled without return_sampling_mask cannot be replayed)")
+        raise ValueError(
+            "every row needs a non-empty mask (rows sampled without return_sampling_mask cannot be replayed)"
+        )
     if bool(((mask < 0) & valid).any()) or bool(((mask >= vocab) & valid).any()):
         raise ValueError(f"mask ids must lie in [0, {vocab})")
 
     # Greedy rows are scored at temperature 1 (the sampler's convention, SGLang's too).
     temperature = torch.where(temperature == 0, torch.ones_like(temperature), temperature)
-    in_mask = logits.gather(1, torch.where(valid, mask, torch.zeros_like(mask))).to(torch.float64) / temperature.unsqueeze(1)
+    in_mask = logits.gather(1, torch.where(valid, mask, torch.zeros_like(mask))).to(
+        torch.float64
+    ) / temperature.unsqueeze(1)
     neg_inf = torch.tensor(float("-inf"), dtype=torch.float64, device=device)
     log_mass = torch.logsumexp(torch.where(valid, in_mask, neg_inf), dim=1)
     return _Scored(mask, valid, temperature, in_mask, log_mass)

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 # The messages of a replica that is up but cannot serve: the Python backend's answer (500 /
 # INTERNAL) when a model's stub process died.
@@ -76,8 +76,14 @@ class ReplicaSet:
     (tritonclient.http's sync client is not thread safe, and its gevent sockets stay with the
     thread that made them)."""
 
-    def __init__(self, urls: Sequence[str], make_client: Callable[[str], object], shared: bool,
-                 eject_backoff_s: float = DEFAULT_EJECT_BACKOFF_S, max_eject_backoff_s: float = DEFAULT_MAX_EJECT_BACKOFF_S):
+    def __init__(
+        self,
+        urls: Sequence[str],
+        make_client: Callable[[str], object],
+        shared: bool,
+        eject_backoff_s: float = DEFAULT_EJECT_BACKOFF_S,
+        max_eject_backoff_s: float = DEFAULT_MAX_EJECT_BACKOFF_S,
+    ):
         if eject_backoff_s <= 0 or max_eject_backoff_s < eject_backoff_s:
             raise ValueError("need 0 < eject_backoff_s <= max_eject_backoff_s")
         self.replicas = [Replica(url) for url in urls]
@@ -180,4 +186,4 @@ class ReplicaSet:
 
 def round_pause_s(round_number: int) -> float:
     """The pause before trying every replica again, after a round where all failed."""
-    return min(1.0, 0.05 * 2 ** round_number)
+    return min(1.0, 0.05 * 2**round_number)

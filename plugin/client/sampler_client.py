@@ -28,19 +28,25 @@ import threading
 import time
 import uuid
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
-from ..sampling.batching import OUTPUT_NAMES
 from ..model_config import output_width, string_parameter
+from ..sampling.batching import OUTPUT_NAMES
 from ..sampling.params import LOGITS, MIN_P, RETURN_SAMPLING_MASK, SEED, TEMPERATURE, TOP_K, TOP_P, RowParams
-from .replicas import (DEFAULT_EJECT_BACKOFF_S, DEFAULT_MAX_EJECT_BACKOFF_S, ReplicaSet, is_replica_failure,
-                       round_pause_s, split_urls)
-from .sampling_params import SamplingParams, check_rows_like_server, rows_to_params
 from ..sampling.validation import MaskPolicy, SamplingRequestError
+from .replicas import (
+    DEFAULT_EJECT_BACKOFF_S,
+    DEFAULT_MAX_EJECT_BACKOFF_S,
+    ReplicaSet,
+    is_replica_failure,
+    round_pause_s,
+    split_urls,
+)
+from .sampling_params import SamplingParams, check_rows_like_server, rows_to_params
 
 DEFAULT_MODEL = "sampler"
 MASK_OUTPUT = "sampling_mask"
@@ -93,7 +99,7 @@ class SamplerError(Exception):
         return self.status in ("400", "StatusCode.INVALID_ARGUMENT")
 
     @classmethod
-    def from_exception(cls, exc: BaseException) -> "SamplerError":
+    def from_exception(cls, exc: BaseException) -> SamplerError:
         """From tritonclient's InferenceServerException, or a transport error (status None)."""
         if isinstance(exc, InferenceServerException):
             return cls(exc.status(), exc.message())
@@ -131,7 +137,9 @@ def _row_params(params: SamplingParams | Sequence[SamplingParams], rows: int) ->
         return rows_to_params([params]).take(np.zeros(rows, dtype=np.int64))
     params = list(params)
     if len(params) != rows or not all(isinstance(p, SamplingParams) for p in params):
-        raise SamplingRequestError("params", f"params must be one SamplingParams or {rows} of them (one per logits row)")
+        raise SamplingRequestError(
+            "params", f"params must be one SamplingParams or {rows} of them (one per logits row)"
+        )
     return rows_to_params(params)
 
 
@@ -144,7 +152,9 @@ def _as_logits(logits) -> np.ndarray:
         logits = logits.cpu().numpy()
     array = np.asarray(logits)
     if array.ndim != 2 or array.shape[0] < 1 or array.shape[1] < 1:
-        raise SamplingRequestError(LOGITS, f"logits must have shape [rows, vocab] with both > 0, got {list(array.shape)}")
+        raise SamplingRequestError(
+            LOGITS, f"logits must have shape [rows, vocab] with both > 0, got {list(array.shape)}"
+        )
     if not np.issubdtype(array.dtype, np.floating):
         raise SamplingRequestError(LOGITS, f"logits must be floating point, got {array.dtype}")
     return np.ascontiguousarray(array, dtype=np.float32)
@@ -168,9 +178,14 @@ def _limits_from_config(config: dict, mask_width: int | None, max_batch_size: in
         width_source=f"the dims of output '{MASK_OUTPUT}' in the model's config.pbtxt",
         speculative_algorithm=string_parameter(config, "speculative_algorithm", "none"),
     )
-    logits_type = next((i.get("data_type", "TYPE_FP32") for i in config.get("input", []) if i.get("name") == LOGITS), "TYPE_FP32")
-    return ServerLimits(policy, int(max_batch_size if max_batch_size is not None else config.get("max_batch_size", 0)),
-                        logits_type.removeprefix("TYPE_"))
+    logits_type = next(
+        (i.get("data_type", "TYPE_FP32") for i in config.get("input", []) if i.get("name") == LOGITS), "TYPE_FP32"
+    )
+    return ServerLimits(
+        policy,
+        int(max_batch_size if max_batch_size is not None else config.get("max_batch_size", 0)),
+        logits_type.removeprefix("TYPE_"),
+    )
 
 
 # The numpy dtype each logits datatype travels as (tritonclient takes BF16 as ml_dtypes.bfloat16).
@@ -182,14 +197,21 @@ def _logits_numpy_dtype(datatype: str):
     return {"FP32": np.float32, "FP16": np.float16}[datatype]
 
 
-def _wire_arrays(logits: np.ndarray, params: RowParams, logits_datatype: str = "FP32") -> dict[str, tuple[np.ndarray, str]]:
+def _wire_arrays(
+    logits: np.ndarray, params: RowParams, logits_datatype: str = "FP32"
+) -> dict[str, tuple[np.ndarray, str]]:
     """Every input as (array [B, ...], Triton datatype), the logits in the deployment's dtype
     (half the bytes for BF16 / FP16). A batch mixing seeded and unseeded rows gives the unseeded
     ones fresh random seeds: the server takes a seed for all rows or none."""
     rows = logits.shape[0]
-    arrays = {LOGITS: (np.ascontiguousarray(logits.astype(_logits_numpy_dtype(logits_datatype), copy=False)), logits_datatype)}
+    arrays = {
+        LOGITS: (np.ascontiguousarray(logits.astype(_logits_numpy_dtype(logits_datatype), copy=False)), logits_datatype)
+    }
     for spec in (TEMPERATURE, TOP_K, TOP_P, MIN_P, RETURN_SAMPLING_MASK):
-        arrays[spec.name] = (getattr(params, spec.name).reshape(rows, 1).astype(spec.dtype), np_to_triton_dtype(np.dtype(spec.dtype)))
+        arrays[spec.name] = (
+            getattr(params, spec.name).reshape(rows, 1).astype(spec.dtype),
+            np_to_triton_dtype(np.dtype(spec.dtype)),
+        )
     if params.has_seed.any():
         fresh = np.frombuffer(os.urandom(8 * rows), dtype=np.uint64)
         seed = np.where(params.has_seed, params.seed, fresh).astype(SEED.dtype)
@@ -241,6 +263,7 @@ class _Prepared:
 def _concatenate(parts: list[SampleResult]) -> SampleResult:
     if len(parts) == 1:
         return parts[0]
+
     def joined(field: str):
         values = [getattr(p, field) for p in parts]
         return None if any(v is None for v in values) else np.concatenate(values)
@@ -262,7 +285,9 @@ def _unregister_failed(exc: BaseException, deadline: float) -> bool:
     return True
 
 
-def unregister_shared_memory(client, name: str, timeout_s: float = _UNREGISTER_RETRY_S, headers: dict | None = None) -> bool:
+def unregister_shared_memory(
+    client, name: str, timeout_s: float = _UNREGISTER_RETRY_S, headers: dict | None = None
+) -> bool:
     """Unregister a system shared-memory region from a sync tritonclient, retrying while the server
     still holds it; warns (never raises) on a final failure, so it cannot mask a call's result.
     `headers`: see `admin_headers` (servers that lock the shared-memory API)."""
@@ -298,7 +323,7 @@ class _Attempts:
     """One request's retry policy, shared by the sync and asyncio clients: which replica next,
     when a whole round failed, and whether an error ends the request or moves it on."""
 
-    def __init__(self, client: "_SamplerClientBase"):
+    def __init__(self, client: _SamplerClientBase):
         self.client = client
         self.tried: set = set()
         self.attempts = self.rounds = 0
@@ -339,9 +364,20 @@ class _Attempts:
 
 
 class _SamplerClientBase:
-    def __init__(self, url, protocol, model_name, mask_width, max_batch_size, asynchronous, admin_key=None,
-                 max_attempts=None, eject_backoff_s=DEFAULT_EJECT_BACKOFF_S, max_eject_backoff_s=DEFAULT_MAX_EJECT_BACKOFF_S,
-                 **kwargs):
+    def __init__(
+        self,
+        url,
+        protocol,
+        model_name,
+        mask_width,
+        max_batch_size,
+        asynchronous,
+        admin_key=None,
+        max_attempts=None,
+        eject_backoff_s=DEFAULT_EJECT_BACKOFF_S,
+        max_eject_backoff_s=DEFAULT_MAX_EJECT_BACKOFF_S,
+        **kwargs,
+    ):
         self.protocol = protocol
         self.model_name = model_name
         self._admin_headers = admin_headers(protocol, admin_key)
@@ -358,8 +394,9 @@ class _SamplerClientBase:
         self._client_kwargs = kwargs
         # gRPC clients and asyncio ones take concurrent requests; tritonclient.http's sync one does not.
         shared = asynchronous or protocol == "grpc"
-        self._replicas = ReplicaSet(self.urls, lambda u: module.InferenceServerClient(u, **kwargs), shared,
-                                    eject_backoff_s, max_eject_backoff_s)
+        self._replicas = ReplicaSet(
+            self.urls, lambda u: module.InferenceServerClient(u, **kwargs), shared, eject_backoff_s, max_eject_backoff_s
+        )
 
     def replica_shares(self) -> dict[str, int]:
         """Inference requests each replica answered so far, by URL (a request split into several
@@ -382,16 +419,26 @@ class _SamplerClientBase:
         row_params = _row_params(params, array.shape[0])
         # One pass of the server's row rules; the deployment's mask rules need its config, so
         # they run here only when the caller gave the mask width (else in _prepare).
-        given = MaskPolicy(self._mask_width, "the mask_width given to the client") if self._mask_width is not None else None
-        check_rows_like_server(row_params, array.shape[1], given, row_max=array.max(axis=1))  # NaN propagates through max
+        given = (
+            MaskPolicy(self._mask_width, "the mask_width given to the client") if self._mask_width is not None else None
+        )
+        check_rows_like_server(
+            row_params, array.shape[1], given, row_max=array.max(axis=1)
+        )  # NaN propagates through max
         return array, row_params
 
-    def _prepare(self, array: np.ndarray, row_params: RowParams, limits: ServerLimits, use_shared_memory: bool) -> _Prepared:
+    def _prepare(
+        self, array: np.ndarray, row_params: RowParams, limits: ServerLimits, use_shared_memory: bool
+    ) -> _Prepared:
         """Apply the deployment's mask rules, then lay out the requests."""
         if row_params.return_sampling_mask.any():
             check_rows_like_server(row_params, array.shape[1], limits.policy)
-        return _Prepared(self._base, _wire_arrays(array, row_params, limits.logits_datatype), limits.max_batch_size,
-                         use_shared_memory)
+        return _Prepared(
+            self._base,
+            _wire_arrays(array, row_params, limits.logits_datatype),
+            limits.max_batch_size,
+            use_shared_memory,
+        )
 
 
 _CLIENT_ARGS_DOC = """`url` is one "host:port" or a list of them, replicas serving the same model repository:
@@ -420,13 +467,33 @@ class SamplerClient(_SamplerClientBase):
 
     __doc__ += _CLIENT_ARGS_DOC
 
-    def __init__(self, url: str | Sequence[str], protocol: str = "http", model_name: str = DEFAULT_MODEL,
-                 mask_width: int | None = None, max_batch_size: int | None = None, *,
-                 admin_key: str | None = None, max_attempts: int | None = None,
-                 eject_backoff_s: float = DEFAULT_EJECT_BACKOFF_S, max_eject_backoff_s: float = DEFAULT_MAX_EJECT_BACKOFF_S,
-                 **kwargs):
-        super().__init__(url, protocol, model_name, mask_width, max_batch_size, False, admin_key,
-                         max_attempts, eject_backoff_s, max_eject_backoff_s, **kwargs)
+    def __init__(
+        self,
+        url: str | Sequence[str],
+        protocol: str = "http",
+        model_name: str = DEFAULT_MODEL,
+        mask_width: int | None = None,
+        max_batch_size: int | None = None,
+        *,
+        admin_key: str | None = None,
+        max_attempts: int | None = None,
+        eject_backoff_s: float = DEFAULT_EJECT_BACKOFF_S,
+        max_eject_backoff_s: float = DEFAULT_MAX_EJECT_BACKOFF_S,
+        **kwargs,
+    ):
+        super().__init__(
+            url,
+            protocol,
+            model_name,
+            mask_width,
+            max_batch_size,
+            False,
+            admin_key,
+            max_attempts,
+            eject_backoff_s,
+            max_eject_backoff_s,
+            **kwargs,
+        )
         self._probes: list[threading.Thread] = []
 
     def server_limits(self) -> ServerLimits:
@@ -434,7 +501,9 @@ class SamplerClient(_SamplerClientBase):
         if self._limits is None:
             config = {}
             if self._mask_width is None or self._max_batch_size is None:
-                config = self._on_a_replica(lambda client: client.get_model_config(self.model_name, **self._config_kwargs()))
+                config = self._on_a_replica(
+                    lambda client: client.get_model_config(self.model_name, **self._config_kwargs())
+                )
             self._limits = _limits_from_config(config, self._mask_width, self._max_batch_size)
         return self._limits
 
@@ -442,18 +511,31 @@ class SamplerClient(_SamplerClientBase):
         """The server's mask rules: the mask width W and its speculative switch."""
         return self.server_limits().policy
 
-    def sample(self, logits, params: SamplingParams | Sequence[SamplingParams] = SamplingParams(), *,
-               use_shared_memory: bool = False) -> SampleResult:
+    def sample(
+        self,
+        logits,
+        params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+        *,
+        use_shared_memory: bool = False,
+    ) -> SampleResult:
         """Sample one token per row of `logits` [B, V] with one SamplingParams for all rows or one
         per row; more rows than max_batch_size go as several requests, answered in order."""
         array, row_params = self._validated(logits, params)
         prepared = self._prepare(array, row_params, self.server_limits(), use_shared_memory)
         if prepared.region is None:
-            return _concatenate([
-                _parse(self._on_a_replica(lambda client, start=start, stop=stop: client.infer(
-                    self.model_name, prepared.inputs(start, stop)), served=True))
-                for start, stop in prepared.bounds
-            ])
+            return _concatenate(
+                [
+                    _parse(
+                        self._on_a_replica(
+                            lambda client, start=start, stop=stop: client.infer(
+                                self.model_name, prepared.inputs(start, stop)
+                            ),
+                            served=True,
+                        )
+                    )
+                    for start, stop in prepared.bounds
+                ]
+            )
         try:
             return self._on_a_replica(lambda client: self._sample_registered(client, prepared), served=True)
         finally:
@@ -464,8 +546,9 @@ class SamplerClient(_SamplerClientBase):
         region = prepared.region
         client.register_system_shared_memory(region.name, region.key, region.byte_size, headers=self._admin_headers)
         try:
-            return _concatenate([_parse(client.infer(self.model_name, prepared.inputs(start, stop)))
-                                 for start, stop in prepared.bounds])
+            return _concatenate(
+                [_parse(client.infer(self.model_name, prepared.inputs(start, stop))) for start, stop in prepared.bounds]
+            )
         finally:
             unregister_shared_memory(client, region.name, headers=self._admin_headers)
 
@@ -497,12 +580,17 @@ class SamplerClient(_SamplerClientBase):
             if self.protocol == "grpc":
                 probe = self._base.InferenceServerClient(replica.url, **self._client_kwargs)
                 try:
-                    ready = (probe.is_server_ready(client_timeout=_PROBE_TIMEOUT_S)
-                             and probe.is_model_ready(self.model_name, client_timeout=_PROBE_TIMEOUT_S))
+                    ready = probe.is_server_ready(client_timeout=_PROBE_TIMEOUT_S) and probe.is_model_ready(
+                        self.model_name, client_timeout=_PROBE_TIMEOUT_S
+                    )
                 finally:
                     probe.close()
             else:
-                kwargs = {"connection_timeout": _PROBE_TIMEOUT_S, "network_timeout": _PROBE_TIMEOUT_S, **self._client_kwargs}
+                kwargs = {
+                    "connection_timeout": _PROBE_TIMEOUT_S,
+                    "network_timeout": _PROBE_TIMEOUT_S,
+                    **self._client_kwargs,
+                }
                 probe = self._base.InferenceServerClient(replica.url, **kwargs)
                 try:
                     ready = probe.is_server_ready() and probe.is_model_ready(self.model_name)
@@ -519,7 +607,7 @@ class SamplerClient(_SamplerClientBase):
         for client in self._replicas.all_clients():
             client.close()
 
-    def __enter__(self) -> "SamplerClient":
+    def __enter__(self) -> SamplerClient:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -535,13 +623,33 @@ class AsyncSamplerClient(_SamplerClientBase):
 
     __doc__ += _CLIENT_ARGS_DOC
 
-    def __init__(self, url: str | Sequence[str], protocol: str = "http", model_name: str = DEFAULT_MODEL,
-                 mask_width: int | None = None, max_batch_size: int | None = None, *,
-                 admin_key: str | None = None, max_attempts: int | None = None,
-                 eject_backoff_s: float = DEFAULT_EJECT_BACKOFF_S, max_eject_backoff_s: float = DEFAULT_MAX_EJECT_BACKOFF_S,
-                 **kwargs):
-        super().__init__(url, protocol, model_name, mask_width, max_batch_size, True, admin_key,
-                         max_attempts, eject_backoff_s, max_eject_backoff_s, **kwargs)
+    def __init__(
+        self,
+        url: str | Sequence[str],
+        protocol: str = "http",
+        model_name: str = DEFAULT_MODEL,
+        mask_width: int | None = None,
+        max_batch_size: int | None = None,
+        *,
+        admin_key: str | None = None,
+        max_attempts: int | None = None,
+        eject_backoff_s: float = DEFAULT_EJECT_BACKOFF_S,
+        max_eject_backoff_s: float = DEFAULT_MAX_EJECT_BACKOFF_S,
+        **kwargs,
+    ):
+        super().__init__(
+            url,
+            protocol,
+            model_name,
+            mask_width,
+            max_batch_size,
+            True,
+            admin_key,
+            max_attempts,
+            eject_backoff_s,
+            max_eject_backoff_s,
+            **kwargs,
+        )
         self._probes: set[asyncio.Task] = set()
         self._module = importlib.import_module(f"tritonclient.{protocol}.aio")
 
@@ -550,7 +658,9 @@ class AsyncSamplerClient(_SamplerClientBase):
         if self._limits is None:
             config = {}
             if self._mask_width is None or self._max_batch_size is None:
-                config = await self._on_a_replica(lambda client: client.get_model_config(self.model_name, **self._config_kwargs()))
+                config = await self._on_a_replica(
+                    lambda client: client.get_model_config(self.model_name, **self._config_kwargs())
+                )
             self._limits = _limits_from_config(config, self._mask_width, self._max_batch_size)
         return self._limits
 
@@ -558,14 +668,23 @@ class AsyncSamplerClient(_SamplerClientBase):
         """The server's mask rules: the mask width W and its speculative switch."""
         return (await self.server_limits()).policy
 
-    async def sample(self, logits, params: SamplingParams | Sequence[SamplingParams] = SamplingParams(), *,
-                     use_shared_memory: bool = False) -> SampleResult:
+    async def sample(
+        self,
+        logits,
+        params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+        *,
+        use_shared_memory: bool = False,
+    ) -> SampleResult:
         """As SamplerClient.sample, awaited."""
         array, row_params = self._validated(logits, params)
         prepared = self._prepare(array, row_params, await self.server_limits(), use_shared_memory)
         if prepared.region is None:
-            return await self._gather_chunks(prepared, lambda start, stop: self._on_a_replica(
-                lambda client: client.infer(self.model_name, prepared.inputs(start, stop)), served=True))
+            return await self._gather_chunks(
+                prepared,
+                lambda start, stop: self._on_a_replica(
+                    lambda client: client.infer(self.model_name, prepared.inputs(start, stop)), served=True
+                ),
+            )
         try:
             return await self._on_a_replica(lambda client: self._sample_registered(client, prepared), served=True)
         finally:
@@ -584,9 +703,13 @@ class AsyncSamplerClient(_SamplerClientBase):
     async def _sample_registered(self, client, prepared: _Prepared) -> SampleResult:
         """Every chunk of a shared-memory call on one replica, the region registered there."""
         region = prepared.region
-        await client.register_system_shared_memory(region.name, region.key, region.byte_size, headers=self._admin_headers)
+        await client.register_system_shared_memory(
+            region.name, region.key, region.byte_size, headers=self._admin_headers
+        )
         try:
-            return await self._gather_chunks(prepared, lambda start, stop: client.infer(self.model_name, prepared.inputs(start, stop)))
+            return await self._gather_chunks(
+                prepared, lambda start, stop: client.infer(self.model_name, prepared.inputs(start, stop))
+            )
         finally:
             deadline = time.monotonic() + _UNREGISTER_RETRY_S
             while True:
@@ -625,8 +748,9 @@ class AsyncSamplerClient(_SamplerClientBase):
         try:
             probe = self._module.InferenceServerClient(replica.url, **self._client_kwargs)
             try:
-                ready = await asyncio.wait_for(probe.is_server_ready(), _PROBE_TIMEOUT_S) and \
-                    await asyncio.wait_for(probe.is_model_ready(self.model_name), _PROBE_TIMEOUT_S)
+                ready = await asyncio.wait_for(probe.is_server_ready(), _PROBE_TIMEOUT_S) and await asyncio.wait_for(
+                    probe.is_model_ready(self.model_name), _PROBE_TIMEOUT_S
+                )
             finally:
                 await probe.close()
         except Exception:  # unreachable, or any answer but ready
@@ -640,7 +764,7 @@ class AsyncSamplerClient(_SamplerClientBase):
         for client in self._replicas.all_clients():
             await client.close()
 
-    async def __aenter__(self) -> "AsyncSamplerClient":
+    async def __aenter__(self) -> AsyncSamplerClient:
         return self
 
     async def __aexit__(self, *exc) -> None:

@@ -7,8 +7,8 @@ functions the model runs), so a request the server would refuse for its paramete
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
@@ -53,8 +53,12 @@ def rows_to_params(rows: Sequence[SamplingParams]) -> RowParams:
     return params
 
 
-def check_rows_like_server(params: RowParams, vocab_size: int | None = None, policy: MaskPolicy | None = None,
-                           row_max: np.ndarray | None = None) -> None:
+def check_rows_like_server(
+    params: RowParams,
+    vocab_size: int | None = None,
+    policy: MaskPolicy | None = None,
+    row_max: np.ndarray | None = None,
+) -> None:
     """Raise SamplingRequestError for the first row the server would refuse, in the server's order.
 
     Without `policy` (the server's mask width and switches) only the rules that need no server

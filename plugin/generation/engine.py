@@ -16,8 +16,9 @@ import threading
 import time
 import traceback
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Callable, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -29,8 +30,14 @@ from ..sampling.validation import check_logit_rows
 from .generator import FINISH_LENGTH, FINISH_STOP, GenerationChunk, GenerationRequest, Generator
 from .lm import can_merge
 
-CHUNK_FIELDS = ("output_ids", "output_logprobs", "sampling_mask", "sampling_mask_len", "sampling_logprobs",
-                "sampling_mask_logprobs")
+CHUNK_FIELDS = (
+    "output_ids",
+    "output_logprobs",
+    "sampling_mask",
+    "sampling_mask_len",
+    "sampling_logprobs",
+    "sampling_mask_logprobs",
+)
 _NO_MASK = ("output_ids", "output_logprobs", "sampling_mask_len", "sampling_logprobs")  # kept without mask rows
 
 
@@ -101,8 +108,13 @@ class _Sequence:
 class ContinuousEngine:
     """The background generation loop of one model instance (start with `start`, end with `stop`)."""
 
-    def __init__(self, generator: Generator, limits: EngineLimits, observer: EngineObserver,
-                 log_error: Callable[[str], None] = print):
+    def __init__(
+        self,
+        generator: Generator,
+        limits: EngineLimits,
+        observer: EngineObserver,
+        log_error: Callable[[str], None] = print,
+    ):
         self.generator, self.limits, self.observer, self.log_error = generator, limits, observer, log_error
         self.lm, self.sampler, self.width = generator.lm, generator.sampler, generator.width
         self._merges = can_merge(self.lm)
@@ -116,7 +128,7 @@ class ContinuousEngine:
         self._reserved = 0
         self._thread = threading.Thread(target=self._run, name="generate-engine", daemon=True)
 
-    def start(self) -> "ContinuousEngine":
+    def start(self) -> ContinuousEngine:
         self._thread.start()
         return self
 
@@ -127,14 +139,18 @@ class ContinuousEngine:
             return
         sequence = _Sequence(request, handle, time.monotonic(), _stop_ids(request, self.lm.eos_token_ids))
         if sequence.reserved > self.limits.kv_budget_tokens:
-            raise EngineFull(f"prompt length {request.prompt.size} + max_new_tokens {request.max_new_tokens} exceeds "
-                             f"this instance's KV budget of {self.limits.kv_budget_tokens} tokens (kv_budget_tokens)")
+            raise EngineFull(
+                f"prompt length {request.prompt.size} + max_new_tokens {request.max_new_tokens} exceeds "
+                f"this instance's KV budget of {self.limits.kv_budget_tokens} tokens (kv_budget_tokens)"
+            )
         with self._cv:
             if self._stopping:
                 raise EngineFull("the generate model is shutting down")
             if len(self._waiting) >= self.limits.max_waiting:
-                raise EngineFull(f"generate is at capacity: {len(self._waiting)} requests already wait "
-                                 f"(max_waiting {self.limits.max_waiting}); retry later")
+                raise EngineFull(
+                    f"generate is at capacity: {len(self._waiting)} requests already wait "
+                    f"(max_waiting {self.limits.max_waiting}); retry later"
+                )
             self._waiting.append(sequence)
             self._cv.notify()
 
@@ -161,7 +177,9 @@ class ContinuousEngine:
             except Exception as exc:  # an internal fault: end this batch's requests, keep serving
                 self.log_error(f"generate engine step failed: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
                 for sequence in {id(s): s for s in self._rows + newcomers}.values():
-                    _quietly(sequence.handle.fail, f"internal generate error ({type(exc).__name__}); see the server log")
+                    _quietly(
+                        sequence.handle.fail, f"internal generate error ({type(exc).__name__}); see the server log"
+                    )
                 self._reset()
             try:
                 self._report()
@@ -207,7 +225,9 @@ class ContinuousEngine:
         # (NaN, +inf, all -inf) fail here, without a separate pass over the logits.
         broken = ~np.equal(check_logit_rows(result.host()["row_max"]), None).astype(bool)
         for i in np.flatnonzero(broken):
-            _quietly(self._rows[i].handle.fail, f"the language model produced unusable logits at step {self._rows[i].step}")
+            _quietly(
+                self._rows[i].handle.fail, f"the language model produced unusable logits at step {self._rows[i].step}"
+            )
         arrays = outputs_to_numpy(result)
         self.observer.generated(int((~broken).sum()))
         tokens = result.token_ids.cpu()

@@ -17,9 +17,9 @@ import torch
 
 from ..sampling import rng
 from ..sampling.batching import BatchSampler, outputs_to_numpy
-from .lm import CausalLM
 from ..sampling.params import RowParams
 from ..sampling.validation import SamplingRequestError, check_logit_rows, check_rows
+from .lm import CausalLM
 
 FINISH_LENGTH = "length"
 FINISH_STOP = "stop"
@@ -50,10 +50,15 @@ class GenerationChunk:
     finish_reason: str  # "" until the request's last chunk, then "length" or "stop"
 
     @classmethod
-    def empty(cls, width: int, finish_reason: str) -> "GenerationChunk":
+    def empty(cls, width: int, finish_reason: str) -> GenerationChunk:
         return cls(
-            np.zeros(0, np.int32), np.zeros(0, np.float32), np.zeros((0, width), np.int32),
-            np.zeros(0, np.int32), np.zeros(0, np.float32), np.zeros((0, width), np.float32), finish_reason,
+            np.zeros(0, np.int32),
+            np.zeros(0, np.float32),
+            np.zeros((0, width), np.int32),
+            np.zeros(0, np.int32),
+            np.zeros(0, np.float32),
+            np.zeros((0, width), np.float32),
+            finish_reason,
         )
 
 
@@ -173,7 +178,10 @@ class _ActiveRows:
     def narrow(self, lm: CausalLM, keep: np.ndarray, per_row: torch.Tensor) -> torch.Tensor:
         """Keep only the rows where `keep` is true (the LM frees the others' cache); narrows `per_row` too."""
         self.rows, self.params, self.stops, self.stream = (
-            self.rows[keep], self.params.take(keep), self.stops[keep], self.stream[keep],
+            self.rows[keep],
+            self.params.take(keep),
+            self.stops[keep],
+            self.stream[keep],
         )
         index = torch.from_numpy(np.flatnonzero(keep))
         if self.rows.size:
@@ -236,8 +244,15 @@ class _Buffers:
         """The first `length` tokens of request `row`."""
         slot = self.mask_slot[row]
         mask = self.masks[slot, :length] if slot >= 0 else np.full((length, self.width), -1, np.int32)
-        support = self.support_logprobs[slot, :length] if slot >= 0 else np.full((length, self.width), -np.inf, np.float32)
+        support = (
+            self.support_logprobs[slot, :length] if slot >= 0 else np.full((length, self.width), -np.inf, np.float32)
+        )
         return GenerationChunk(
-            self.ids[row, :length].copy(), self.logprobs[row, :length].copy(), mask.copy(),
-            self.mask_len[row, :length].copy(), self.mask_logprobs[row, :length].copy(), support.copy(), finish_reason,
+            self.ids[row, :length].copy(),
+            self.logprobs[row, :length].copy(),
+            mask.copy(),
+            self.mask_len[row, :length].copy(),
+            self.mask_logprobs[row, :length].copy(),
+            support.copy(),
+            finish_reason,
         )

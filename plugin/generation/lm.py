@@ -90,7 +90,9 @@ class HFCausalLM:
         ids[attention_mask.bool()] = torch.cat([p.to(self.device, torch.int64) for p in prompts])
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         extra = {"logits_to_keep": 1} if self._keeps_last else {}
-        out = self.model(input_ids=ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True, **extra)
+        out = self.model(
+            input_ids=ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True, **extra
+        )
         state = PaddedBatchState(_cache_of(out), attention_mask, lengths.to(torch.int64))
         return out.logits[:, -1].float(), state
 

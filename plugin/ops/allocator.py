@@ -14,10 +14,16 @@ from pathlib import Path
 
 # Where Debian/Ubuntu (and the NGC images) put the libraries, by preference.
 CANDIDATES = {
-    "jemalloc": ["/usr/lib/x86_64-linux-gnu/libjemalloc.so.2", "/usr/lib/aarch64-linux-gnu/libjemalloc.so.2",
-                 "/usr/lib64/libjemalloc.so.2"],
-    "tcmalloc": ["/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4",
-                 "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4"],
+    "jemalloc": [
+        "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2",
+        "/usr/lib/aarch64-linux-gnu/libjemalloc.so.2",
+        "/usr/lib64/libjemalloc.so.2",
+    ],
+    "tcmalloc": [
+        "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
+        "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4",
+        "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4",
+    ],
 }
 # Return freed pages to the OS within about a second, from a background thread.
 JEMALLOC_CONF = "background_thread:true,dirty_decay_ms:1000,muzzy_decay_ms:1000"

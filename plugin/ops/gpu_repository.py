@@ -20,7 +20,7 @@ GPU_INSTANCE_GROUP = "instance_group [\n  { kind: KIND_GPU, count: 1 }\n]"
 FORCE_CPU_ONLY_KEY = "FORCE_CPU_ONLY_INPUT_TENSORS"
 _INSTANCE_GROUP = re.compile(r"instance_group\s*\[[^\]]*\]")
 _PARAMETERS = re.compile(r"parameters\s*\[")
-_FORCE_CPU_ONLY = re.compile(r'(key:\s*"%s",\s*value:\s*\{\s*string_value:\s*)"[^"]*"' % FORCE_CPU_ONLY_KEY)
+_FORCE_CPU_ONLY = re.compile(rf'(key:\s*"{FORCE_CPU_ONLY_KEY}",\s*value:\s*\{{\s*string_value:\s*)"[^"]*"')
 
 
 def gpu_config_text(config_text: str) -> str:
@@ -33,7 +33,11 @@ def gpu_config_text(config_text: str) -> str:
     if _FORCE_CPU_ONLY.search(text):
         return _FORCE_CPU_ONLY.sub(lambda m: f'{m.group(1)}"no"', text)
     entry = f'{{ key: "{FORCE_CPU_ONLY_KEY}", value: {{ string_value: "no" }} }}'
-    text, lists = _PARAMETERS.subn(lambda m: f"parameters [\n  # Keep GPU inputs on the GPU (the model reads them through DLPack).\n  {entry},", text, count=1)
+    text, lists = _PARAMETERS.subn(
+        lambda m: f"parameters [\n  # Keep GPU inputs on the GPU (the model reads them through DLPack).\n  {entry},",
+        text,
+        count=1,
+    )
     if lists == 0:
         text = text.rstrip("\n") + f"\n\nparameters [\n  {entry}\n]\n"
     return text

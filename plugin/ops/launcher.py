@@ -74,7 +74,12 @@ def prepare_backends(dest: Path | None = None) -> Path:
     dest = dest or Path(sys.prefix) / "triton-backends"
     python_dir = dest / "python"
     python_dir.mkdir(parents=True, exist_ok=True)
-    stub = server_dir / "python_backend_stubs" / f"{sys.version_info.major}.{sys.version_info.minor}" / "triton_python_backend_stub"
+    stub = (
+        server_dir
+        / "python_backend_stubs"
+        / f"{sys.version_info.major}.{sys.version_info.minor}"
+        / "triton_python_backend_stub"
+    )
     if not stub.exists():
         raise RuntimeError(f"nvidia-pytriton ships no Python backend stub for Python {sys.version_info[:2]}")
     sources = [stub, *(server_dir / "backends" / "python").glob("*.*")]
@@ -159,7 +164,7 @@ def http_thread_count(cores: int | None = None) -> int:
 def _backend_settings(args: list[str], backend: str = "python") -> set[str]:
     """The setting names given as --backend-config=<backend>,<name>=<value> in `args`."""
     prefix = f"--backend-config={backend},"
-    return {arg[len(prefix):].split("=", 1)[0] for arg in args if arg.startswith(prefix)}
+    return {arg[len(prefix) :].split("=", 1)[0] for arg in args if arg.startswith(prefix)}
 
 
 def resource_args(extra_args: list[str] = ()) -> list[str]:
@@ -182,7 +187,10 @@ def server_command(model_repository: Path, ports: dict[str, int], extra_args: li
     with the backends prepared for this Python, or else the Triton image's own with its backends;
     `resource_args` first, then `extra_args`."""
     if has_pytriton():
-        binary = [str(pytriton_root() / "tritonserver" / "bin" / "tritonserver"), f"--backend-directory={prepare_backends()}"]
+        binary = [
+            str(pytriton_root() / "tritonserver" / "bin" / "tritonserver"),
+            f"--backend-directory={prepare_backends()}",
+        ]
     else:
         binary = [system_tritonserver()]
     return [
@@ -202,7 +210,10 @@ def admin_args(admin_key: str, header: str = ADMIN_HEADER) -> list[str]:
     if not admin_key or not re.fullmatch(r"[A-Za-z0-9._~+/-]+", admin_key):
         raise ValueError("the admin key must be non-empty and made of letters, digits and _.~+/- only")
     apis = ",".join(ADMIN_APIS)
-    return [f"--http-restricted-api={apis}:{header}={admin_key}", f"--grpc-restricted-protocol={apis}:{header}={admin_key}"]
+    return [
+        f"--http-restricted-api={apis}:{header}={admin_key}",
+        f"--grpc-restricted-protocol={apis}:{header}={admin_key}",
+    ]
 
 
 def resolve_admin_key(http_port: int) -> tuple[str, str, Path | None]:
@@ -213,7 +224,9 @@ def resolve_admin_key(http_port: int) -> tuple[str, str, Path | None]:
     if key:
         admin_args(key)  # refuse a key the flags cannot carry, before anything starts
         return key, "from TRITON_ADMIN_KEY", None
-    path = Path(os.environ.get("TRITON_ADMIN_KEY_FILE") or Path(tempfile.gettempdir()) / f"triton-admin-key-{http_port}")
+    path = Path(
+        os.environ.get("TRITON_ADMIN_KEY_FILE") or Path(tempfile.gettempdir()) / f"triton-admin-key-{http_port}"
+    )
     key = secrets.token_urlsafe(32)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w") as handle:
@@ -222,8 +235,9 @@ def resolve_admin_key(http_port: int) -> tuple[str, str, Path | None]:
     return key, f"generated and written to {path} (mode 0600; set TRITON_ADMIN_KEY to choose it)", path
 
 
-def hardening_args(extra_args: list[str], http_port: int, admin_key: str | None,
-                   exit_timeout_s: int = DEFAULT_EXIT_TIMEOUT_S) -> list[str]:
+def hardening_args(
+    extra_args: list[str], http_port: int, admin_key: str | None, exit_timeout_s: int = DEFAULT_EXIT_TIMEOUT_S
+) -> list[str]:
     """The flags `make serve` adds before the caller's: every model loaded at start in explicit
     model-control mode (so a model whose stub died can be reloaded), no auto-complete stub launch
     (halves a model's load time; our configs are complete), a bounded exit timeout, the stub
@@ -287,8 +301,13 @@ class TritonServer(LoopbackUrls):
     None leaves them open, as before. The stubs' /dev/shm regions carry this server's own prefix
     and `stop` removes the ones left behind."""
 
-    def __init__(self, model_repository: Path, extra_args: list[str] = (), log_path: Path | None = None,
-                 admin_key: str | None = None):
+    def __init__(
+        self,
+        model_repository: Path,
+        extra_args: list[str] = (),
+        log_path: Path | None = None,
+        admin_key: str | None = None,
+    ):
         self.model_repository = Path(model_repository)
         self.extra_args = list(extra_args)
         self.admin_key = admin_key
@@ -297,7 +316,6 @@ class TritonServer(LoopbackUrls):
         self.log_path = log_path or Path(os.environ.get("TMPDIR", "/tmp")) / f"tritonserver-{self.ports['http']}.log"
         self.process: subprocess.Popen | None = None
 
-
     def command(self) -> list[str]:
         """The tritonserver command line this server runs."""
         extra = [f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}", *self.extra_args]
@@ -305,9 +323,9 @@ class TritonServer(LoopbackUrls):
             extra = admin_args(self.admin_key) + extra
         return server_command(self.model_repository, self.ports, extra)
 
-    def start(self, timeout_s: float = 180.0) -> "TritonServer":
+    def start(self, timeout_s: float = 180.0) -> TritonServer:
         """Start the server and wait until every model is ready; raises with the log tail if not."""
-        self._log = open(self.log_path, "w")
+        self._log = open(self.log_path, "w")  # noqa: SIM115 (open while the server runs)
         self.process = subprocess.Popen(
             self.command(), stdout=self._log, stderr=subprocess.STDOUT, env=server_environment(), start_new_session=True
         )
@@ -358,7 +376,7 @@ class TritonServer(LoopbackUrls):
         except OSError:
             return ""
 
-    def __enter__(self) -> "TritonServer":
+    def __enter__(self) -> TritonServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -402,17 +420,37 @@ def main(argv: list[str] | None = None) -> None:
     the supervisor by default, or exec'd with --no-supervise."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-repository", default=os.environ.get("MODEL_REPOSITORY", "model_repository"))
-    parser.add_argument("--no-supervise", action="store_true",
-                        help="exec tritonserver: no restarts, no watchdog, no probe endpoint, no /dev/shm cleanup")
-    parser.add_argument("--probe-port", type=int, default=_env_number("TRITON_PROBE_PORT", DEFAULT_PROBE_PORT),
-                        help="port of the supervisor's /ready and /live (TRITON_PROBE_PORT; 0: none; default %(default)s)")
-    parser.add_argument("--watchdog-interval", type=float, default=_env_number("TRITON_WATCHDOG_INTERVAL_S", 2.0, float),
-                        help="seconds between watchdog rounds (TRITON_WATCHDOG_INTERVAL_S; default %(default)s)")
-    parser.add_argument("--probe-timeout", type=float, default=5.0, help="seconds a watchdog inference may take (default %(default)s)")
-    parser.add_argument("--exit-timeout", type=int, default=_env_number("TRITON_EXIT_TIMEOUT_S", DEFAULT_EXIT_TIMEOUT_S),
-                        help="tritonserver's --exit-timeout-secs (TRITON_EXIT_TIMEOUT_S; default %(default)s)")
-    parser.add_argument("--open-admin-apis", action="store_true",
-                        help="leave the shared-memory and model-repository APIs open to anyone (not recommended)")
+    parser.add_argument(
+        "--no-supervise",
+        action="store_true",
+        help="exec tritonserver: no restarts, no watchdog, no probe endpoint, no /dev/shm cleanup",
+    )
+    parser.add_argument(
+        "--probe-port",
+        type=int,
+        default=_env_number("TRITON_PROBE_PORT", DEFAULT_PROBE_PORT),
+        help="port of the supervisor's /ready and /live (TRITON_PROBE_PORT; 0: none; default %(default)s)",
+    )
+    parser.add_argument(
+        "--watchdog-interval",
+        type=float,
+        default=_env_number("TRITON_WATCHDOG_INTERVAL_S", 2.0, float),
+        help="seconds between watchdog rounds (TRITON_WATCHDOG_INTERVAL_S; default %(default)s)",
+    )
+    parser.add_argument(
+        "--probe-timeout", type=float, default=5.0, help="seconds a watchdog inference may take (default %(default)s)"
+    )
+    parser.add_argument(
+        "--exit-timeout",
+        type=int,
+        default=_env_number("TRITON_EXIT_TIMEOUT_S", DEFAULT_EXIT_TIMEOUT_S),
+        help="tritonserver's --exit-timeout-secs (TRITON_EXIT_TIMEOUT_S; default %(default)s)",
+    )
+    parser.add_argument(
+        "--open-admin-apis",
+        action="store_true",
+        help="leave the shared-memory and model-repository APIs open to anyone (not recommended)",
+    )
     parser.add_argument("extra", nargs=argparse.REMAINDER, help="flags passed to tritonserver after --")
     args = parser.parse_args(argv)
     extra = args.extra[1:] if args.extra[:1] == ["--"] else args.extra
@@ -425,20 +463,35 @@ def main(argv: list[str] | None = None) -> None:
     ports = ports_from_environment()
     admin_key, key_file = None, None
     if args.open_admin_apis:
-        print("[launcher] WARNING: the shared-memory and model-repository APIs are open to anyone (--open-admin-apis)", flush=True)
+        print(
+            "[launcher] WARNING: the shared-memory and model-repository APIs are open to anyone (--open-admin-apis)",
+            flush=True,
+        )
     else:
         admin_key, where, key_file = resolve_admin_key(ports["http"])
-        print(f"[launcher] the {' and '.join(ADMIN_APIS)} APIs need the header '{ADMIN_HEADER}' "
-              f"(gRPC: '{GRPC_ADMIN_HEADER}'); key {where}", flush=True)
+        print(
+            f"[launcher] the {' and '.join(ADMIN_APIS)} APIs need the header '{ADMIN_HEADER}' "
+            f"(gRPC: '{GRPC_ADMIN_HEADER}'); key {where}",
+            flush=True,
+        )
     if args.no_supervise:
-        command = server_command(Path(args.model_repository), ports,
-                                 hardening_args(extra, ports["http"], admin_key, args.exit_timeout) + extra)
+        command = server_command(
+            Path(args.model_repository),
+            ports,
+            hardening_args(extra, ports["http"], admin_key, args.exit_timeout) + extra,
+        )
         print("+ " + " ".join(redact(command, admin_key)), flush=True)
         os.execve(command[0], command, server_environment())
     config = SupervisorConfig(
-        model_repository=Path(args.model_repository), ports=ports, extra_args=extra, admin_key=admin_key,
-        probe_port=args.probe_port, watchdog_interval_s=args.watchdog_interval, probe_timeout_s=args.probe_timeout,
-        exit_timeout_s=args.exit_timeout, admin_key_file=key_file,
+        model_repository=Path(args.model_repository),
+        ports=ports,
+        extra_args=extra,
+        admin_key=admin_key,
+        probe_port=args.probe_port,
+        watchdog_interval_s=args.watchdog_interval,
+        probe_timeout_s=args.probe_timeout,
+        exit_timeout_s=args.exit_timeout,
+        admin_key_file=key_file,
     )
     sys.exit(Supervisor(config).run())
 

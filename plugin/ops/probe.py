@@ -60,8 +60,9 @@ def base_url(url: str) -> str:
     return url if "://" in url else f"http://{url}"
 
 
-def http_request(method: str, url: str, body: bytes | None = None, headers: dict | None = None,
-                 timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[int, bytes]:
+def http_request(
+    method: str, url: str, body: bytes | None = None, headers: dict | None = None, timeout_s: float = DEFAULT_TIMEOUT_S
+) -> tuple[int, bytes]:
     """(status, body) of one request on a fresh connection (never kept alive: an idle kept-alive
     connection holds tritonserver's shutdown). Raises TimeoutError or ConnectionError."""
     request = urllib.request.Request(url, data=body, method=method, headers={"Connection": "close", **(headers or {})})
@@ -77,14 +78,14 @@ def http_request(method: str, url: str, body: bytes | None = None, headers: dict
         if isinstance(error.reason, (TimeoutError, socket.timeout)):
             raise TimeoutError(str(error.reason)) from None
         raise ConnectionError(str(error.reason)) from None
-    except (TimeoutError, socket.timeout) as error:
+    except TimeoutError as error:
         raise TimeoutError(str(error)) from None
     except OSError as error:  # reset, refused mid-request, ...
         raise ConnectionError(str(error)) from None
 
 
 def probe_kind(config: dict) -> str:
-    """"sampler", "generate" or "ready": the real inference a model's config allows."""
+    """ "sampler", "generate" or "ready": the real inference a model's config allows."""
     inputs = {spec["name"]: spec for spec in config.get("input", [])}
     required = {name for name, spec in inputs.items() if not spec.get("optional", False)}
     decoupled = bool(config.get("model_transaction_policy", {}).get("decoupled", False))
@@ -164,9 +165,13 @@ def probe_model(url: str, model: str, timeout_s: float = DEFAULT_TIMEOUT_S, conf
             config = json.loads(body)
         kind = probe_kind(config)
         if kind == "sampler":
-            status, body = http_request("POST", f"{root}/v2/models/{model}/infer", _sampler_request(config), timeout_s=timeout_s)
+            status, body = http_request(
+                "POST", f"{root}/v2/models/{model}/infer", _sampler_request(config), timeout_s=timeout_s
+            )
         elif kind == "generate":
-            status, body = http_request("POST", f"{root}/v2/models/{model}/generate", _generate_request(config), timeout_s=timeout_s)
+            status, body = http_request(
+                "POST", f"{root}/v2/models/{model}/generate", _generate_request(config), timeout_s=timeout_s
+            )
         else:
             status, body = http_request("GET", f"{root}/v2/models/{model}/ready", timeout_s=timeout_s)
     except TimeoutError:
@@ -192,7 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", default=DEFAULT_URL, help="tritonserver's HTTP endpoint (default %(default)s)")
     parser.add_argument("--model", action="append", help="model to probe (repeatable; default: sampler)")
-    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds per request (default %(default)s)")
+    parser.add_argument(
+        "--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds per request (default %(default)s)"
+    )
     args = parser.parse_args(argv)
     results = [probe_model(args.url, model, args.timeout) for model in (args.model or DEFAULT_MODELS)]
     for probe in results:

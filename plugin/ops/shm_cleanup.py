@@ -41,7 +41,7 @@ def regions_in_use(shm_dir: Path = SHM_DIR) -> set[str]:
                 for line in maps:
                     at = line.find(base)
                     if at >= 0:
-                        used.add(line[at + len(base):].strip().removesuffix(" (deleted)"))
+                        used.add(line[at + len(base) :].strip().removesuffix(" (deleted)"))
         except OSError:
             pass
         try:
@@ -51,7 +51,7 @@ def regions_in_use(shm_dir: Path = SHM_DIR) -> set[str]:
                 except OSError:
                     continue
                 if target.startswith(base):
-                    used.add(target[len(base):].removesuffix(" (deleted)"))
+                    used.add(target[len(base) :].removesuffix(" (deleted)"))
         except OSError:
             pass
     return used

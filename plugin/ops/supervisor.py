@@ -124,8 +124,13 @@ class RoundReport:
 
     def as_json(self, max_age_s: float) -> dict:
         age = time.monotonic() - self.finished
-        return {"passed": self.passed, "age_s": round(age, 3), "fresh": age <= max_age_s, "note": self.note,
-                "models": self.results}
+        return {
+            "passed": self.passed,
+            "age_s": round(age, 3),
+            "fresh": age <= max_age_s,
+            "note": self.note,
+            "models": self.results,
+        }
 
 
 class Watchdog:
@@ -176,8 +181,9 @@ class Watchdog:
         return f"http://{self.config.http_url}{path}"
 
     def _index(self) -> list[dict]:
-        status, body = http_request("POST", self._url("/v2/repository/index"), b"{}", self.headers,
-                                    self.config.probe_timeout_s)
+        status, body = http_request(
+            "POST", self._url("/v2/repository/index"), b"{}", self.headers, self.config.probe_timeout_s
+        )
         if status != 200:
             raise ConnectionError(f"repository index: HTTP {status}: {body[:200].decode(errors='replace')}")
         return json.loads(body)
@@ -222,8 +228,9 @@ class Watchdog:
     def _config_of(self, name: str) -> dict | None:
         if name not in self._configs:
             try:
-                status, body = http_request("GET", self._url(f"/v2/models/{name}/config"),
-                                            timeout_s=self.config.probe_timeout_s)
+                status, body = http_request(
+                    "GET", self._url(f"/v2/models/{name}/config"), timeout_s=self.config.probe_timeout_s
+                )
                 if status == 200:
                     self._configs[name] = json.loads(body)
             except (ConnectionError, TimeoutError, ValueError):
@@ -233,12 +240,16 @@ class Watchdog:
     def _progress(self, name: str) -> tuple | None:
         """(requests finished, executions) of a model from its statistics, None if unreadable."""
         try:
-            status, body = http_request("GET", self._url(f"/v2/models/{name}/stats"), timeout_s=self.config.probe_timeout_s)
+            status, body = http_request(
+                "GET", self._url(f"/v2/models/{name}/stats"), timeout_s=self.config.probe_timeout_s
+            )
             if status != 200:
                 return None
             stats = json.loads(body).get("model_stats", [])
-            return (sum(int(s.get("inference_count", 0)) + int(s["inference_stats"]["fail"]["count"]) for s in stats),
-                    sum(int(s.get("execution_count", 0)) for s in stats))
+            return (
+                sum(int(s.get("inference_count", 0)) + int(s["inference_stats"]["fail"]["count"]) for s in stats),
+                sum(int(s.get("execution_count", 0)) for s in stats),
+            )
         except (ConnectionError, TimeoutError, ValueError, KeyError, TypeError):
             return None
 
@@ -253,8 +264,11 @@ class Watchdog:
         if probe.unhealthy:
             self._start_reload(name, f"its stub is dead ({probe.detail})", generation)
         elif self._timeouts[name] >= TIMEOUTS_BEFORE_RELOAD:
-            self._start_reload(name, f"{self._timeouts[name]} probes in a row got no answer and it finished no "
-                               f"request meanwhile", generation)
+            self._start_reload(
+                name,
+                f"{self._timeouts[name]} probes in a row got no answer and it finished no request meanwhile",
+                generation,
+            )
         return {"ok": probe.ok, "detail": probe.detail, "kind": probe.kind, "ms": round(probe.seconds * 1000, 1)}
 
     def _publish(self, report: RoundReport, generation: int) -> None:
@@ -274,8 +288,9 @@ class Watchdog:
         with self.lock:
             if name in self._reloading or now < self._next_reload.get(name, 0.0):
                 return
-            thread = threading.Thread(target=self._reload, args=(name, why, generation), daemon=True,
-                                      name=f"reload-{name}")
+            thread = threading.Thread(
+                target=self._reload, args=(name, why, generation), daemon=True, name=f"reload-{name}"
+            )
             self._reloading[name] = thread
         thread.start()
 
@@ -287,11 +302,13 @@ class Watchdog:
         log(f"watchdog: reloading '{name}': {why}")
         ok, detail = False, ""
         try:
-            status, body = http_request("POST", self._url(f"/v2/repository/models/{name}/unload"), b"{}",
-                                        self.headers, RELOAD_TIMEOUT_S)
+            status, body = http_request(
+                "POST", self._url(f"/v2/repository/models/{name}/unload"), b"{}", self.headers, RELOAD_TIMEOUT_S
+            )
             if status == 200:
-                status, body = http_request("POST", self._url(f"/v2/repository/models/{name}/load"), b"{}",
-                                            self.headers, RELOAD_TIMEOUT_S)
+                status, body = http_request(
+                    "POST", self._url(f"/v2/repository/models/{name}/load"), b"{}", self.headers, RELOAD_TIMEOUT_S
+                )
             ok, detail = status == 200, f"HTTP {status} {body[:200].decode(errors='replace')}"
         except (ConnectionError, TimeoutError) as error:
             detail = str(error)
@@ -328,7 +345,7 @@ class Watchdog:
 
 
 class _ProbeHandler(BaseHTTPRequestHandler):
-    supervisor: "Supervisor"  # set on the subclass made per server
+    supervisor: Supervisor  # set on the subclass made per server
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's name)
         path = self.path.split("?", 1)[0].rstrip("/")
@@ -336,8 +353,13 @@ class _ProbeHandler(BaseHTTPRequestHandler):
             self._answer(200, {"live": True, "restarts": self.supervisor.restarts})
         elif path in ("/ready", "/status"):
             ready, report = self.supervisor.watchdog.ready()
-            report = {**report, "ready": ready, "server_running": self.supervisor.server_running(),
-                      "restarts": self.supervisor.restarts, "reloads": self.supervisor.watchdog.reloads_done}
+            report = {
+                **report,
+                "ready": ready,
+                "server_running": self.supervisor.server_running(),
+                "restarts": self.supervisor.restarts,
+                "reloads": self.supervisor.watchdog.reloads_done,
+            }
             ready = ready and report["server_running"]
             self._answer(200 if ready or path == "/status" else 503, report)
         else:
@@ -386,16 +408,19 @@ class Supervisor:
         self._probe_server = ThreadingHTTPServer(("0.0.0.0", self.config.probe_port), handler)
         self._probe_server.daemon_threads = True
         threading.Thread(target=self._probe_server.serve_forever, daemon=True, name="probe-http").start()
-        log(f"readiness on http://0.0.0.0:{self.config.probe_port}/ready (a real inference per model), "
-            f"liveness on /live")
+        log(
+            f"readiness on http://0.0.0.0:{self.config.probe_port}/ready (a real inference per model), "
+            f"liveness on /live"
+        )
 
     def _start_child(self) -> None:
         command = self.config.command()
         log("+ " + " ".join(redact(command, self.config.admin_key)))
         self.watchdog.reset()
         # Its own session: a terminal's Ctrl-C reaches the supervisor only, which forwards it.
-        self.child = subprocess.Popen(command, env=server_environment(), start_new_session=True,
-                                      preexec_fn=_child_setup)
+        self.child = subprocess.Popen(
+            command, env=server_environment(), start_new_session=True, preexec_fn=_child_setup
+        )
 
     def _clean_up_after(self, child: subprocess.Popen) -> None:
         end_process_group(child.pid)  # stubs a dead or timed-out server left running
@@ -418,7 +443,9 @@ class Supervisor:
                 end_process_group(child.pid)
                 child.wait()
         self._clean_up_after(child)
-        log(f"tritonserver stopped ({describe_exit(child.returncode)}) {time.monotonic() - asked:.1f} s after the stop request")
+        log(
+            f"tritonserver stopped ({describe_exit(child.returncode)}) {time.monotonic() - asked:.1f} s after the stop request"
+        )
 
     def run(self) -> int:
         """Serve until SIGTERM/SIGINT; returns the exit status (0 after a requested stop)."""
@@ -437,11 +464,14 @@ class Supervisor:
         try:
             self._start_probe_server()
         except OSError as error:
-            log(f"cannot serve the probe endpoint on port {self.config.probe_port}: {error} "
-                f"(set TRITON_PROBE_PORT, 0 for none)")
+            log(
+                f"cannot serve the probe endpoint on port {self.config.probe_port}: {error} "
+                f"(set TRITON_PROBE_PORT, 0 for none)"
+            )
             return 2
-        watchdog = threading.Thread(target=self.watchdog.loop, args=(self.stopping, self.server_running),
-                                    daemon=True, name="watchdog")
+        watchdog = threading.Thread(
+            target=self.watchdog.loop, args=(self.stopping, self.server_running), daemon=True, name="watchdog"
+        )
         watchdog.start()
         backoff = 0
         try:
@@ -459,8 +489,10 @@ class Supervisor:
                 delay = RESTART_BACKOFF_S[min(backoff, len(RESTART_BACKOFF_S) - 1)]
                 backoff += 1
                 self.restarts += 1
-                log(f"tritonserver died ({describe_exit(self.child.returncode)}) after {ran:.1f} s; "
-                    f"restart #{self.restarts} in {delay:g} s")
+                log(
+                    f"tritonserver died ({describe_exit(self.child.returncode)}) after {ran:.1f} s; "
+                    f"restart #{self.restarts} in {delay:g} s"
+                )
                 self.stopping.wait(delay)
         finally:
             self.stopping.set()

@@ -8,7 +8,8 @@ on a backend that builds no support are refused per request; an unknown name fai
 from __future__ import annotations
 
 import importlib
-from typing import Callable, Protocol, runtime_checkable
+from collections.abc import Callable
+from typing import Protocol, runtime_checkable
 
 from .sampler import SamplingBatch, SamplingResult, sample
 

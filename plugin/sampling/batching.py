@@ -17,8 +17,14 @@ from .params import RowParams
 from .sampler import SamplingBatch, SamplingResult
 from .validation import MaskPolicy, check_logit_rows, check_rows, first_error
 
-OUTPUT_NAMES = ("output_ids", "output_logprobs", "sampling_mask", "sampling_mask_len", "sampling_logprobs",
-                "sampling_mask_logprobs")
+OUTPUT_NAMES = (
+    "output_ids",
+    "output_logprobs",
+    "sampling_mask",
+    "sampling_mask_len",
+    "sampling_logprobs",
+    "sampling_mask_logprobs",
+)
 
 
 @dataclass
@@ -85,7 +91,9 @@ class BatchSampler:
         if answered.any():
             # The sampler's scalar outputs are dims [ 1 ] per row on the wire.
             keep = answered[sampled]
-            arrays = {name: value[keep].reshape(int(keep.sum()), -1) for name, value in _wire_arrays(result_arrays).items()}
+            arrays = {
+                name: value[keep].reshape(int(keep.sum()), -1) for name, value in _wire_arrays(result_arrays).items()
+            }
             splits = np.cumsum(rows_per_request[~request_failed])[:-1]
             chunks = {name: np.split(value, splits) for name, value in arrays.items()}
             for i, r in enumerate(np.flatnonzero(~request_failed)):

@@ -39,7 +39,8 @@ except ImportError:  # the plain-torch sampler serves every row then
     tl = None
     AVAILABLE = False
 
-# The packed output: int32 [R, PACKED_COLUMNS + 2 W] (then the W mask ids and their W log-probs). Floats travel as their float32 bit patterns, so
+# The packed output: int32 [R, PACKED_COLUMNS + 2 W] (then the W mask ids and their W log-probs).
+# Floats travel as their float32 bit patterns, so
 # one int32 tensor (one device-to-host copy) carries every per-row output.
 PACKED_COLUMNS = 6
 COL_TOKEN_ID, COL_LOGPROB, COL_MASK_LEN, COL_MASK_LOGPROB, COL_ROW_MAX, COL_LOG_Z = range(PACKED_COLUMNS)
@@ -118,7 +119,9 @@ def sample_packed(logits: torch.Tensor, params: torch.Tensor, k_max: int, mask_w
     if not AVAILABLE:
         raise RuntimeError("sampling.fused needs triton, which is not installed")
     if logits.dim() != 2 or logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"logits must be [rows, vocab] float32/bfloat16/float16, got {tuple(logits.shape)} {logits.dtype}")
+        raise ValueError(
+            f"logits must be [rows, vocab] float32/bfloat16/float16, got {tuple(logits.shape)} {logits.dtype}"
+        )
     rows, vocab = logits.shape
     if vocab < 1 or vocab >= 1 << 31:
         raise ValueError(f"vocabulary size {vocab} is outside [1, 2**31)")
@@ -142,11 +145,39 @@ def sample_packed(logits: torch.Tensor, params: torch.Tensor, k_max: int, mask_w
         return packed
     block_f = max(_MIN_BLOCK, _next_power_of_two(fetched))
     block_v = min(_BLOCK_V, max(_MIN_BLOCK, _next_power_of_two(vocab)))
-    _launch(_row_stats_kernel, (rows,), logits, logits.stride(0), vocab, params, values, ids, fetched,
-            packed, packed.stride(0), BLOCK_V=block_v, BLOCK_F=block_f, num_warps=8, enable_fp_fusion=False)
-    _launch(_select_kernel, (rows,), values, ids, fetched, params, packed, packed.stride(0), mask_width,
-            BLOCK_F=block_f, LOG_F=block_f.bit_length() - 1, BLOCK_W=max(_MIN_BLOCK, _next_power_of_two(mask_width)),
-            num_warps=8 if block_f >= 1024 else 4, enable_fp_fusion=False)
+    _launch(
+        _row_stats_kernel,
+        (rows,),
+        logits,
+        logits.stride(0),
+        vocab,
+        params,
+        values,
+        ids,
+        fetched,
+        packed,
+        packed.stride(0),
+        BLOCK_V=block_v,
+        BLOCK_F=block_f,
+        num_warps=8,
+        enable_fp_fusion=False,
+    )
+    _launch(
+        _select_kernel,
+        (rows,),
+        values,
+        ids,
+        fetched,
+        params,
+        packed,
+        packed.stride(0),
+        mask_width,
+        BLOCK_F=block_f,
+        LOG_F=block_f.bit_length() - 1,
+        BLOCK_W=max(_MIN_BLOCK, _next_power_of_two(mask_width)),
+        num_warps=8 if block_f >= 1024 else 4,
+        enable_fp_fusion=False,
+    )
     return packed
 
 
@@ -272,8 +303,19 @@ if AVAILABLE:
         return tl.reshape(cube, x.shape)
 
     @triton.jit(do_not_specialize=["fetched"])  # one compiled kernel per block size, not per k
-    def _row_stats_kernel(logits_ptr, logits_row_stride, vocab, params_ptr, values_ptr, ids_ptr, fetched,
-                          out_ptr, out_row_stride, BLOCK_V: tl.constexpr, BLOCK_F: tl.constexpr):
+    def _row_stats_kernel(
+        logits_ptr,
+        logits_row_stride,
+        vocab,
+        params_ptr,
+        values_ptr,
+        ids_ptr,
+        fetched,
+        out_ptr,
+        out_row_stride,
+        BLOCK_V: tl.constexpr,
+        BLOCK_F: tl.constexpr,
+    ):
         row = tl.program_id(0).to(tl.int64)
         params_row = params_ptr + row * 6
         temperature = tl.load(params_row + 0).to(tl.int32).to(tl.float32, bitcast=True)
@@ -325,8 +367,18 @@ if AVAILABLE:
                 start += BLOCK_V
 
     @triton.jit(do_not_specialize=["fetched", "mask_width"])
-    def _select_kernel(values_ptr, ids_ptr, fetched, params_ptr, out_ptr, out_row_stride, mask_width,
-                       BLOCK_F: tl.constexpr, LOG_F: tl.constexpr, BLOCK_W: tl.constexpr):
+    def _select_kernel(
+        values_ptr,
+        ids_ptr,
+        fetched,
+        params_ptr,
+        out_ptr,
+        out_row_stride,
+        mask_width,
+        BLOCK_F: tl.constexpr,
+        LOG_F: tl.constexpr,
+        BLOCK_W: tl.constexpr,
+    ):
         row = tl.program_id(0).to(tl.int64)
         params_row = params_ptr + row * 6
         temperature = tl.load(params_row + 0).to(tl.int32).to(tl.float32, bitcast=True)
@@ -390,7 +442,9 @@ if AVAILABLE:
         tl.store(mask_row + rank, tl.where(rank < mask_len, ids, -1).to(tl.int32), mask=rank < mask_width)
         # W may exceed the candidate block: the columns past it are padding.
         columns = tl.arange(0, BLOCK_W)
-        tl.store(mask_row + columns, tl.full([BLOCK_W], -1, tl.int32), mask=(columns >= BLOCK_F) & (columns < mask_width))
+        tl.store(
+            mask_row + columns, tl.full([BLOCK_W], -1, tl.int32), mask=(columns >= BLOCK_F) & (columns < mask_width)
+        )
         # Then each mask id's log-probability renormalised over the support (the sampled one's
         # equals mask_logprob exactly), -inf padded, as float32 bits.
         support_row = mask_row + mask_width

@@ -46,7 +46,7 @@ class RowParams:
     return_sampling_mask: np.ndarray
 
     @classmethod
-    def defaults(cls, rows: int) -> "RowParams":
+    def defaults(cls, rows: int) -> RowParams:
         """Parameters of `rows` rows that carried no optional input."""
         return cls(
             temperature=np.full(rows, TEMPERATURE.default, TEMPERATURE.dtype),
@@ -63,12 +63,12 @@ class RowParams:
         return len(self.temperature)
 
     @classmethod
-    def concatenate(cls, parts: list["RowParams"]) -> "RowParams":
+    def concatenate(cls, parts: list[RowParams]) -> RowParams:
         """Stack the rows of several requests, in order."""
         fields = cls.__dataclass_fields__
         return cls(**{f: np.concatenate([getattr(p, f) for p in parts]) for f in fields})
 
-    def take(self, rows: np.ndarray) -> "RowParams":
+    def take(self, rows: np.ndarray) -> RowParams:
         """The subset of rows selected by an index or boolean array."""
         fields = self.__dataclass_fields__
         return RowParams(**{f: getattr(self, f)[rows] for f in fields})

@@ -52,8 +52,14 @@ class SamplingBatch:
             setattr(self, name, np.ascontiguousarray(value, dtype=dtype))
 
 
-_PARAM_DTYPES = {"temperature": np.float32, "top_k": np.int64, "top_p": np.float32, "min_p": np.float32,
-                 "seed": np.int64, "want_mask": np.bool_}
+_PARAM_DTYPES = {
+    "temperature": np.float32,
+    "top_k": np.int64,
+    "top_p": np.float32,
+    "min_p": np.float32,
+    "seed": np.int64,
+    "want_mask": np.bool_,
+}
 
 
 class SamplingResult:
@@ -71,26 +77,50 @@ class SamplingResult:
     FIELDS = ("token_ids", "logprobs", "mask_ids", "mask_len", "mask_logprobs", "mask_support_logprobs", "row_max")
     MASK_FIELDS = ("mask_ids", "mask_support_logprobs")  # [B, W]; a group may fill only its first columns
 
-    def __init__(self, token_ids=None, logprobs=None, mask_ids=None, mask_len=None, mask_logprobs=None,
-                 mask_support_logprobs=None, row_max=None, packed: torch.Tensor | None = None):
+    def __init__(
+        self,
+        token_ids=None,
+        logprobs=None,
+        mask_ids=None,
+        mask_len=None,
+        mask_logprobs=None,
+        mask_support_logprobs=None,
+        row_max=None,
+        packed: torch.Tensor | None = None,
+    ):
         self.packed = packed
         self._host: dict[str, np.ndarray] | None = None
-        self._fields = dict(token_ids=token_ids, logprobs=logprobs, mask_ids=mask_ids, mask_len=mask_len,
-                            mask_logprobs=mask_logprobs, mask_support_logprobs=mask_support_logprobs, row_max=row_max)
+        self._fields = dict(
+            token_ids=token_ids,
+            logprobs=logprobs,
+            mask_ids=mask_ids,
+            mask_len=mask_len,
+            mask_logprobs=mask_logprobs,
+            mask_support_logprobs=mask_support_logprobs,
+            row_max=row_max,
+        )
 
     @classmethod
-    def empty(cls, rows: int, mask_width: int, device: torch.device) -> "SamplingResult":
+    def empty(cls, rows: int, mask_width: int, device: torch.device) -> SamplingResult:
         """Outputs to fill group by group (-1 padded masks, zeros elsewhere)."""
-        if device.type == "cpu":  # numpy allocations, shared with torch: cheaper than torch's own
-            full = lambda shape, value, dtype: torch.from_numpy(np.full(shape, value, dtype))  # noqa: E731
-        else:
-            full = lambda shape, value, dtype: torch.full(shape, value, dtype=getattr(torch, np.dtype(dtype).name), device=device)  # noqa: E731
-        return cls(full(rows, 0, np.int64), full(rows, 0, np.float32), full((rows, mask_width), -1, np.int32),
-                   full(rows, 0, np.int32), full(rows, 0, np.float32), full((rows, mask_width), -np.inf, np.float32),
-                   full(rows, 0, np.float32))
+
+        def full(shape, value, dtype):
+            if device.type == "cpu":  # numpy allocations, shared with torch: cheaper than torch's own
+                return torch.from_numpy(np.full(shape, value, dtype))
+            return torch.full(shape, value, dtype=getattr(torch, np.dtype(dtype).name), device=device)
+
+        return cls(
+            full(rows, 0, np.int64),
+            full(rows, 0, np.float32),
+            full((rows, mask_width), -1, np.int32),
+            full(rows, 0, np.int32),
+            full(rows, 0, np.float32),
+            full((rows, mask_width), -np.inf, np.float32),
+            full(rows, 0, np.float32),
+        )
 
     @classmethod
-    def of_host(cls, arrays: dict[str, np.ndarray]) -> "SamplingResult":
+    def of_host(cls, arrays: dict[str, np.ndarray]) -> SamplingResult:
         """A result made of host numpy arrays (the CPU path): `host()` returns them as they are, and
         each field reads as a tensor sharing their memory."""
         result = cls()
@@ -217,8 +247,15 @@ def _sample_fused(batch: SamplingBatch, plan: RowPlan, index: np.ndarray, mask_w
     from . import fused
 
     logits = _rows(batch, index)
-    params = fused.pack_params(batch.temperature[index], batch.top_k[index], batch.top_p[index], batch.min_p[index],
-                               batch.seed[index], batch.want_mask[index], batch.logits.shape[1])
+    params = fused.pack_params(
+        batch.temperature[index],
+        batch.top_k[index],
+        batch.top_p[index],
+        batch.min_p[index],
+        batch.seed[index],
+        batch.want_mask[index],
+        batch.logits.shape[1],
+    )
     k_max = int(plan.k_eff[index].max())
     return SamplingResult(packed=fused.sample_packed(logits, torch.from_numpy(params), k_max, mask_width))
 
@@ -526,8 +563,9 @@ def _exp_sum(logits: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, scr
     return scratch.sum(dim=-1)
 
 
-def _sample_ranked(batch: SamplingBatch, plan: RowPlan, index: np.ndarray, k: int, mask_width: int,
-                   result: SamplingResult) -> np.ndarray:
+def _sample_ranked(
+    batch: SamplingBatch, plan: RowPlan, index: np.ndarray, k: int, mask_width: int, result: SamplingResult
+) -> np.ndarray:
     """Rows whose support is a prefix of their top-k ranking (k = the largest effective top_k, or
     the candidate count); writes their outputs and returns their support lengths (numpy)."""
     outputs = _ranked_outputs(batch, plan, index, k, mask_width)
@@ -567,7 +605,7 @@ class _RowParams:
     want_mask: np.ndarray
 
     @classmethod
-    def of(cls, batch: SamplingBatch, plan: RowPlan, index: np.ndarray | None) -> "_RowParams":
+    def of(cls, batch: SamplingBatch, plan: RowPlan, index: np.ndarray | None) -> _RowParams:
         """The parameters of the rows `index`; None: every row, without copies."""
         fields = (plan.temperature, plan.k_eff, batch.top_p, batch.min_p, batch.seed, batch.want_mask)
         return cls(*(fields if index is None else (field[index] for field in fields)))
@@ -617,8 +655,13 @@ def _epilogue_numpy(values32: np.ndarray, ids: np.ndarray, z: np.ndarray, rows: 
         mask_ids = np.full((count, mask_width), -1, np.int32)
         np.copyto(mask_ids[:, :width], ids[:, :width], casting="same_kind", where=in_mask)
         support_logprobs = np.full((count, mask_width), -np.inf, np.float32)
-        np.subtract(scaled[:, :width], support_log_mass[:, None], out=support_logprobs[:, :width], where=in_mask,
-                    casting="same_kind")
+        np.subtract(
+            scaled[:, :width],
+            support_log_mass[:, None],
+            out=support_logprobs[:, :width],
+            where=in_mask,
+            casting="same_kind",
+        )
         mask_logprobs = np.zeros(count, np.float32)
         np.subtract(token_scaled, support_log_mass, out=mask_logprobs, where=rows.want_mask, casting="same_kind")
     return {
@@ -633,12 +676,16 @@ def _epilogue_numpy(values32: np.ndarray, ids: np.ndarray, z: np.ndarray, rows: 
     }
 
 
-def _epilogue_torch(values: torch.Tensor, ids: torch.Tensor, log_z: torch.Tensor, rows: _RowParams, mask_width: int) -> dict:
+def _epilogue_torch(
+    values: torch.Tensor, ids: torch.Tensor, log_z: torch.Tensor, rows: _RowParams, mask_width: int
+) -> dict:
     """`_epilogue_numpy` in torch on the logits' device (GPU rows the fused kernels do not take)."""
     device = values.device
     on = lambda array: torch.from_numpy(np.ascontiguousarray(array)).to(device)  # noqa: E731
     count, k = values.shape
-    scaled = (values.to(torch.float64) - values[:, :1].to(torch.float64)) / on(rows.temperature).to(torch.float64).unsqueeze(1)
+    scaled = (values.to(torch.float64) - values[:, :1].to(torch.float64)) / on(rows.temperature).to(
+        torch.float64
+    ).unsqueeze(1)
     logp = scaled - log_z.unsqueeze(1)
     probs = logp.exp()
     rank = torch.arange(k, device=device).unsqueeze(0)
@@ -682,12 +729,16 @@ def _sample_unranked(batch: SamplingBatch, plan: RowPlan, index: np.ndarray, res
     noise = rng.gumbel(rng.seed_state(torch.from_numpy(batch.seed[index]).to(device)).unsqueeze(1), vocab_ids)
     score = torch.where(keep, scaled + noise, torch.tensor(float("-inf"), dtype=torch.float64, device=device))
     pick = score.argmax(dim=-1, keepdim=True)
-    _write(result, index, {
-        "token_ids": pick.squeeze(1),
-        "logprobs": scaled.gather(1, pick).squeeze(1) - log_z,
-        "mask_ids": torch.full((index.size, 0), -1, dtype=torch.int32),
-        "mask_len": torch.zeros(index.size, dtype=torch.int32),
-        "mask_logprobs": torch.zeros(index.size, dtype=torch.float32),
-        "mask_support_logprobs": torch.full((index.size, 0), float("-inf")),
-        "row_max": row_max,
-    })
+    _write(
+        result,
+        index,
+        {
+            "token_ids": pick.squeeze(1),
+            "logprobs": scaled.gather(1, pick).squeeze(1) - log_z,
+            "mask_ids": torch.full((index.size, 0), -1, dtype=torch.int32),
+            "mask_len": torch.zeros(index.size, dtype=torch.int32),
+            "mask_logprobs": torch.zeros(index.size, dtype=torch.float32),
+            "mask_support_logprobs": torch.full((index.size, 0), float("-inf")),
+            "row_max": row_max,
+        },
+    )

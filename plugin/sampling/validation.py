@@ -71,7 +71,11 @@ def check_scalar_ranges(params: RowParams) -> np.ndarray:
     t, k, p, mp = params.temperature, params.top_k, params.top_p, params.min_p
     with np.errstate(invalid="ignore"):
         rules = [
-            ("temperature", ~np.isfinite(t) | (t < 0), lambda i: f"temperature must be a finite number >= 0 (0 means greedy), got {t[i]}"),
+            (
+                "temperature",
+                ~np.isfinite(t) | (t < 0),
+                lambda i: f"temperature must be a finite number >= 0 (0 means greedy), got {t[i]}",
+            ),
             ("top_k", (k == 0) | (k < TOP_K_ALL), lambda i: f"top_k must be -1 (whole vocabulary) or >= 1, got {k[i]}"),
             ("top_p", ~(p > 0) | ~(p <= 1), lambda i: f"top_p must be in (0, 1], got {p[i]}"),
             ("min_p", ~(mp >= 0) | ~(mp < 1), lambda i: f"min_p must be in [0, 1), got {mp[i]}"),
@@ -97,7 +101,11 @@ def check_mask_admission(params: RowParams, vocab_size: int, policy: MaskPolicy)
             ),
         ),
         ("mask_speculative", wants & policy.speculative, lambda i: SPECULATIVE_MASK_MESSAGE),
-        ("mask_backend", wants & (not policy.backend_builds_support), lambda i: backend_mask_message(policy.backend_name)),
+        (
+            "mask_backend",
+            wants & (not policy.backend_builds_support),
+            lambda i: backend_mask_message(policy.backend_name),
+        ),
     ]
     return _first_failure(params.rows, rules)
 
@@ -107,7 +115,11 @@ def check_logit_rows(row_max: np.ndarray) -> np.ndarray:
     rules = [
         ("logits_nan", np.isnan(row_max), lambda i: "logits must not contain NaN"),
         ("logits_inf", row_max == np.inf, lambda i: "logits must not contain +inf"),
-        ("logits_all_neg_inf", row_max == -np.inf, lambda i: "logits must have at least one finite value (every entry is -inf)"),
+        (
+            "logits_all_neg_inf",
+            row_max == -np.inf,
+            lambda i: "logits must have at least one finite value (every entry is -inf)",
+        ),
     ]
     return _first_failure(len(row_max), rules)
 

@@ -19,15 +19,15 @@ import traceback
 import numpy as np
 import torch
 
-from ..sampling.backends import load_backend
-from ..sampling.batching import BatchSampler
 from ..generation.engine import ContinuousEngine, EngineFull, EngineLimits
 from ..generation.generator import GenerationChunk, GenerationRequest, Generator, check_generation_request
 from ..generation.lm import load_lm
 from ..model_config import config_path, instance_device, int_parameter, load_model_config, string_parameter
-from .triton_io import error_response, read_input, read_params, wanted_outputs
-from .sampler_model import declared_outputs, mask_policy
+from ..sampling.backends import load_backend
+from ..sampling.batching import BatchSampler
 from ..sampling.validation import SamplingRequestError
+from .sampler_model import declared_outputs, mask_policy
+from .triton_io import error_response, read_input, read_params, wanted_outputs
 
 SCHEDULERS = ("continuous", "static")
 # Time-to-first-token histogram bounds, seconds (from enqueue to the first sampled token).
@@ -40,7 +40,9 @@ def _input(request, pb_utils, name: str, dtype, required: bool = False) -> np.nd
     if values is None:
         return None
     if values.ndim < 1 or values.shape[0] != 1:
-        raise SamplingRequestError(name, f"{name}: generate takes one prompt per request (batch size 1), got shape {list(values.shape)}")
+        raise SamplingRequestError(
+            name, f"{name}: generate takes one prompt per request (batch size 1), got shape {list(values.shape)}"
+        )
     return values.reshape(-1)
 
 
@@ -84,8 +86,11 @@ def chunk_response(pb_utils, chunk: GenerationChunk, wanted: set[str] | None = N
         "sampling_mask_logprobs": chunk.sampling_mask_logprobs,
         "finish_reason": np.array([chunk.finish_reason.encode()], dtype=np.object_),
     }
-    tensors = [pb_utils.Tensor(name, np.ascontiguousarray(value)[np.newaxis]) for name, value in arrays.items()
-               if wanted is None or name in wanted]
+    tensors = [
+        pb_utils.Tensor(name, np.ascontiguousarray(value)[np.newaxis])
+        for name, value in arrays.items()
+        if wanted is None or name in wanted
+    ]
     return pb_utils.InferenceResponse(output_tensors=tensors)
 
 
@@ -121,7 +126,7 @@ class _RequestHandle:
 
     With an outbox the responses are built and sent on the outbox thread; `done` is set at once."""
 
-    def __init__(self, model: "GenerateModel", request, outbox: _Outbox | None = None):
+    def __init__(self, model: GenerateModel, request, outbox: _Outbox | None = None):
         self.model, self.request, self.outbox = model, request, outbox
         self.sender = request.get_response_sender()
         self.final_flag = model.pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -148,9 +153,13 @@ class _RequestHandle:
         try:
             if self._wanted is None:  # the same for every response of the request
                 self._wanted = wanted_outputs(self.request, self.model.declared_outputs)
-            self.sender.send(chunk_response(self.model.pb_utils, chunk, self._wanted), flags=self.final_flag if final else 0)
+            self.sender.send(
+                chunk_response(self.model.pb_utils, chunk, self._wanted), flags=self.final_flag if final else 0
+            )
         except Exception as exc:  # e.g. the client went away: fail this request only
-            self.model.logger.log_error(f"generate: response for one request not sent ({type(exc).__name__}: {exc}); dropping it")
+            self.model.logger.log_error(
+                f"generate: response for one request not sent ({type(exc).__name__}: {exc}); dropping it"
+            )
             self.broken = self.done = True
 
     def cancelled(self, tokens: int) -> None:
@@ -181,7 +190,7 @@ class _RequestHandle:
 class _TritonSink:
     """The static generator's sink over the handles of one execute's admitted requests."""
 
-    def __init__(self, model: "GenerateModel", handles: list[_RequestHandle]):
+    def __init__(self, model: GenerateModel, handles: list[_RequestHandle]):
         self.model, self.handles = model, handles
 
     def is_cancelled(self, position: int) -> bool:
@@ -203,21 +212,30 @@ class _TritonSink:
 class _EngineMetrics:
     """The engine's gauges and time-to-first-token histogram; a gauge is set only when it changes."""
 
-    def __init__(self, model: "GenerateModel", pb_utils, labels: dict):
+    def __init__(self, model: GenerateModel, pb_utils, labels: dict):
         families = {
             name: pb_utils.MetricFamily(name=name, description=description, kind=kind)
             for name, description, kind in (
                 ("generate_active_sequences", "Requests in the running decode batch", pb_utils.MetricFamily.GAUGE),
                 ("generate_waiting_requests", "Requests queued for admission", pb_utils.MetricFamily.GAUGE),
-                ("generate_kv_tokens", "KV-cache positions held by active requests (prompt + generated)", pb_utils.MetricFamily.GAUGE),
-                ("generate_time_to_first_token_seconds", "Seconds from enqueue to a request's first token",
-                 pb_utils.MetricFamily.HISTOGRAM),
+                (
+                    "generate_kv_tokens",
+                    "KV-cache positions held by active requests (prompt + generated)",
+                    pb_utils.MetricFamily.GAUGE,
+                ),
+                (
+                    "generate_time_to_first_token_seconds",
+                    "Seconds from enqueue to a request's first token",
+                    pb_utils.MetricFamily.HISTOGRAM,
+                ),
             )
         }
         self.families = families  # the families must outlive their metrics
         self.model = model
-        self.gauges = [families[name].Metric(labels=labels) for name in
-                       ("generate_active_sequences", "generate_waiting_requests", "generate_kv_tokens")]
+        self.gauges = [
+            families[name].Metric(labels=labels)
+            for name in ("generate_active_sequences", "generate_waiting_requests", "generate_kv_tokens")
+        ]
         self.ttft = families["generate_time_to_first_token_seconds"].Metric(labels=labels, buckets=TTFT_BUCKETS)
         self.last = [None, None, None]
 
@@ -255,10 +273,14 @@ class GenerateModel:
         self.generator = Generator(self.lm, BatchSampler(backend, policy, device))
         labels = {"model": args.get("model_name", "generate")}
         tokens = pb_utils.MetricFamily(
-            name="generate_tokens_total", description="Tokens generated by the generate model", kind=pb_utils.MetricFamily.COUNTER
+            name="generate_tokens_total",
+            description="Tokens generated by the generate model",
+            kind=pb_utils.MetricFamily.COUNTER,
         )
         cancelled = pb_utils.MetricFamily(
-            name="generate_cancelled_total", description="Generate requests stopped by client cancellation", kind=pb_utils.MetricFamily.COUNTER
+            name="generate_cancelled_total",
+            description="Generate requests stopped by client cancellation",
+            kind=pb_utils.MetricFamily.COUNTER,
         )
         # The families must outlive their metrics, so the model holds both.
         self.metric_families = (tokens, cancelled)
@@ -270,7 +292,9 @@ class GenerateModel:
         self.engine = None
         if self.scheduler == "continuous":
             limits = EngineLimits(
-                max_active_sequences=int_parameter(model_config, "max_active_sequences", EngineLimits.max_active_sequences),
+                max_active_sequences=int_parameter(
+                    model_config, "max_active_sequences", EngineLimits.max_active_sequences
+                ),
                 max_waiting=int_parameter(model_config, "max_waiting", EngineLimits.max_waiting),
                 kv_budget_tokens=int_parameter(model_config, "kv_budget_tokens", EngineLimits.kv_budget_tokens),
             )
@@ -293,7 +317,11 @@ class GenerateModel:
             parsed, admitted_handles = [], []
             for handle in handles:
                 try:
-                    parsed.append(parse_generation_request(handle.request, self.pb_utils, self.lm.vocab_size, self.lm.context_length))
+                    parsed.append(
+                        parse_generation_request(
+                            handle.request, self.pb_utils, self.lm.vocab_size, self.lm.context_length
+                        )
+                    )
                     admitted_handles.append(handle)
                 except SamplingRequestError as exc:
                     handle.fail(exc.message, "INVALID_ARG")

@@ -12,7 +12,7 @@ per call. `histogram_quantile()` works on these series as on any histogram.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Iterable
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -69,7 +69,9 @@ class SamplerMetrics:
     def _metric(self, family: str, **labels):
         return self._families[family].Metric(labels={**self._labels, **labels})
 
-    def record(self, outcomes: Iterable[tuple[str, str]], mask_lengths: np.ndarray, sampler_seconds: float | None) -> None:
+    def record(
+        self, outcomes: Iterable[tuple[str, str]], mask_lengths: np.ndarray, sampler_seconds: float | None
+    ) -> None:
         """Count one execute: (outcome, reason) per request, the mask length of every mask row,
         and the sampler call's duration (None when nothing was sampled)."""
         for key, count in Counter(outcomes).items():

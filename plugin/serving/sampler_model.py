@@ -35,8 +35,10 @@ def declared_outputs(model_config: dict, mask_width: int, config_file: str) -> s
     an older config; a declared one must have the mask's width W (one source of truth)."""
     names = {output["name"] for output in model_config.get("output", [])}
     if SUPPORT_LOGPROBS_OUTPUT in names and output_width(model_config, SUPPORT_LOGPROBS_OUTPUT) != mask_width:
-        raise ValueError(f"output '{SUPPORT_LOGPROBS_OUTPUT}' in {config_file} must have the width of "
-                         f"'{MASK_OUTPUT}' (W={mask_width})")
+        raise ValueError(
+            f"output '{SUPPORT_LOGPROBS_OUTPUT}' in {config_file} must have the width of "
+            f"'{MASK_OUTPUT}' (W={mask_width})"
+        )
     return names
 
 
@@ -68,7 +70,9 @@ class SamplerModel:
         self.policy = mask_policy(args, model_config, backend)
         self.declared_outputs = declared_outputs(model_config, self.policy.mask_width, config_path(args))
         self.sampler = BatchSampler(backend, self.policy, self.device)
-        self.metrics = metrics.SamplerMetrics(pb_utils, args["model_name"], args["model_version"], self.policy.mask_width)
+        self.metrics = metrics.SamplerMetrics(
+            pb_utils, args["model_name"], args["model_version"], self.policy.mask_width
+        )
         self.logger.log_info(
             f"sampler ready on {self.device}: backend={backend.name}, mask width={self.policy.mask_width}, "
             f"logits {str(self.logits_dtype).removeprefix('torch.')}, "
@@ -117,9 +121,7 @@ class SamplerModel:
                 lengths = np.concatenate(answered).reshape(-1)
                 mask_lengths = lengths[lengths > 0]  # rows that asked always have a non-empty support
         except Exception as exc:  # a genuine internal fault: fail only the unanswered requests
-            self.logger.log_error(
-                f"sampler internal error: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"
-            )
+            self.logger.log_error(f"sampler internal error: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
             message = f"internal sampler error ({type(exc).__name__}); see the server log"
             responses = [r if r is not None else error_response(self.pb_utils, message, "INTERNAL") for r in responses]
         return responses, outcomes, mask_lengths, sampler_seconds

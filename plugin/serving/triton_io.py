@@ -78,8 +78,9 @@ def read_params(request, pb_utils, rows: int) -> RowParams:
     return params
 
 
-def parse_request(request, pb_utils, device: torch.device, max_vocab_size: int,
-                  logits_dtype: torch.dtype = torch.float32) -> ParsedRequest:
+def parse_request(
+    request, pb_utils, device: torch.device, max_vocab_size: int, logits_dtype: torch.dtype = torch.float32
+) -> ParsedRequest:
     """Logits and parameters of one request; raises SamplingRequestError naming a bad field."""
     tensor = pb_utils.get_input_tensor_by_name(request, LOGITS)
     if tensor is None:
@@ -90,8 +91,11 @@ def parse_request(request, pb_utils, device: torch.device, max_vocab_size: int,
     check_vocab_size(shape[1], max_vocab_size)
     logits = input_to_torch(tensor, device)
     if logits.dtype != logits_dtype:
-        raise SamplingRequestError(LOGITS, f"logits must be {str(logits_dtype).removeprefix('torch.')}, "
-                                           f"got {str(logits.dtype).removeprefix('torch.')}")
+        raise SamplingRequestError(
+            LOGITS,
+            f"logits must be {str(logits_dtype).removeprefix('torch.')}, "
+            f"got {str(logits.dtype).removeprefix('torch.')}",
+        )
     return ParsedRequest(logits=logits, params=read_params(request, pb_utils, shape[0]))
 
 
@@ -110,6 +114,9 @@ def wanted_outputs(request, declared: set[str]) -> set[str]:
 def sampler_response(pb_utils, outputs: dict[str, np.ndarray], wanted: set[str] | None = None):
     """A response carrying the sampler outputs (numpy arrays keyed by output name), only the
     `wanted` ones when given: bytes not asked for are never built into a tensor or sent."""
-    tensors = [pb_utils.Tensor(name, np.ascontiguousarray(value)) for name, value in outputs.items()
-               if wanted is None or name in wanted]
+    tensors = [
+        pb_utils.Tensor(name, np.ascontiguousarray(value))
+        for name, value in outputs.items()
+        if wanted is None or name in wanted
+    ]
     return pb_utils.InferenceResponse(output_tensors=tensors)
