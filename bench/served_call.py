@@ -38,7 +38,8 @@ import tritonclient.utils.shared_memory as shm
 from triton_sampling_mask.client import unregister_shared_memory
 from triton_sampling_mask.client.wire import sampler_inputs
 from triton_sampling_mask.sampling.backends import TorchSamplingBackend
-from triton_sampling_mask.sampling.batching import OUTPUT_NAMES, BatchSampler
+from triton_sampling_mask.sampling.batching import BatchSampler
+from triton_sampling_mask.sampling.outputs import SAMPLING_MASK_LOGPROBS, TOKEN_OUTPUT_NAMES
 from triton_sampling_mask.sampling.params import RowParams
 from triton_sampling_mask.sampling.validation import MaskPolicy
 
@@ -54,7 +55,6 @@ ROUNDS = {"full": 3, "tiny": 1}
 CALL_PARAMS = {"temperature": 0.8, "top_k": 512, "top_p": 0.95, "min_p": 0.0, "return_sampling_mask": True}
 PATHS = ("grpc", "http", "grpc_shm", "http_shm")
 DTYPES = {"fp32": ("FP32", np.float32), "bf16": ("BF16", ml_dtypes.bfloat16)}
-SUPPORT_LOGPROBS = "sampling_mask_logprobs"
 # Wire bytes per row of every input but the logits: temperature, top_k, top_p, min_p (4 each),
 # seed (8), return_sampling_mask (1).
 PARAM_BYTES_PER_ROW = 4 * 4 + 8 + 1
@@ -112,7 +112,7 @@ def in_process_part(logits: dict[str, np.ndarray], width: int, timing: dict) -> 
         getattr(params, name)[:] = wire[name]
     params.seed[:], params.has_seed[:] = wire["seed"], True
     tensors = {"fp32": torch.from_numpy(logits["fp32"]), "bf16": torch.from_numpy(logits["fp32"]).bfloat16()}
-    every, without = set(OUTPUT_NAMES), set(OUTPUT_NAMES) - {SUPPORT_LOGPROBS}
+    every, without = set(TOKEN_OUTPUT_NAMES), set(TOKEN_OUTPUT_NAMES) - {SAMPLING_MASK_LOGPROBS.name}
 
     def call(tensor: torch.Tensor, wanted: set[str]):
         def run():

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import tritonclient.grpc as grpcclient
 
+from triton_sampling_mask.sampling.outputs import FINISH_REASON, MASK, TOKEN_OUTPUT_NAMES, TOKEN_OUTPUTS
+
 from .server import INPUT_DTYPES, NUMPY_DTYPES
 
 GENERATE_DTYPES = {
@@ -23,14 +25,6 @@ GENERATE_DTYPES = {
     "stream": "BOOL",
     **{name: dtype for name, dtype in INPUT_DTYPES.items() if name != "logits"},
 }
-ARRAY_OUTPUTS = (
-    "output_ids",
-    "output_logprobs",
-    "sampling_mask",
-    "sampling_mask_len",
-    "sampling_logprobs",
-    "sampling_mask_logprobs",
-)
 
 
 @dataclass
@@ -87,7 +81,7 @@ class GenerateStream:
             return None, None, True, error
         response = result.get_response()
         final = response.parameters["triton_final_response"].bool_param
-        outputs = {name: result.as_numpy(name) for name in (*ARRAY_OUTPUTS, "finish_reason")}
+        outputs = {name: result.as_numpy(name) for name in (*TOKEN_OUTPUT_NAMES, FINISH_REASON.name)}
         outputs = None if outputs["output_ids"] is None else {k: v[0] for k, v in outputs.items()}
         return response.id, outputs, final, None
 
@@ -104,7 +98,7 @@ class GenerateStream:
 
 def collect(responses: list[dict]) -> Generation:
     """Concatenate the responses of one request in arrival order."""
-    parts = {name: np.concatenate([r[name] for r in responses]) for name in ARRAY_OUTPUTS}
+    parts = {name: np.concatenate([r[name] for r in responses]) for name in TOKEN_OUTPUT_NAMES}
     finish = responses[-1]["finish_reason"][0]
     return Generation(
         **parts, finish_reason=finish.decode() if isinstance(finish, bytes) else str(finish), responses=responses
@@ -142,15 +136,11 @@ def http_generate(
             reply = json.loads(response.read())
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read())
+    # JSON carries tensors flat (mask rows as n*W values); -inf padding arrives as JSON's
+    # -Infinity, which json.loads reads as -inf.
     arrays = {
-        "output_ids": np.array(reply["output_ids"], np.int32).reshape(-1),
-        "output_logprobs": np.array(reply["output_logprobs"], np.float32).reshape(-1),
-        # JSON carries tensors flat: the mask comes as n*W ids.
-        "sampling_mask": np.array(reply["sampling_mask"], np.int32).reshape(-1, width),
-        "sampling_mask_len": np.array(reply["sampling_mask_len"], np.int32).reshape(-1),
-        "sampling_logprobs": np.array(reply["sampling_logprobs"], np.float32).reshape(-1),
-        # -inf padding arrives as JSON's -Infinity, which json.loads reads as -inf.
-        "sampling_mask_logprobs": np.array(reply["sampling_mask_logprobs"], np.float32).reshape(-1, width),
+        spec.name: np.array(reply[spec.name], spec.dtype).reshape((-1, width) if spec.per == MASK else -1)
+        for spec in TOKEN_OUTPUTS
     }
     return 200, Generation(**arrays, finish_reason=reply["finish_reason"], responses=[reply])
 

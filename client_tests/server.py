@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from triton_sampling_mask.client.wire import INPUT_DTYPES, NUMPY_DTYPES, sampler_inputs  # noqa: F401 (re-exported to tests)
+from triton_sampling_mask.sampling.outputs import SAMPLING_MASK_LOGPROBS, TOKEN_OUTPUT_NAMES
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MODEL_REPOSITORY = REPO_ROOT / "model_repository"
@@ -158,7 +159,8 @@ class ExternalTritonServer:
         return self.log_path.read_text(errors="replace")[-chars:]
 
 
-OUTPUTS = ("output_ids", "output_logprobs", "sampling_mask", "sampling_mask_len", "sampling_logprobs")
+# Every output but the [rows, W] per-support log-probs.
+OUTPUTS = tuple(name for name in TOKEN_OUTPUT_NAMES if name != SAMPLING_MASK_LOGPROBS.name)
 
 
 def infer(client, module, model: str, logits, **params) -> dict[str, np.ndarray]:

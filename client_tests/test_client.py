@@ -54,7 +54,7 @@ def test_results_match_the_reference_and_replay(client, logits):
     result = client.sample(logits, ROWS)
     for row, params in enumerate(ROWS):
         ref = reference_row(logits[row], params.temperature, params.top_k, params.top_p, params.min_p)
-        token = int(result.token_ids[row])
+        token = int(result.output_ids[row])
         if params.return_sampling_mask:
             np.testing.assert_array_equal(result.masks()[row], ref.support)
             assert token in ref.support
@@ -70,7 +70,7 @@ def test_results_match_the_reference_and_replay(client, logits):
         result.sampling_mask[asked],
         result.sampling_mask_len[asked],
         temperature,
-        result.token_ids[asked],
+        result.output_ids[asked],
     )
     np.testing.assert_allclose(replayed.numpy(), result.sampling_logprobs[asked], rtol=0, atol=1e-5)
     # The client carries the per-support log-probs; the trainer's replay reproduces them to 1e-5.
@@ -97,14 +97,14 @@ def test_every_transport_gives_the_same_seeded_draws(triton_server, logits):
         with SamplerClient(url_for(triton_server, protocol), protocol=protocol) as client:
             for shm in (False, True):
                 result = client.sample(logits, ROWS, use_shared_memory=shm)
-                draws = (result.token_ids.tolist(), result.sampling_mask.tolist())
+                draws = (result.output_ids.tolist(), result.sampling_mask.tolist())
                 expected = expected or draws
                 assert draws == expected, (protocol, shm)
 
     async def run_async(protocol, shm):
         async with AsyncSamplerClient(url_for(triton_server, protocol), protocol=protocol) as client:
             result = await client.sample(logits, ROWS, use_shared_memory=shm)
-            return result.token_ids.tolist(), result.sampling_mask.tolist()
+            return result.output_ids.tolist(), result.sampling_mask.tolist()
 
     for protocol, shm in (("http", False), ("grpc", True)):
         assert asyncio.run(run_async(protocol, shm)) == expected, (protocol, shm)
@@ -119,7 +119,7 @@ def test_calls_beyond_max_batch_size_are_split_in_order(triton_server, client):
     logits = np.random.default_rng(9).standard_normal((rows, 50)).astype(np.float32)
     params = [SamplingParams(temperature=1.0, top_k=8, seed=i, return_sampling_mask=True) for i in range(rows)]
     whole = client.sample(logits, params)
-    assert whole.token_ids.shape == (rows,) and whole.sampling_mask.shape[0] == rows
+    assert whole.output_ids.shape == (rows,) and whole.sampling_mask.shape[0] == rows
     url = url_for(triton_server, client.protocol)
     with SamplerClient(url, protocol=client.protocol, max_batch_size=7) as small:
         pieces = small.sample(logits, params, use_shared_memory=True)
@@ -129,16 +129,16 @@ def test_calls_beyond_max_batch_size_are_split_in_order(triton_server, client):
             return await aclient.sample(logits, params)
 
     for result in (pieces, asyncio.run(run_async())):
-        np.testing.assert_array_equal(result.token_ids, whole.token_ids)
+        np.testing.assert_array_equal(result.output_ids, whole.output_ids)
         np.testing.assert_array_equal(result.sampling_mask, whole.sampling_mask)
     # Each row is its own seeded draw: the first row alone gives the same token.
-    assert client.sample(logits[:1], params[0]).token_ids[0] == whole.token_ids[0]
+    assert client.sample(logits[:1], params[0]).output_ids[0] == whole.output_ids[0]
 
 
 def test_unseeded_rows_beside_seeded_ones_keep_the_seeded_draws(client, logits):
     seeded = client.sample(logits[:1], ROWS[0])
     mixed = client.sample(logits[:2], [ROWS[0], SamplingParams(temperature=1.0, top_k=30)])
-    assert mixed.token_ids[0] == seeded.token_ids[0]
+    assert mixed.output_ids[0] == seeded.output_ids[0]
 
 
 def test_server_refusals_surface_as_sampler_error(triton_server, client, logits):
@@ -229,7 +229,7 @@ def test_several_urls_skip_a_dead_replica_with_the_same_draws(client, triton_ser
     with SamplerClient([dead, live], protocol=client.protocol) as several:
         for shm in (False, True, False, True):
             result = several.sample(logits, ROWS, use_shared_memory=shm)
-            np.testing.assert_array_equal(result.token_ids, expected.token_ids)
+            np.testing.assert_array_equal(result.output_ids, expected.output_ids)
             np.testing.assert_array_equal(result.sampling_mask, expected.sampling_mask)
         assert several.healthy_replicas() == [live]
         assert several.replica_shares() == {dead: 0, live: 4}
@@ -265,7 +265,7 @@ def test_async_several_urls_with_shared_memory(triton_server, logits):
     expected = None
     for protocol in ("http", "grpc"):
         with SamplerClient(url_for(triton_server, protocol), protocol=protocol) as single:
-            expected = expected or single.sample(logits, ROWS).token_ids.tolist()
+            expected = expected or single.sample(logits, ROWS).output_ids.tolist()
 
     async def run(protocol, shm):
         dead = f"127.0.0.1:{free_port()}"
@@ -273,7 +273,7 @@ def test_async_several_urls_with_shared_memory(triton_server, logits):
             [dead, url_for(triton_server, protocol)], protocol=protocol, max_batch_size=2
         ) as several:
             results = [await several.sample(logits, ROWS, use_shared_memory=shm) for _ in range(3)]
-            return [r.token_ids.tolist() for r in results], several.replica_shares()[dead]
+            return [r.output_ids.tolist() for r in results], several.replica_shares()[dead]
 
     for protocol, shm in (("http", False), ("grpc", True), ("http", True)):
         draws, dead_share = asyncio.run(run(protocol, shm))

@@ -13,9 +13,7 @@ from tritonclient.utils import InferenceServerException
 
 from tests.reference import reference_row
 
-from .server import sampler_inputs
-
-OUTPUTS = ("output_ids", "output_logprobs", "sampling_mask", "sampling_mask_len", "sampling_logprobs")
+from .server import OUTPUTS, sampler_inputs
 
 
 def bf16_inputs(module, logits_bf16: np.ndarray, **params) -> list:
@@ -73,5 +71,5 @@ def test_the_client_sends_logits_in_the_deployments_dtype(triton_server, protoco
     rounded = logits.astype(ml_dtypes.bfloat16).astype(np.float32)
     with SamplerClient(url, protocol=protocol) as client:
         on_fp32 = client.sample(rounded, params)
-    np.testing.assert_array_equal(on_bf16.token_ids, on_fp32.token_ids)
+    np.testing.assert_array_equal(on_bf16.output_ids, on_fp32.output_ids)
     np.testing.assert_array_equal(on_bf16.sampling_mask, on_fp32.sampling_mask)

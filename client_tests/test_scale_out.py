@@ -77,7 +77,7 @@ def replicas(tmp_path_factory):
 
 
 def draws(result) -> tuple[list, list]:
-    return result.token_ids.tolist(), result.sampling_mask.tolist()
+    return result.output_ids.tolist(), result.sampling_mask.tolist()
 
 
 def stub_regions(server: TritonServer) -> list[str]:

@@ -287,12 +287,12 @@ def test_admin_apis_need_the_key_and_inference_does_not(served):
         params = SamplingParams(temperature=0.8, top_k=8, seed=3, return_sampling_mask=True)
         for protocol, url in (("http", served.http_url), ("grpc", served.grpc_url)):
             with SamplerClient(url, protocol=protocol) as plain:  # inference needs no key
-                expected = plain.sample(logits, params).token_ids
+                expected = plain.sample(logits, params).output_ids
                 with pytest.raises(SamplerError) as refusal:
                     plain.sample(logits, params, use_shared_memory=True)
                 assert "restricted" in refusal.value.message
             with SamplerClient(url, protocol=protocol, admin_key=ADMIN_KEY) as keyed:
-                np.testing.assert_array_equal(keyed.sample(logits, params, use_shared_memory=True).token_ids, expected)
+                np.testing.assert_array_equal(keyed.sample(logits, params, use_shared_memory=True).output_ids, expected)
     finally:
         http.close()  # an idle keep-alive connection would hold the server's shutdown
         grpc_client.close()

@@ -49,10 +49,10 @@ def run_sampler(
     )
     host = sample(batch, mask_width, fused=fused).host()
     return {
-        "ids": host["token_ids"],
-        "logprobs": host["logprobs"],
-        "mask": host["mask_ids"],
-        "mask_len": host["mask_len"],
-        "mask_logprobs": host["mask_logprobs"],
-        "support_logprobs": host["mask_support_logprobs"],
+        "ids": host["output_ids"],
+        "logprobs": host["output_logprobs"],
+        "mask": host["sampling_mask"],
+        "mask_len": host["sampling_mask_len"],
+        "mask_logprobs": host["sampling_logprobs"],
+        "support_logprobs": host["sampling_mask_logprobs"],
     }

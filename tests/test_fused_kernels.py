@@ -57,20 +57,20 @@ def check_row(out, row, logits, temperature, top_k, top_p, min_p, want_mask, mas
     """One row of `run_fused`'s output against reference_row: mask, token, both log-probs."""
     ref = reference_row(logits, temperature, top_k, top_p, min_p, tolerance=TOLERANCE)
     shortest, longest = ref.support_min, ref.support_max
-    token = int(out["token_ids"][row])
+    token = int(out["output_ids"][row])
     rank = int(np.flatnonzero(ref.order == token)[0])
     assert rank < longest, f"row {row}: token {token} (rank {rank}) is outside the support (<= {longest})"
     expected = ref.logprobs[token]
-    assert abs(out["logprobs"][row] - expected) <= TOLERANCE * max(1.0, abs(expected)), (
+    assert abs(out["output_logprobs"][row] - expected) <= TOLERANCE * max(1.0, abs(expected)), (
         row,
-        out["logprobs"][row],
+        out["output_logprobs"][row],
         expected,
     )
 
-    mask_len, mask_ids = int(out["mask_len"][row]), out["mask_ids"][row]
-    support_logprobs = out["mask_support_logprobs"][row]
+    mask_len, mask_ids = int(out["sampling_mask_len"][row]), out["sampling_mask"][row]
+    support_logprobs = out["sampling_mask_logprobs"][row]
     if not want_mask:
-        assert mask_len == 0 and (mask_ids == -1).all() and out["mask_logprobs"][row] == 0.0
+        assert mask_len == 0 and (mask_ids == -1).all() and out["sampling_logprobs"][row] == 0.0
         assert np.isneginf(support_logprobs).all()
         return
     assert min(shortest, mask_width) <= mask_len <= min(longest, mask_width), (row, mask_len, shortest, longest)
@@ -79,15 +79,15 @@ def check_row(out, row, logits, temperature, top_k, top_p, min_p, want_mask, mas
     # The support length: the mask's unless the mask was cut at W (then any allowed length past W).
     lengths = [mask_len] if mask_len < mask_width else range(max(shortest, mask_width), longest + 1)
     assert rank < max(lengths)
-    errors = [abs(out["mask_logprobs"][row] - ref.renormalised_logprob(token, n)) for n in lengths if rank < n]
-    assert min(errors) <= TOLERANCE, (row, out["mask_logprobs"][row], errors)
+    errors = [abs(out["sampling_logprobs"][row] - ref.renormalised_logprob(token, n)) for n in lengths if rank < n]
+    assert min(errors) <= TOLERANCE, (row, out["sampling_logprobs"][row], errors)
     # Per-support log-probs: each mask id's, renormalised over the same support; -inf padding.
     assert np.isneginf(support_logprobs[mask_len:]).all()
     support_length = [n for n in lengths if rank < n][int(np.argmin(errors))]
     expected = [ref.renormalised_logprob(int(i), support_length) for i in mask_ids[:mask_len]]
     np.testing.assert_allclose(support_logprobs[:mask_len], expected, atol=TOLERANCE, rtol=0, err_msg=f"row {row}")
     if rank < mask_len:  # the sampled token's entry is sampling_logprobs itself
-        assert support_logprobs[rank] == out["mask_logprobs"][row]
+        assert support_logprobs[rank] == out["sampling_logprobs"][row]
 
 
 def check_batch(logits, mask_width=64, dtype=torch.float32, **params) -> dict[str, np.ndarray]:
@@ -195,14 +195,14 @@ def test_top_k_above_the_vocabulary_and_whole_vocabulary():
     generator = np.random.default_rng(3)
     logits = make_logits("integer", 4, 40, generator)
     out = check_batch(logits, mask_width=64, top_k=np.array([100, -1, 41, 40]), top_p=1.0)
-    assert (out["mask_len"] == 40).all()  # every id, in the total order
+    assert (out["sampling_mask_len"] == 40).all()  # every id, in the total order
     check_batch(make_logits("random", 3, 1, generator), top_k=np.array([1, 5, -1]))  # V = 1
 
 
 def test_mask_narrower_than_top_k_is_cut_at_w():
     logits = make_logits("random", 3, 500, np.random.default_rng(4))
     out = check_batch(logits, mask_width=16, top_k=np.array([100, 16, 5]))
-    assert list(out["mask_len"]) == [16, 16, 5]
+    assert list(out["sampling_mask_len"]) == [16, 16, 5]
     check_batch(logits, mask_width=1, top_k=np.array([100, 16, 5]))
 
 
@@ -228,7 +228,7 @@ def test_boundary_ties_take_the_lowest_ids(monkeypatch, kind, adversarial):
             assert any(not set(e) <= set(f.tolist()) for e, f in zip(expected, fetched.numpy()))
     out = check_batch(logits, mask_width=512, top_k=top_k, top_p=1.0, seed=np.arange(4))
     for row, ids in enumerate(expected):
-        np.testing.assert_array_equal(out["mask_ids"][row, : len(ids)], ids)
+        np.testing.assert_array_equal(out["sampling_mask"][row, : len(ids)], ids)
 
 
 SEEDS = np.array([0, 1, -1, 2**63 - 1, -(2**63), 0x0123456789ABCDEF, -0x0123456789ABCDEF, 42], dtype=np.int64)
@@ -262,9 +262,9 @@ def test_draws_are_the_gumbel_argmax_of_rng_noise():
     noise = rng.gumbel(
         rng.seed_state(torch.from_numpy(SEEDS)).unsqueeze(1), torch.arange(vocab).expand(len(SEEDS), vocab)
     )
-    np.testing.assert_array_equal(out["token_ids"], noise.argmax(dim=1).numpy())
-    assert (out["mask_len"] == vocab).all()
-    np.testing.assert_allclose(out["mask_logprobs"], -np.log(vocab), atol=TOLERANCE)
+    np.testing.assert_array_equal(out["output_ids"], noise.argmax(dim=1).numpy())
+    assert (out["sampling_mask_len"] == vocab).all()
+    np.testing.assert_allclose(out["sampling_logprobs"], -np.log(vocab), atol=TOLERANCE)
 
 
 def test_seeded_rows_ignore_their_batch_and_the_mask_flag():
@@ -274,10 +274,10 @@ def test_seeded_rows_ignore_their_batch_and_the_mask_flag():
     alone = run_fused(target, want_mask=True, **params)
     again = run_fused(target, want_mask=True, **params)
     no_mask = run_fused(target, want_mask=False, **params)
-    for name in ("token_ids", "logprobs", "mask_len", "mask_logprobs", "mask_ids"):
+    for name in ("output_ids", "output_logprobs", "sampling_mask_len", "sampling_logprobs", "sampling_mask"):
         np.testing.assert_array_equal(again[name], alone[name])
-    np.testing.assert_array_equal(no_mask["token_ids"], alone["token_ids"])
-    np.testing.assert_array_equal(no_mask["logprobs"], alone["logprobs"])
+    np.testing.assert_array_equal(no_mask["output_ids"], alone["output_ids"])
+    np.testing.assert_array_equal(no_mask["output_logprobs"], alone["output_logprobs"])
 
     # Inside 64 other random rows whose top_k reach 300 (a larger candidate block), at row 37.
     rows, position = 65, 37
@@ -289,12 +289,12 @@ def test_seeded_rows_ignore_their_batch_and_the_mask_flag():
         batch[name][position] = value
     batch["want_mask"][position] = True
     inside = run_fused(logits, **batch)
-    for name in ("token_ids", "logprobs", "mask_len", "mask_logprobs", "mask_ids"):
+    for name in ("output_ids", "output_logprobs", "sampling_mask_len", "sampling_logprobs", "sampling_mask"):
         np.testing.assert_array_equal(inside[name][position], alone[name][0])
     different_seed = run_fused(
         np.repeat(target, 8, 0), seed=np.arange(8), **{k: v for k, v in params.items() if k != "seed"}
     )
-    assert len(set(different_seed["token_ids"].tolist())) > 1
+    assert len(set(different_seed["output_ids"].tolist())) > 1
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy, under the interpreter, on the invalid rows
@@ -316,8 +316,8 @@ def test_row_max_semantics_and_invalid_rows_do_not_leak():
     for row in (0, 5):
         check_row(out, row, logits[row], 1.0, 20, 0.9, 0.0, True, 64)
         alone = run_fused(logits[row : row + 1], top_k=20, top_p=0.9, seed=row)
-        assert alone["token_ids"][0] == out["token_ids"][row]
-        np.testing.assert_array_equal(alone["mask_ids"][0], out["mask_ids"][row])
+        assert alone["output_ids"][0] == out["output_ids"][row]
+        np.testing.assert_array_equal(alone["sampling_mask"][0], out["sampling_mask"][row])
 
 
 @st.composite
@@ -363,9 +363,9 @@ def test_draws_follow_the_renormalised_distribution():
     assert len(reference_row(logits[0], temperature, top_k, top_p, 0.0).support) == 6 and len(support) == 5
     draws = 240
     out = run_fused(np.repeat(logits, draws, 0), temperature, top_k, top_p, min_p, seed=np.arange(draws) * 1000003 + 11)
-    assert set(out["token_ids"].tolist()) <= set(support.tolist())
+    assert set(out["output_ids"].tolist()) <= set(support.tolist())
     probs = np.exp(ref.logprobs[support] - np.logaddexp.reduce(ref.logprobs[support]))
-    counts = np.array([(out["token_ids"] == token).sum() for token in support])
+    counts = np.array([(out["output_ids"] == token).sum() for token in support])
     _, p_value = stats.chisquare(counts, probs * draws)
     assert p_value > 1e-4, (counts, probs * draws)
 

@@ -87,7 +87,7 @@ class RecordingSink:
         self.counted += tokens
 
     def ids(self, position):
-        return np.concatenate([c.output_ids for c in self.chunks[position]])
+        return np.concatenate([c["output_ids"] for c in self.chunks[position]])
 
 
 def request(prompt, max_new_tokens, stream=False, stop=(), ignore_eos=False, **params) -> GenerationRequest:
@@ -138,15 +138,17 @@ def test_every_step_matches_the_reference_and_rows_align():
     sink = RecordingSink()
     generator(lm).run([request([10], 30, ignore_eos=True, **MASKED)], sink)
     chunk = sink.chunks[0][0]
-    ids = chunk.output_ids
-    assert len(ids) == 30 and chunk.sampling_mask.shape == (30, WIDTH) and chunk.finish_reason == "length"
+    ids = chunk["output_ids"]
+    assert len(ids) == 30 and chunk["sampling_mask"].shape == (30, WIDTH) and chunk.finish_reason == "length"
     previous = np.concatenate([[10], ids[:-1]])
     for i, token in enumerate(ids):
         ref = reference_row(BigramLM.TABLE[previous[i]], 0.9, 12, 0.85, 0.02)
-        np.testing.assert_array_equal(chunk.sampling_mask[i, : chunk.sampling_mask_len[i]], ref.support)
-        assert (chunk.sampling_mask[i, chunk.sampling_mask_len[i] :] == -1).all()
+        np.testing.assert_array_equal(chunk["sampling_mask"][i, : chunk["sampling_mask_len"][i]], ref.support)
+        assert (chunk["sampling_mask"][i, chunk["sampling_mask_len"][i] :] == -1).all()
         assert token in ref.support
-        assert chunk.sampling_logprobs[i] == pytest.approx(ref.renormalised_logprob(token, len(ref.support)), abs=1e-4)
+        assert chunk["sampling_logprobs"][i] == pytest.approx(
+            ref.renormalised_logprob(token, len(ref.support)), abs=1e-4
+        )
     assert sink.counted == 30
 
 
@@ -165,10 +167,10 @@ def test_stops_streaming_zero_budget_and_batching():
     ]
     generator(lm).run(batch, sink)
     assert sink.finals == {0: 1, 1: 1, 2: 1, 3: 1}  # exactly one final each
-    assert [len(c.output_ids) for c in sink.chunks[0]] == [1] * (j + 1)  # streamed token by token
+    assert [len(c["output_ids"]) for c in sink.chunks[0]] == [1] * (j + 1)  # streamed token by token
     np.testing.assert_array_equal(sink.ids(0), ids[: j + 1])
-    assert sink.chunks[0][-1].finish_reason == "stop" and sink.chunks[0][-1].sampling_mask_len[0] == 1
-    assert len(sink.ids(1)) == 0 and sink.chunks[1][0].sampling_mask.shape == (0, WIDTH)
+    assert sink.chunks[0][-1].finish_reason == "stop" and sink.chunks[0][-1]["sampling_mask_len"][0] == 1
+    assert len(sink.ids(1)) == 0 and sink.chunks[1][0]["sampling_mask"].shape == (0, WIDTH)
     np.testing.assert_array_equal(sink.ids(3), ids)
     alone = RecordingSink()
     generator(lm).run([request([20, 21], 9, ignore_eos=True, **MASKED)], alone)
@@ -190,8 +192,8 @@ def test_eos_stops_and_keeps_its_row_unless_ignored():
         sink,
     )
     stopped = sink.chunks[0][0]
-    assert stopped.output_ids.tolist() == [first, EOS] and stopped.finish_reason == "stop"
-    assert stopped.sampling_mask[1, : stopped.sampling_mask_len[1]].tolist() == [EOS]
+    assert stopped["output_ids"].tolist() == [first, EOS] and stopped.finish_reason == "stop"
+    assert stopped["sampling_mask"][1, : stopped["sampling_mask_len"][1]].tolist() == [EOS]
     assert sink.ids(1)[:2].tolist() == [first, EOS] and len(sink.ids(1)) == 5
     assert sink.chunks[1][0].finish_reason == "length"
 
@@ -267,10 +269,10 @@ def test_streaming_and_masks_never_change_the_tokens(seed, temperature, top_k, t
     ]
     generator(BigramLM()).run(batch, sink)
     whole, streamed = sink.chunks[0][0], sink.chunks[1]
-    np.testing.assert_array_equal(sink.ids(1), whole.output_ids)
-    np.testing.assert_array_equal(np.concatenate([c.sampling_mask for c in streamed]), whole.sampling_mask)
-    np.testing.assert_array_equal(sink.ids(2), whole.output_ids)
-    assert (sink.chunks[2][0].sampling_mask_len == 0).all()
+    np.testing.assert_array_equal(sink.ids(1), whole["output_ids"])
+    np.testing.assert_array_equal(np.concatenate([c["sampling_mask"] for c in streamed]), whole["sampling_mask"])
+    np.testing.assert_array_equal(sink.ids(2), whole["output_ids"])
+    assert (sink.chunks[2][0]["sampling_mask_len"] == 0).all()
 
 
 # The continuous engine (in-process, no Triton): joins, cancellation, bounds, stop.
@@ -285,7 +287,7 @@ class RecordingHandle:
         self.first = threading.Event()
 
     def is_cancelled(self):
-        return self.cancel_after is not None and sum(len(c.output_ids) for c in self.chunks) >= self.cancel_after
+        return self.cancel_after is not None and sum(len(c["output_ids"]) for c in self.chunks) >= self.cancel_after
 
     def send(self, chunk, final):
         self.chunks.append(chunk)
@@ -303,7 +305,7 @@ class RecordingHandle:
         self.done.set()
 
     def ids(self):
-        return np.concatenate([c.output_ids for c in self.chunks])
+        return np.concatenate([c["output_ids"] for c in self.chunks])
 
 
 class NullObserver:
@@ -366,8 +368,8 @@ def test_a_seeded_request_joining_mid_flight_equals_running_alone():
         alone = solo(lm, replace_stream(req))
         assert handle.finals == 1 and not handle.errors
         np.testing.assert_array_equal(handle.ids(), alone.ids(0))
-        got = np.concatenate([c.sampling_mask for c in handle.chunks])
-        np.testing.assert_array_equal(got, alone.chunks[0][0].sampling_mask)
+        got = np.concatenate([c["sampling_mask"] for c in handle.chunks])
+        np.testing.assert_array_equal(got, alone.chunks[0][0]["sampling_mask"])
 
 
 def replace_stream(req):

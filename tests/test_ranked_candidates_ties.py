@@ -64,9 +64,9 @@ def test_mask_is_the_reference_support_under_ties(kind):
         if ref.support_min != ref.support_max:  # a top-p boundary within float tolerance
             continue
         checked += 1
-        length = int(result.mask_len[row])
-        np.testing.assert_array_equal(result.mask_ids[row, :length].numpy(), ref.support)
-        assert int(result.token_ids[row]) in set(ref.support.tolist())
+        length = int(result.sampling_mask_len[row])
+        np.testing.assert_array_equal(result.sampling_mask[row, :length].numpy(), ref.support)
+        assert int(result.output_ids[row]) in set(ref.support.tolist())
     assert checked >= 3, "too few rows with an unambiguous reference support to test anything"
 
 
@@ -156,9 +156,9 @@ def test_mask_is_the_reference_support_on_both_cpu_selection_paths():
     for row in range(rows):
         ref = reference_row(logits[row], temperature, k, top_p)
         assert ref.support_min == ref.support_max
-        length = int(result.mask_len[row])
-        np.testing.assert_array_equal(result.mask_ids[row, :length].numpy(), ref.support)
-        assert int(result.token_ids[row]) in set(ref.support.tolist())
+        length = int(result.sampling_mask_len[row])
+        np.testing.assert_array_equal(result.sampling_mask[row, :length].numpy(), ref.support)
+        assert int(result.output_ids[row]) in set(ref.support.tolist())
         assert float(result.row_max[row]) == logits[row].max()
 
 
@@ -190,8 +190,8 @@ def test_half_precision_rows_match_the_reference_as_the_conversion_buffer_is_reu
             ref = reference_row(exact[row], np.float32(0.8), k, np.float32(0.9))
             if ref.support_min != ref.support_max:  # a top-p boundary within float tolerance
                 continue
-            length = int(result.mask_len[row])
-            np.testing.assert_array_equal(result.mask_ids[row, :length].numpy(), ref.support)
+            length = int(result.sampling_mask_len[row])
+            np.testing.assert_array_equal(result.sampling_mask[row, :length].numpy(), ref.support)
             assert float(result.row_max[row]) == exact[row].max()
 
 

@@ -65,12 +65,12 @@ def test_reproduces_sampler_logprobs_on_float32_logits():
         want_mask=torch.ones(rows, dtype=torch.bool),
     )
     result = sample(batch, 64)
-    got = replay_logprobs(logits, result.mask_ids, result.mask_len, temperature, result.token_ids)
+    got = replay_logprobs(logits, result.sampling_mask, result.sampling_mask_len, temperature, result.output_ids)
     assert got.dtype == torch.float32
-    torch.testing.assert_close(got, result.mask_logprobs, rtol=0, atol=1e-5)
+    torch.testing.assert_close(got, result.sampling_logprobs, rtol=0, atol=1e-5)
     # The trainer's per-support log-probs equal the server's sampling_mask_logprobs, padding included.
-    support = replay_support_logprobs(logits, result.mask_ids, result.mask_len, temperature)
-    torch.testing.assert_close(support, result.mask_support_logprobs, rtol=0, atol=1e-5)
+    support = replay_support_logprobs(logits, result.sampling_mask, result.sampling_mask_len, temperature)
+    torch.testing.assert_close(support, result.sampling_mask_logprobs, rtol=0, atol=1e-5)
 
 
 def test_support_logprobs_match_float64_reference_and_carry_gradients():

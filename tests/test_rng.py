@@ -42,7 +42,7 @@ def test_unseeded_rows_draw_64_bit_seeds():
     # and unseeded rows do differ from call to call
     logits = torch.zeros(32, 500)
     params = RowParams.defaults(32)
-    first, second = (sampler.sample(logits, params).host()["token_ids"] for _ in range(2))
+    first, second = (sampler.sample(logits, params).host()["output_ids"] for _ in range(2))
     assert not np.array_equal(first, second)
 
 

@@ -32,7 +32,7 @@ PROBE = textwrap.dedent(
     logits = torch.zeros(rows, vocab) if kind == "equal" else torch.randn(rows, vocab)
     result = sample(SamplingBatch(logits, *params(rows)), 512)
     peak = peak_kib()
-    print(json.dumps({"peak_kib": peak - start, "mask_len": int(result.mask_len.min())}))
+    print(json.dumps({"peak_kib": peak - start, "mask_len": int(result.sampling_mask_len.min())}))
     """
 )
 

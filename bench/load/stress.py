@@ -39,11 +39,13 @@ from pathlib import Path
 import numpy as np
 
 from triton_sampling_mask.client.replicas import DEFAULT_EJECT_BACKOFF_S, DEFAULT_MAX_EJECT_BACKOFF_S
+from triton_sampling_mask.sampling.outputs import SAMPLING_MASK_LOGPROBS, TOKEN_OUTPUT_NAMES
 
 from .soak import ProcessMemory, mapped_shm_regions, process_tree_memory
 
 MODEL = "sampler"
-OUTPUTS = ("output_ids", "output_logprobs", "sampling_mask", "sampling_mask_len", "sampling_logprobs")
+# Every output but the [rows, W] per-support log-probs.
+OUTPUTS = tuple(name for name in TOKEN_OUTPUT_NAMES if name != SAMPLING_MASK_LOGPROBS.name)
 P99_LIMIT_S = 5.0
 RSS_GROWTH_LIMIT = 0.15
 # After a 503 a client waits BACKOFF_S, doubling while it keeps being shed, up to MAX_BACKOFF_S:

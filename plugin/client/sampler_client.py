@@ -35,7 +35,7 @@ import numpy as np
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 from ..model_config import output_width, string_parameter
-from ..sampling.batching import OUTPUT_NAMES
+from ..sampling.outputs import SAMPLING_MASK, TOKEN, TOKEN_OUTPUTS
 from ..sampling.params import LOGITS, MIN_P, RETURN_SAMPLING_MASK, SEED, TEMPERATURE, TOP_K, TOP_P, RowParams
 from ..sampling.validation import MaskPolicy, SamplingRequestError
 from .replicas import (
@@ -49,7 +49,6 @@ from .replicas import (
 from .sampling_params import SamplingParams, check_rows_like_server, rows_to_params
 
 DEFAULT_MODEL = "sampler"
-MASK_OUTPUT = "sampling_mask"
 _PROTOCOLS = ("http", "grpc")
 # Seconds a health probe of an ejected replica may take.
 _PROBE_TIMEOUT_S = 2.0
@@ -108,10 +107,11 @@ class SamplerError(Exception):
 
 @dataclass
 class SampleResult:
-    """The sampler's outputs for B rows (numpy): the fixed-width mask is [B, W], padded with -1."""
+    """The sampler's outputs for B rows (numpy), named as on the wire (`sampling.outputs`): one
+    value per row, or [B, W] for the fixed-width mask and its log-probs."""
 
-    token_ids: np.ndarray  # int32 [B]
-    logprobs: np.ndarray  # float32 [B], under softmax(logits / T) over the whole vocabulary
+    output_ids: np.ndarray  # int32 [B]
+    output_logprobs: np.ndarray  # float32 [B], under softmax(logits / T) over the whole vocabulary
     sampling_mask: np.ndarray  # int32 [B, W], most probable first
     sampling_mask_len: np.ndarray  # int32 [B], 0 for rows that did not ask
     sampling_logprobs: np.ndarray  # float32 [B], renormalised over the mask (0 when not asked)
@@ -174,8 +174,8 @@ def _limits_from_config(config: dict, mask_width: int | None, max_batch_size: in
     """ServerLimits from a model config (HTTP or gRPC JSON), with the caller's overrides."""
     config = config.get("config", config)  # gRPC's JSON wraps the config
     policy = MaskPolicy(
-        mask_width=mask_width or output_width(config, MASK_OUTPUT),
-        width_source=f"the dims of output '{MASK_OUTPUT}' in the model's config.pbtxt",
+        mask_width=mask_width or output_width(config, SAMPLING_MASK.name),
+        width_source=f"the dims of output '{SAMPLING_MASK.name}' in the model's config.pbtxt",
         speculative_algorithm=string_parameter(config, "speculative_algorithm", "none"),
     )
     logits_type = next(
@@ -220,17 +220,15 @@ def _wire_arrays(
 
 
 def _parse(result) -> SampleResult:
-    # tritonclient may hand read-only views of its buffers; own copies are safe to use with torch.
-    out = {name: result.as_numpy(name) for name in OUTPUT_NAMES}
-    out = {name: None if value is None else np.array(value) for name, value in out.items()}
-    return SampleResult(
-        token_ids=out["output_ids"].reshape(-1),
-        logprobs=out["output_logprobs"].reshape(-1),
-        sampling_mask=out["sampling_mask"],
-        sampling_mask_len=out["sampling_mask_len"].reshape(-1),
-        sampling_logprobs=out["sampling_logprobs"].reshape(-1),
-        sampling_mask_logprobs=out["sampling_mask_logprobs"],
-    )
+    """A response as a SampleResult; an output the server did not send (one its config does not
+    declare) is None."""
+    outputs = {}
+    for spec in TOKEN_OUTPUTS:
+        value = result.as_numpy(spec.name)
+        if value is not None:  # tritonclient may hand read-only views of its buffers: own copies
+            value = np.array(value).reshape(-1) if spec.per == TOKEN else np.array(value)
+        outputs[spec.name] = value
+    return SampleResult(**outputs)
 
 
 class _Prepared:

@@ -25,20 +25,11 @@ import torch
 
 from ..sampling import rng
 from ..sampling.batching import outputs_to_numpy
+from ..sampling.outputs import MASK_OUTPUT_NAMES, TOKEN_OUTPUT_NAMES, UNMASKED_OUTPUT_NAMES, padding
 from ..sampling.params import RowParams
 from ..sampling.validation import check_logit_rows
 from .generator import FINISH_LENGTH, FINISH_STOP, GenerationChunk, GenerationRequest, Generator
 from .lm import can_merge
-
-CHUNK_FIELDS = (
-    "output_ids",
-    "output_logprobs",
-    "sampling_mask",
-    "sampling_mask_len",
-    "sampling_logprobs",
-    "sampling_mask_logprobs",
-)
-_NO_MASK = ("output_ids", "output_logprobs", "sampling_mask_len", "sampling_logprobs")  # kept without mask rows
 
 
 class EngineFull(Exception):
@@ -230,7 +221,7 @@ class ContinuousEngine:
             )
         arrays = outputs_to_numpy(result)
         self.observer.generated(int((~broken).sum()))
-        tokens = result.token_ids.cpu()
+        tokens = result.output_ids.cpu()
         token_list = tokens.tolist()
         finished = broken.copy()
         now = time.monotonic()
@@ -244,10 +235,10 @@ class ContinuousEngine:
             done = stopped or sequence.step >= sequence.request.max_new_tokens
             reason = (FINISH_STOP if stopped else FINISH_LENGTH) if done else ""
             if sequence.request.stream:
-                row = {name: arrays[name][i : i + 1] for name in CHUNK_FIELDS}
-                sequence.handle.send(GenerationChunk(**row, finish_reason=reason), final=done)
+                row = {name: value[i : i + 1] for name, value in arrays.items()}
+                sequence.handle.send(GenerationChunk(row, reason), final=done)
             else:  # copies: a view would keep the whole step's arrays alive
-                kept = CHUNK_FIELDS if sequence.request.params.return_sampling_mask[0] else _NO_MASK
+                kept = TOKEN_OUTPUT_NAMES if sequence.request.params.return_sampling_mask[0] else UNMASKED_OUTPUT_NAMES
                 sequence.parts.append({name: arrays[name][i : i + 1].copy() for name in kept})
                 if done:
                     sequence.handle.send(_whole(sequence, reason, self.width), final=True)
@@ -318,11 +309,10 @@ def _stop_ids(request: GenerationRequest, eos_ids: tuple[int, ...]) -> np.ndarra
 def _whole(sequence: _Sequence, finish_reason: str, width: int) -> GenerationChunk:
     """A non-streamed request's outputs, all steps; mask rows only where it asked for them."""
     arrays = {name: np.concatenate([p[name] for p in sequence.parts]) for name in sequence.parts[0]}
-    if "sampling_mask" not in arrays:
-        n = len(sequence.parts)
-        arrays["sampling_mask"] = np.full((n, width), -1, np.int32)
-        arrays["sampling_mask_logprobs"] = np.full((n, width), -np.inf, np.float32)
-    return GenerationChunk(**arrays, finish_reason=finish_reason)
+    for name in MASK_OUTPUT_NAMES:
+        if name not in arrays:
+            arrays[name] = padding(name, len(sequence.parts), width)
+    return GenerationChunk({name: arrays[name] for name in TOKEN_OUTPUT_NAMES}, finish_reason)
 
 
 def _quietly(call, *args) -> None:

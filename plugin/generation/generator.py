@@ -17,6 +17,16 @@ import torch
 
 from ..sampling import rng
 from ..sampling.batching import BatchSampler, outputs_to_numpy
+from ..sampling.outputs import (
+    OUTPUT_IDS,
+    OUTPUT_LOGPROBS,
+    SAMPLING_LOGPROBS,
+    SAMPLING_MASK,
+    SAMPLING_MASK_LEN,
+    SAMPLING_MASK_LOGPROBS,
+    TOKEN_OUTPUT_NAMES,
+    padding,
+)
 from ..sampling.params import RowParams
 from ..sampling.validation import SamplingRequestError, check_logit_rows, check_rows
 from .lm import CausalLM
@@ -39,27 +49,20 @@ class GenerationRequest:
 
 @dataclass
 class GenerationChunk:
-    """Tokens of one request with their sampler outputs, aligned 1:1 (n tokens, W mask columns)."""
+    """Tokens of one request with their sampler outputs, aligned 1:1: `outputs` holds every token
+    output of `outputs.TOKEN_OUTPUTS` by name ([n] per token, [n, W] per mask row), and
+    `finish_reason` is "" until the request's last chunk, then "length" or "stop"."""
 
-    output_ids: np.ndarray  # int32 [n]
-    output_logprobs: np.ndarray  # float32 [n]
-    sampling_mask: np.ndarray  # int32 [n, W], -1 padded
-    sampling_mask_len: np.ndarray  # int32 [n]
-    sampling_logprobs: np.ndarray  # float32 [n]
-    sampling_mask_logprobs: np.ndarray  # float32 [n, W], -inf padded
-    finish_reason: str  # "" until the request's last chunk, then "length" or "stop"
+    outputs: dict[str, np.ndarray]
+    finish_reason: str
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self.outputs[name]
 
     @classmethod
     def empty(cls, width: int, finish_reason: str) -> GenerationChunk:
-        return cls(
-            np.zeros(0, np.int32),
-            np.zeros(0, np.float32),
-            np.zeros((0, width), np.int32),
-            np.zeros(0, np.int32),
-            np.zeros(0, np.float32),
-            np.zeros((0, width), np.float32),
-            finish_reason,
-        )
+        """No tokens (a request with max_new_tokens 0)."""
+        return cls({name: padding(name, 0, width) for name in TOKEN_OUTPUT_NAMES}, finish_reason)
 
 
 class GenerationSink(Protocol):
@@ -147,7 +150,7 @@ class Generator:
             generated += active.rows.size
             sink.generated(active.rows.size)
             step_arrays = buffers.write(active.rows, step, result)
-            tokens = result.token_ids.cpu()
+            tokens = result.output_ids.cpu()
             stopped = (active.stops == tokens.numpy()[:, None]).any(axis=1)
             finished = stopped | (step + 1 >= max_new[active.rows])
             reasons = np.where(stopped, FINISH_STOP, FINISH_LENGTH)
@@ -206,7 +209,7 @@ def _stop_matrix(requests: list[GenerationRequest], eos_ids: tuple[int, ...]) ->
 
 def _chunk_of(arrays: dict[str, np.ndarray], i: int, finish_reason: str) -> GenerationChunk:
     """Row i of one step's sampler outputs as a one-token chunk."""
-    return GenerationChunk(**{name: value[i : i + 1] for name, value in arrays.items()}, finish_reason=finish_reason)
+    return GenerationChunk({name: value[i : i + 1] for name, value in arrays.items()}, finish_reason)
 
 
 class _Buffers:
@@ -229,15 +232,15 @@ class _Buffers:
     def write(self, rows: np.ndarray, step: int, result) -> dict[str, np.ndarray]:
         """Store one step's outputs of `rows`; returns them as numpy arrays (row-aligned)."""
         arrays = outputs_to_numpy(result)
-        self.ids[rows, step] = arrays["output_ids"]
-        self.logprobs[rows, step] = arrays["output_logprobs"]
-        self.mask_len[rows, step] = arrays["sampling_mask_len"]
-        self.mask_logprobs[rows, step] = arrays["sampling_logprobs"]
+        self.ids[rows, step] = arrays[OUTPUT_IDS.name]
+        self.logprobs[rows, step] = arrays[OUTPUT_LOGPROBS.name]
+        self.mask_len[rows, step] = arrays[SAMPLING_MASK_LEN.name]
+        self.mask_logprobs[rows, step] = arrays[SAMPLING_LOGPROBS.name]
         slots = self.mask_slot[rows]
         stored = slots >= 0
         if stored.any():
-            self.masks[slots[stored], step] = arrays["sampling_mask"][stored]
-            self.support_logprobs[slots[stored], step] = arrays["sampling_mask_logprobs"][stored]
+            self.masks[slots[stored], step] = arrays[SAMPLING_MASK.name][stored]
+            self.support_logprobs[slots[stored], step] = arrays[SAMPLING_MASK_LOGPROBS.name][stored]
         return arrays
 
     def chunk(self, row: int, length: int, finish_reason: str) -> GenerationChunk:
@@ -247,12 +250,12 @@ class _Buffers:
         support = (
             self.support_logprobs[slot, :length] if slot >= 0 else np.full((length, self.width), -np.inf, np.float32)
         )
-        return GenerationChunk(
-            self.ids[row, :length].copy(),
-            self.logprobs[row, :length].copy(),
-            mask.copy(),
-            self.mask_len[row, :length].copy(),
-            self.mask_logprobs[row, :length].copy(),
-            support.copy(),
-            finish_reason,
-        )
+        outputs = {
+            OUTPUT_IDS.name: self.ids[row, :length].copy(),
+            OUTPUT_LOGPROBS.name: self.logprobs[row, :length].copy(),
+            SAMPLING_MASK.name: mask.copy(),
+            SAMPLING_MASK_LEN.name: self.mask_len[row, :length].copy(),
+            SAMPLING_LOGPROBS.name: self.mask_logprobs[row, :length].copy(),
+            SAMPLING_MASK_LOGPROBS.name: support.copy(),
+        }
+        return GenerationChunk(outputs, finish_reason)

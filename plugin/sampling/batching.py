@@ -13,18 +13,10 @@ import numpy as np
 import torch
 
 from .backends import SamplingBackend
+from .outputs import to_wire
 from .params import RowParams
 from .sampler import SamplingBatch, SamplingResult
 from .validation import MaskPolicy, check_logit_rows, check_rows, first_error
-
-OUTPUT_NAMES = (
-    "output_ids",
-    "output_logprobs",
-    "sampling_mask",
-    "sampling_mask_len",
-    "sampling_logprobs",
-    "sampling_mask_logprobs",
-)
 
 
 @dataclass
@@ -91,13 +83,11 @@ class BatchSampler:
         if answered.any():
             # The sampler's scalar outputs are dims [ 1 ] per row on the wire.
             keep = answered[sampled]
-            arrays = {
-                name: value[keep].reshape(int(keep.sum()), -1) for name, value in _wire_arrays(result_arrays).items()
-            }
+            arrays = {name: value[keep].reshape(int(keep.sum()), -1) for name, value in to_wire(result_arrays).items()}
             splits = np.cumsum(rows_per_request[~request_failed])[:-1]
             chunks = {name: np.split(value, splits) for name, value in arrays.items()}
             for i, r in enumerate(np.flatnonzero(~request_failed)):
-                outcomes[r].outputs = {name: chunks[name][i] for name in OUTPUT_NAMES}
+                outcomes[r].outputs = {name: chunks[name][i] for name in chunks}
         return outcomes
 
     def sample(self, logits: torch.Tensor, params: RowParams) -> SamplingResult:
@@ -122,18 +112,6 @@ def _failed_requests(errors: np.ndarray, owner: np.ndarray, requests: int) -> np
     return np.bincount(owner[row_failed], minlength=requests) > 0
 
 
-def _wire_arrays(host: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Sampler outputs (as from `SamplingResult.host()`) by output name in the wire dtypes."""
-    return {
-        "output_ids": host["token_ids"].astype(np.int32),
-        "output_logprobs": host["logprobs"].astype(np.float32),
-        "sampling_mask": host["mask_ids"].astype(np.int32),
-        "sampling_mask_len": host["mask_len"].astype(np.int32),
-        "sampling_logprobs": host["mask_logprobs"].astype(np.float32),
-        "sampling_mask_logprobs": host["mask_support_logprobs"].astype(np.float32),
-    }
-
-
 def outputs_to_numpy(result: SamplingResult) -> dict[str, np.ndarray]:
     """Sampler outputs by output name in the wire dtypes: [rows] scalars, [rows, W] mask."""
-    return _wire_arrays(result.host())
+    return to_wire(result.host())

@@ -192,13 +192,13 @@ def unpack(packed: np.ndarray) -> dict[str, np.ndarray]:
         return np.ascontiguousarray(packed[:, column]).view(np.float32)
 
     return {
-        "token_ids": packed[:, COL_TOKEN_ID].astype(np.int64),
-        "logprobs": as_float(COL_LOGPROB),
-        "mask_len": packed[:, COL_MASK_LEN].copy(),
-        "mask_logprobs": as_float(COL_MASK_LOGPROB),
+        "output_ids": packed[:, COL_TOKEN_ID].astype(np.int64),
+        "output_logprobs": as_float(COL_LOGPROB),
+        "sampling_mask_len": packed[:, COL_MASK_LEN].copy(),
+        "sampling_logprobs": as_float(COL_MASK_LOGPROB),
         "row_max": as_float(COL_ROW_MAX),
-        "mask_ids": packed[:, PACKED_COLUMNS : PACKED_COLUMNS + width].copy(),
-        "mask_support_logprobs": packed[:, PACKED_COLUMNS + width :].copy().view(np.float32),
+        "sampling_mask": packed[:, PACKED_COLUMNS : PACKED_COLUMNS + width].copy(),
+        "sampling_mask_logprobs": packed[:, PACKED_COLUMNS + width :].copy().view(np.float32),
     }
 
 

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from . import rng
+from .outputs import MASK_OUTPUT_NAMES, TOKEN_OUTPUT_NAMES
 from .params import TOP_K_ALL
 
 
@@ -63,42 +64,22 @@ _PARAM_DTYPES = {
 
 
 class SamplingResult:
-    """Per-row outputs: token_ids int64 [B], logprobs float32 [B] (full-vocabulary softmax(logits / T)),
-    mask_ids int32 [B, W] (most probable first, -1 padded), mask_len int32 [B] (0 where not asked),
-    mask_logprobs float32 [B] (renormalised over the support, 0 where not asked),
-    mask_support_logprobs float32 [B, W] (each mask id's log-probability renormalised over the
-    support, -inf padded) and row_max [B] (each row's largest logit, NaN / +inf propagated as by
-    `amax`, for the logits checks).
+    """Per-row outputs, named as on the wire (`outputs.TOKEN_OUTPUTS`: output_ids int64 [B],
+    output_logprobs float32 [B], sampling_mask int32 [B, W], sampling_mask_len int32 [B],
+    sampling_logprobs float32 [B], sampling_mask_logprobs float32 [B, W]) plus row_max [B] (each
+    row's largest logit, NaN / +inf propagated as by `amax`, for the logits checks).
 
     The fused GPU path hands back one packed device tensor instead; `host()` copies it once and
     the fields are read from that copy.
     """
 
-    FIELDS = ("token_ids", "logprobs", "mask_ids", "mask_len", "mask_logprobs", "mask_support_logprobs", "row_max")
-    MASK_FIELDS = ("mask_ids", "mask_support_logprobs")  # [B, W]; a group may fill only its first columns
+    FIELDS = (*TOKEN_OUTPUT_NAMES, "row_max")
+    MASK_FIELDS = MASK_OUTPUT_NAMES  # [B, W]; a group may fill only its first columns
 
-    def __init__(
-        self,
-        token_ids=None,
-        logprobs=None,
-        mask_ids=None,
-        mask_len=None,
-        mask_logprobs=None,
-        mask_support_logprobs=None,
-        row_max=None,
-        packed: torch.Tensor | None = None,
-    ):
+    def __init__(self, packed: torch.Tensor | None = None, **fields):
         self.packed = packed
         self._host: dict[str, np.ndarray] | None = None
-        self._fields = dict(
-            token_ids=token_ids,
-            logprobs=logprobs,
-            mask_ids=mask_ids,
-            mask_len=mask_len,
-            mask_logprobs=mask_logprobs,
-            mask_support_logprobs=mask_support_logprobs,
-            row_max=row_max,
-        )
+        self._fields = {name: fields.get(name) for name in self.FIELDS}
 
     @classmethod
     def empty(cls, rows: int, mask_width: int, device: torch.device) -> SamplingResult:
@@ -110,13 +91,13 @@ class SamplingResult:
             return torch.full(shape, value, dtype=getattr(torch, np.dtype(dtype).name), device=device)
 
         return cls(
-            full(rows, 0, np.int64),
-            full(rows, 0, np.float32),
-            full((rows, mask_width), -1, np.int32),
-            full(rows, 0, np.int32),
-            full(rows, 0, np.float32),
-            full((rows, mask_width), -np.inf, np.float32),
-            full(rows, 0, np.float32),
+            output_ids=full(rows, 0, np.int64),
+            output_logprobs=full(rows, 0, np.float32),
+            sampling_mask=full((rows, mask_width), -1, np.int32),
+            sampling_mask_len=full(rows, 0, np.int32),
+            sampling_logprobs=full(rows, 0, np.float32),
+            sampling_mask_logprobs=full((rows, mask_width), -np.inf, np.float32),
+            row_max=full(rows, 0, np.float32),
         )
 
     @classmethod
@@ -263,8 +244,8 @@ def _sample_fused(batch: SamplingBatch, plan: RowPlan, index: np.ndarray, mask_w
 def _write(result: SamplingResult, index: np.ndarray, values: dict) -> None:
     """Write one group's outputs into the batch's result tensors (through numpy views on the CPU,
     where a torch indexing op would cost more than the copy)."""
-    on_cpu = result.token_ids.device.type == "cpu"
-    rows = index if on_cpu else torch.from_numpy(index).to(result.token_ids.device)
+    on_cpu = result.output_ids.device.type == "cpu"
+    rows = index if on_cpu else torch.from_numpy(index).to(result.output_ids.device)
     for name in SamplingResult.FIELDS:
         target, source = getattr(result, name), values[name]
         if on_cpu:
@@ -665,12 +646,12 @@ def _epilogue_numpy(values32: np.ndarray, ids: np.ndarray, z: np.ndarray, rows: 
         mask_logprobs = np.zeros(count, np.float32)
         np.subtract(token_scaled, support_log_mass, out=mask_logprobs, where=rows.want_mask, casting="same_kind")
     return {
-        "token_ids": ids[at],
-        "logprobs": (token_scaled - np.log(z, dtype=np.float64)).astype(np.float32),
-        "mask_ids": mask_ids,
-        "mask_len": mask_len.astype(np.int32),
-        "mask_logprobs": mask_logprobs,
-        "mask_support_logprobs": support_logprobs,
+        "output_ids": ids[at],
+        "output_logprobs": (token_scaled - np.log(z, dtype=np.float64)).astype(np.float32),
+        "sampling_mask": mask_ids,
+        "sampling_mask_len": mask_len.astype(np.int32),
+        "sampling_logprobs": mask_logprobs,
+        "sampling_mask_logprobs": support_logprobs,
         "row_max": values32[:, 0].copy(),
         "support_len": support_len,
     }
@@ -704,12 +685,12 @@ def _epilogue_torch(
     mask_len = torch.where(want, support_len.clamp(max=mask_width), torch.zeros_like(support_len))
     in_mask = rank[:, :width] < mask_len.unsqueeze(1)
     return {
-        "token_ids": ids.gather(1, pick).squeeze(1),
-        "logprobs": token_logp,
-        "mask_ids": torch.where(in_mask, ids[:, :width], torch.full_like(ids[:, :width], -1)),
-        "mask_len": mask_len,
-        "mask_logprobs": torch.where(want, token_logp - support_logmass, torch.zeros_like(token_logp)),
-        "mask_support_logprobs": torch.where(in_mask, logp[:, :width] - support_logmass.unsqueeze(1), minus_inf),
+        "output_ids": ids.gather(1, pick).squeeze(1),
+        "output_logprobs": token_logp,
+        "sampling_mask": torch.where(in_mask, ids[:, :width], torch.full_like(ids[:, :width], -1)),
+        "sampling_mask_len": mask_len,
+        "sampling_logprobs": torch.where(want, token_logp - support_logmass, torch.zeros_like(token_logp)),
+        "sampling_mask_logprobs": torch.where(in_mask, logp[:, :width] - support_logmass.unsqueeze(1), minus_inf),
         "row_max": values[:, 0],
         "support_len": support_len,
     }
@@ -733,12 +714,12 @@ def _sample_unranked(batch: SamplingBatch, plan: RowPlan, index: np.ndarray, res
         result,
         index,
         {
-            "token_ids": pick.squeeze(1),
-            "logprobs": scaled.gather(1, pick).squeeze(1) - log_z,
-            "mask_ids": torch.full((index.size, 0), -1, dtype=torch.int32),
-            "mask_len": torch.zeros(index.size, dtype=torch.int32),
-            "mask_logprobs": torch.zeros(index.size, dtype=torch.float32),
-            "mask_support_logprobs": torch.full((index.size, 0), float("-inf")),
+            "output_ids": pick.squeeze(1),
+            "output_logprobs": scaled.gather(1, pick).squeeze(1) - log_z,
+            "sampling_mask": torch.full((index.size, 0), -1, dtype=torch.int32),
+            "sampling_mask_len": torch.zeros(index.size, dtype=torch.int32),
+            "sampling_logprobs": torch.zeros(index.size, dtype=torch.float32),
+            "sampling_mask_logprobs": torch.full((index.size, 0), float("-inf")),
             "row_max": row_max,
         },
     )

@@ -25,6 +25,7 @@ from ..generation.lm import load_lm
 from ..model_config import config_path, instance_device, int_parameter, load_model_config, string_parameter
 from ..sampling.backends import load_backend
 from ..sampling.batching import BatchSampler
+from ..sampling.outputs import FINISH_REASON
 from ..sampling.validation import SamplingRequestError
 from .sampler_model import declared_outputs, mask_policy
 from .triton_io import error_response, read_input, read_params, wanted_outputs
@@ -77,15 +78,7 @@ def parse_generation_request(request, pb_utils, vocab_size: int, context_length:
 def chunk_response(pb_utils, chunk: GenerationChunk, wanted: set[str] | None = None):
     """A response with a chunk's outputs (the `wanted` ones when given), each with the leading
     batch dimension of 1."""
-    arrays = {
-        "output_ids": chunk.output_ids,
-        "output_logprobs": chunk.output_logprobs,
-        "sampling_mask": chunk.sampling_mask,
-        "sampling_mask_len": chunk.sampling_mask_len,
-        "sampling_logprobs": chunk.sampling_logprobs,
-        "sampling_mask_logprobs": chunk.sampling_mask_logprobs,
-        "finish_reason": np.array([chunk.finish_reason.encode()], dtype=np.object_),
-    }
+    arrays = {**chunk.outputs, FINISH_REASON.name: np.array([chunk.finish_reason.encode()], dtype=FINISH_REASON.dtype)}
     tensors = [
         pb_utils.Tensor(name, np.ascontiguousarray(value)[np.newaxis])
         for name, value in arrays.items()

@@ -20,13 +20,11 @@ from ..model_config import (
 )
 from ..sampling.backends import load_backend
 from ..sampling.batching import BatchSampler
+from ..sampling.outputs import SAMPLING_MASK, SAMPLING_MASK_LEN, SAMPLING_MASK_LOGPROBS
 from ..sampling.validation import MaskPolicy, SamplingRequestError
 from . import metrics
 from .triton_io import error_response, parse_request, sampler_response, wanted_outputs
 
-MASK_OUTPUT = "sampling_mask"
-MASK_LENGTH_OUTPUT = "sampling_mask_len"
-SUPPORT_LOGPROBS_OUTPUT = "sampling_mask_logprobs"
 DEFAULT_MAX_VOCAB_SIZE = 262144
 
 
@@ -34,10 +32,10 @@ def declared_outputs(model_config: dict, mask_width: int, config_file: str) -> s
     """The outputs config.pbtxt declares. Optional ones (per-support log-probs) may be left out of
     an older config; a declared one must have the mask's width W (one source of truth)."""
     names = {output["name"] for output in model_config.get("output", [])}
-    if SUPPORT_LOGPROBS_OUTPUT in names and output_width(model_config, SUPPORT_LOGPROBS_OUTPUT) != mask_width:
+    if SAMPLING_MASK_LOGPROBS.name in names and output_width(model_config, SAMPLING_MASK_LOGPROBS.name) != mask_width:
         raise ValueError(
-            f"output '{SUPPORT_LOGPROBS_OUTPUT}' in {config_file} must have the width of "
-            f"'{MASK_OUTPUT}' (W={mask_width})"
+            f"output '{SAMPLING_MASK_LOGPROBS.name}' in {config_file} must have the width of "
+            f"'{SAMPLING_MASK.name}' (W={mask_width})"
         )
     return names
 
@@ -45,8 +43,8 @@ def declared_outputs(model_config: dict, mask_width: int, config_file: str) -> s
 def mask_policy(args: dict, model_config: dict, backend) -> MaskPolicy:
     """The mask rules of a deployment: width from the mask output's dims, switches from parameters."""
     return MaskPolicy(
-        mask_width=output_width(model_config, MASK_OUTPUT),
-        width_source=f"the dims of output '{MASK_OUTPUT}' in {config_path(args)}",
+        mask_width=output_width(model_config, SAMPLING_MASK.name),
+        width_source=f"the dims of output '{SAMPLING_MASK.name}' in {config_path(args)}",
         speculative_algorithm=string_parameter(model_config, "speculative_algorithm", "none"),
         backend_name=backend.name,
         backend_builds_support=backend.builds_support,
@@ -116,7 +114,7 @@ class SamplerModel:
                     wanted = wanted_outputs(requests[position], self.declared_outputs)
                     responses[position] = sampler_response(self.pb_utils, outcome.outputs, wanted)
                     outcomes[position] = (metrics.OK, metrics.OK)
-                    answered.append(outcome.outputs[MASK_LENGTH_OUTPUT])
+                    answered.append(outcome.outputs[SAMPLING_MASK_LEN.name])
             if answered:
                 lengths = np.concatenate(answered).reshape(-1)
                 mask_lengths = lengths[lengths > 0]  # rows that asked always have a non-empty support
