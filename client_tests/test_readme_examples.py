@@ -1,4 +1,5 @@
-"""Every ```python block of README.md runs against the session's real server, so none can rot.
+"""The documentation cannot rot: every ```python block of README.md and docs/*.md runs against the
+session's real server, and every relative link of the guides points at a file (and heading) that exists.
 
 The examples address Triton's default ports; the test points them at the session server instead.
 (It lives in client_tests/ to reuse that server rather than start another one.)
@@ -7,6 +8,7 @@ The examples address Triton's default ports; the test points them at the session
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 import tritonclient.grpc as grpcclient
@@ -15,25 +17,73 @@ import tritonclient.http as httpclient
 from .server import REPO_ROOT
 
 README = REPO_ROOT / "README.md"
-BLOCKS = re.findall(r"^```python\n(.*?)^```", README.read_text(), flags=re.S | re.M)
+EXAMPLE_FILES = [README, *sorted((REPO_ROOT / "docs").glob("*.md"))]
+LINKED_FILES = [*EXAMPLE_FILES, REPO_ROOT / "bench" / "README.md"]
+
+FENCED_BLOCK = re.compile(r"^```.*?^```", flags=re.S | re.M)
+PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```", flags=re.S | re.M)
+INLINE_CODE = re.compile(r"`[^`\n]*`")
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+HEADING = re.compile(r"^#{1,6} +(.+?) *$", flags=re.M)
 
 
-def test_readme_has_the_documented_examples():
-    text = "\n".join(BLOCKS)
-    assert len(BLOCKS) >= 2
-    assert "tritonclient.http" in text  # "Calling it"
-    assert "replay_logprobs" in text and "to_vllm_csr" in text  # "Use it from an RL trainer"
+def _relative(path: Path) -> str:
+    return path.relative_to(REPO_ROOT).as_posix()
 
 
-@pytest.mark.parametrize("index", range(len(BLOCKS)), ids=lambda i: f"block{i}")
-def test_readme_python_block_runs(index, triton_server):
-    code = BLOCKS[index]
+BLOCKS = [
+    (_relative(path), index, code)
+    for path in EXAMPLE_FILES
+    for index, code in enumerate(PYTHON_BLOCK.findall(path.read_text()))
+]
+
+
+def test_the_documented_examples_are_there():
+    readme = "\n".join(code for path, _, code in BLOCKS if path == "README.md")
+    assert "tritonclient.http" in readme  # "Calling it"
+    assert "replay_logprobs" in readme and "to_vllm_csr" in readme  # "Use it from an RL trainer"
+    assert "InferRequestedOutput" in readme  # only the requested outputs
+    assert "replica_shares" in readme  # scale out
+
+
+@pytest.mark.parametrize(("path", "index", "code"), BLOCKS, ids=[f"{path}:block{index}" for path, index, _ in BLOCKS])
+def test_python_block_runs(path, index, code, triton_server):
     code = code.replace("localhost:8000", triton_server.http_url).replace("localhost:8001", triton_server.grpc_url)
     namespace = {"__name__": "readme_example"}
     try:
-        exec(compile(code, f"README.md python block {index}", "exec"), namespace)
+        exec(compile(code, f"{path} python block {index}", "exec"), namespace)
     finally:
         # An example may leave its client open; an open HTTP connection delays the server's shutdown.
         for value in namespace.values():
             if isinstance(value, (httpclient.InferenceServerClient, grpcclient.InferenceServerClient)):
                 value.close()
+
+
+def _prose(text: str) -> str:
+    """The text without code: a link-like string inside code is not a link."""
+    return INLINE_CODE.sub("", FENCED_BLOCK.sub("", text))
+
+
+def _anchors(path: Path) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation dropped, spaces to hyphens."""
+    anchors, seen = set(), {}
+    for heading in HEADING.findall(FENCED_BLOCK.sub("", path.read_text())):
+        slug = re.sub(r"[^\w\- ]", "", heading.replace("`", "").lower()).replace(" ", "-")
+        anchors.add(slug if slug not in seen else f"{slug}-{seen[slug]}")
+        seen[slug] = seen.get(slug, 0) + 1
+    return anchors
+
+
+@pytest.mark.parametrize("path", LINKED_FILES, ids=_relative)
+def test_relative_links_resolve(path):
+    broken = []
+    for target in LINK.findall(_prose(path.read_text())):
+        if re.match(r"[a-z][a-z0-9+.-]*:", target):  # https:, mailto:: not ours to check
+            continue
+        file_part, _, anchor = target.partition("#")
+        linked = (path.parent / file_part).resolve() if file_part else path
+        if not linked.exists():
+            broken.append(f"{target}: no such file")
+        elif anchor and linked.suffix == ".md" and anchor not in _anchors(linked):
+            broken.append(f"{target}: no such heading")
+    assert not broken, f"{_relative(path)} links to: {broken}"
