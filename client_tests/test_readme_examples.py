@@ -43,7 +43,8 @@ def test_the_documented_examples_are_there():
     assert "tritonclient.http" in readme  # "Calling it"
     assert "replay_logprobs" in readme and "to_vllm_csr" in readme  # "Use it from an RL trainer"
     assert "InferRequestedOutput" in readme  # only the requested outputs
-    assert "replica_shares" in readme  # scale out
+    docs = "\n".join(code for path, _, code in BLOCKS if path.startswith("docs/"))
+    assert "replica_shares" in docs  # docs/operations.md: scale out
 
 
 @pytest.mark.parametrize(("path", "index", "code"), BLOCKS, ids=[f"{path}:block{index}" for path, index, _ in BLOCKS])
