@@ -1,5 +1,6 @@
 """The documentation cannot rot: every ```python block of README.md and docs/*.md runs against the
-session's real server, and every relative link of the guides points at a file (and heading) that exists.
+session's real server, and every relative link of the guides (and of CHANGELOG.md, bench/README.md and
+bench/results/history.md) points at a file, and heading, that exists.
 
 The examples address Triton's default ports; the test points them at the session server instead.
 (It lives in client_tests/ to reuse that server rather than start another one.)
@@ -18,7 +19,12 @@ from .server import REPO_ROOT
 
 README = REPO_ROOT / "README.md"
 EXAMPLE_FILES = [README, *sorted((REPO_ROOT / "docs").glob("*.md"))]
-LINKED_FILES = [*EXAMPLE_FILES, REPO_ROOT / "bench" / "README.md"]
+LINKED_FILES = [
+    *EXAMPLE_FILES,
+    REPO_ROOT / "CHANGELOG.md",
+    REPO_ROOT / "bench" / "README.md",
+    REPO_ROOT / "bench" / "results" / "history.md",
+]
 
 FENCED_BLOCK = re.compile(r"^```.*?^```", flags=re.S | re.M)
 PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```", flags=re.S | re.M)
@@ -42,8 +48,8 @@ def test_the_documented_examples_are_there():
     readme = "\n".join(code for path, _, code in BLOCKS if path == "README.md")
     assert "tritonclient.http" in readme  # "Calling it"
     assert "replay_logprobs" in readme and "to_vllm_csr" in readme  # "Use it from an RL trainer"
-    assert "InferRequestedOutput" in readme  # only the requested outputs
     docs = "\n".join(code for path, _, code in BLOCKS if path.startswith("docs/"))
+    assert "InferRequestedOutput" in docs  # docs/sampler.md: only the requested outputs
     assert "replica_shares" in docs  # docs/operations.md: scale out
 
 
