@@ -362,24 +362,27 @@ class _Attempts:
 
 
 class _SamplerClientBase:
+    _ASYNCHRONOUS = False  # which tritonclient flavour the subclass drives
+
     def __init__(
         self,
-        url,
-        protocol,
-        model_name,
-        mask_width,
-        max_batch_size,
-        asynchronous,
-        admin_key=None,
-        max_attempts=None,
-        eject_backoff_s=DEFAULT_EJECT_BACKOFF_S,
-        max_eject_backoff_s=DEFAULT_MAX_EJECT_BACKOFF_S,
+        url: str | Sequence[str],
+        protocol: str = "http",
+        model_name: str = DEFAULT_MODEL,
+        mask_width: int | None = None,
+        max_batch_size: int | None = None,
+        *,
+        admin_key: str | None = None,
+        max_attempts: int | None = None,
+        eject_backoff_s: float = DEFAULT_EJECT_BACKOFF_S,
+        max_eject_backoff_s: float = DEFAULT_MAX_EJECT_BACKOFF_S,
         **kwargs,
     ):
+        asynchronous = self._ASYNCHRONOUS
         self.protocol = protocol
         self.model_name = model_name
         self._admin_headers = admin_headers(protocol, admin_key)
-        self._base, module = _tritonclient_module(protocol, asynchronous)
+        self._base, self._module = _tritonclient_module(protocol, asynchronous)
         self._mask_width = mask_width
         self._max_batch_size = max_batch_size
         self._limits: ServerLimits | None = None
@@ -393,8 +396,13 @@ class _SamplerClientBase:
         # gRPC clients and asyncio ones take concurrent requests; tritonclient.http's sync one does not.
         shared = asynchronous or protocol == "grpc"
         self._replicas = ReplicaSet(
-            self.urls, lambda u: module.InferenceServerClient(u, **kwargs), shared, eject_backoff_s, max_eject_backoff_s
+            self.urls,
+            lambda u: self._module.InferenceServerClient(u, **kwargs),
+            shared,
+            eject_backoff_s,
+            max_eject_backoff_s,
         )
+        self._probes: set = set()  # background health probes of ejected replicas (threads or tasks)
 
     def replica_shares(self) -> dict[str, int]:
         """Inference requests each replica answered so far, by URL (a request split into several
@@ -464,35 +472,6 @@ class SamplerClient(_SamplerClientBase):
     """
 
     __doc__ += _CLIENT_ARGS_DOC
-
-    def __init__(
-        self,
-        url: str | Sequence[str],
-        protocol: str = "http",
-        model_name: str = DEFAULT_MODEL,
-        mask_width: int | None = None,
-        max_batch_size: int | None = None,
-        *,
-        admin_key: str | None = None,
-        max_attempts: int | None = None,
-        eject_backoff_s: float = DEFAULT_EJECT_BACKOFF_S,
-        max_eject_backoff_s: float = DEFAULT_MAX_EJECT_BACKOFF_S,
-        **kwargs,
-    ):
-        super().__init__(
-            url,
-            protocol,
-            model_name,
-            mask_width,
-            max_batch_size,
-            False,
-            admin_key,
-            max_attempts,
-            eject_backoff_s,
-            max_eject_backoff_s,
-            **kwargs,
-        )
-        self._probes: list[threading.Thread] = []
 
     def server_limits(self) -> ServerLimits:
         """The deployment's mask rules and batch limit, read once from the model config."""
@@ -568,7 +547,7 @@ class SamplerClient(_SamplerClientBase):
     def _start_probes(self) -> None:
         for replica in self._replicas.due_for_probe():
             probe = threading.Thread(target=self._probe, args=(replica,), name=f"probe-{replica.url}", daemon=True)
-            self._probes = [p for p in self._probes if p.is_alive()] + [probe]
+            self._probes = {p for p in self._probes if p.is_alive()} | {probe}
             probe.start()
 
     def _probe(self, replica) -> None:
@@ -621,35 +600,7 @@ class AsyncSamplerClient(_SamplerClientBase):
 
     __doc__ += _CLIENT_ARGS_DOC
 
-    def __init__(
-        self,
-        url: str | Sequence[str],
-        protocol: str = "http",
-        model_name: str = DEFAULT_MODEL,
-        mask_width: int | None = None,
-        max_batch_size: int | None = None,
-        *,
-        admin_key: str | None = None,
-        max_attempts: int | None = None,
-        eject_backoff_s: float = DEFAULT_EJECT_BACKOFF_S,
-        max_eject_backoff_s: float = DEFAULT_MAX_EJECT_BACKOFF_S,
-        **kwargs,
-    ):
-        super().__init__(
-            url,
-            protocol,
-            model_name,
-            mask_width,
-            max_batch_size,
-            True,
-            admin_key,
-            max_attempts,
-            eject_backoff_s,
-            max_eject_backoff_s,
-            **kwargs,
-        )
-        self._probes: set[asyncio.Task] = set()
-        self._module = importlib.import_module(f"tritonclient.{protocol}.aio")
+    _ASYNCHRONOUS = True
 
     async def server_limits(self) -> ServerLimits:
         """The deployment's mask rules and batch limit, read once from the model config."""
