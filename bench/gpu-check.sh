@@ -283,7 +283,7 @@ import sys
 from pathlib import Path
 
 from client_tests.server import build_external_repository
-from triton_sampling_mask.ops.launcher import TritonServer
+from triton_sampling_mask.ops.server_process import TritonServer
 
 out, device, work, *client_args = sys.argv[1:]
 out, repository = Path(out), Path(work) / "models"

@@ -452,7 +452,7 @@ def main(argv: list[str] | None = None) -> dict:
     import argparse
     import json
 
-    from triton_sampling_mask.ops.launcher import TritonServer
+    from triton_sampling_mask.ops.server_process import TritonServer
 
     from . import report
     from .common import machine_facts, mask_width

@@ -13,7 +13,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
-from triton_sampling_mask.ops.launcher import TritonServer
+from triton_sampling_mask.ops.server_process import TritonServer
 
 from .server import ExternalTritonServer, build_test_repository
 

@@ -15,7 +15,7 @@ from tests.reference import reference_row
 from triton_sampling_mask.client import AsyncSamplerClient, SamplerClient, SamplerError
 from triton_sampling_mask.client.replay import replay_logprobs, replay_support_logprobs
 from triton_sampling_mask.client.sampling_params import SamplingParams
-from triton_sampling_mask.ops.launcher import free_port
+from triton_sampling_mask.ops.server_process import free_port
 from triton_sampling_mask.sampling.validation import (
     SPECULATIVE_MASK_MESSAGE,
     SamplingRequestError,

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from tritonclient.utils import InferenceServerException
 
-from triton_sampling_mask.ops.launcher import TritonServer
+from triton_sampling_mask.ops.server_process import TritonServer
 
 from .generate_client import GenerateStream, collect, counter, grpc_generate, http_generate, wait_for_counter
 from .server import MODEL_REPOSITORY, ExternalTritonServer, set_parameter

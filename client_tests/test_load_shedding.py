@@ -16,7 +16,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from triton_sampling_mask.client.wire import sampler_inputs
-from triton_sampling_mask.ops.launcher import TritonServer
+from triton_sampling_mask.ops.server_process import TritonServer
 
 from .server import MODEL_REPOSITORY, set_parameter
 from .slow_backend import EXECUTE_SECONDS

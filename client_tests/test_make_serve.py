@@ -9,7 +9,7 @@ import subprocess
 import time
 import urllib.request
 
-from triton_sampling_mask.ops.launcher import free_port
+from triton_sampling_mask.ops.server_process import free_port
 
 from .server import MODEL_REPOSITORY, REPO_ROOT
 

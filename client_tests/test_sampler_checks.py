@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from tritonclient.utils import InferenceServerException
 
-from triton_sampling_mask.ops.launcher import TritonServer
+from triton_sampling_mask.ops.server_process import TritonServer
 from triton_sampling_mask.sampling.validation import SPECULATIVE_MASK_MESSAGE, UNBOUNDED_MASK_MESSAGE
 
 from .server import MODEL_REPOSITORY, OUTPUTS, infer, sampler_inputs, set_parameter

@@ -22,7 +22,7 @@ import pytest
 
 from triton_sampling_mask.client import SamplerClient
 from triton_sampling_mask.client.sampling_params import SamplingParams
-from triton_sampling_mask.ops.launcher import TritonServer
+from triton_sampling_mask.ops.server_process import TritonServer
 from triton_sampling_mask.ops.shm_cleanup import SHM_DIR
 
 from .server import MODEL_REPOSITORY

@@ -47,8 +47,8 @@ from tritonclient.utils import InferenceServerException
 from triton_sampling_mask.client import SamplerClient, SamplerError
 from triton_sampling_mask.client.sampler_client import ADMIN_HEADER as CLIENT_ADMIN_HEADER
 from triton_sampling_mask.client.sampling_params import SamplingParams
-from triton_sampling_mask.ops import launcher
-from triton_sampling_mask.ops.launcher import LoopbackUrls, TritonServer, free_port
+from triton_sampling_mask.ops import server_process
+from triton_sampling_mask.ops.server_process import LoopbackUrls, TritonServer, free_port
 from triton_sampling_mask.ops.shm_cleanup import remove_unused_regions, server_shm_prefix
 
 from .generate_client import generate_inputs
@@ -60,8 +60,8 @@ SHUTDOWN_LIMIT_S = 10.0
 START_LIMIT_S = 120.0
 WRAPPED = 2**62 + 3  # FP32: 4 * WRAPPED bytes = 2**64 + 12, i.e. 12 after the wrap
 GREEDY_LOGITS = [0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 6.0]  # greedy: id 7
-RESTRICTED_HTTP = f"This API is restricted, expecting header '{launcher.ADMIN_HEADER}'"
-RESTRICTED_GRPC = f"This protocol is restricted, expecting header '{launcher.GRPC_ADMIN_HEADER}'"
+RESTRICTED_HTTP = f"This API is restricted, expecting header '{server_process.ADMIN_HEADER}'"
+RESTRICTED_GRPC = f"This protocol is restricted, expecting header '{server_process.GRPC_ADMIN_HEADER}'"
 
 
 @dataclass
@@ -193,14 +193,14 @@ def served(tmp_path_factory):
 
 
 def test_the_admin_header_is_one_name():
-    assert CLIENT_ADMIN_HEADER == launcher.ADMIN_HEADER
-    assert launcher.GRPC_ADMIN_HEADER == "triton-grpc-protocol-" + launcher.ADMIN_HEADER
+    assert CLIENT_ADMIN_HEADER == server_process.ADMIN_HEADER
+    assert server_process.GRPC_ADMIN_HEADER == "triton-grpc-protocol-" + server_process.ADMIN_HEADER
     locked = TritonServer(MODEL_REPOSITORY, admin_key="k3y").command()
-    assert f"--http-restricted-api=shared-memory,model-repository:{launcher.ADMIN_HEADER}=k3y" in locked
-    assert f"--grpc-restricted-protocol=shared-memory,model-repository:{launcher.ADMIN_HEADER}=k3y" in locked
+    assert f"--http-restricted-api=shared-memory,model-repository:{server_process.ADMIN_HEADER}=k3y" in locked
+    assert f"--grpc-restricted-protocol=shared-memory,model-repository:{server_process.ADMIN_HEADER}=k3y" in locked
     assert not any("restricted" in arg for arg in TritonServer(MODEL_REPOSITORY).command())
     with pytest.raises(ValueError):
-        launcher.admin_args("a key, with=specials:")
+        server_process.admin_args("a key, with=specials:")
 
 
 def test_shm_cleanup_removes_only_regions_no_process_uses():
@@ -249,15 +249,17 @@ def test_admin_apis_need_the_key_and_inference_does_not(served):
     region = shm.create_shared_memory_region(name, key, 64)
     http = httpclient.InferenceServerClient(served.http_url)
     grpc_client = grpcclient.InferenceServerClient(served.grpc_url)
-    http_key = {launcher.ADMIN_HEADER: ADMIN_KEY}
-    grpc_key = {launcher.GRPC_ADMIN_HEADER: ADMIN_KEY}
+    http_key = {server_process.ADMIN_HEADER: ADMIN_KEY}
+    grpc_key = {server_process.GRPC_ADMIN_HEADER: ADMIN_KEY}
     try:
         refused = [
             (lambda: http.register_system_shared_memory(name, key, 64), "403", RESTRICTED_HTTP),
             (lambda: http.load_model("sampler"), "403", RESTRICTED_HTTP),
             (lambda: http.unload_model("sampler"), "403", RESTRICTED_HTTP),
             (
-                lambda: http.register_system_shared_memory(name, key, 64, headers={launcher.ADMIN_HEADER: "wrong"}),
+                lambda: http.register_system_shared_memory(
+                    name, key, 64, headers={server_process.ADMIN_HEADER: "wrong"}
+                ),
                 "403",
                 RESTRICTED_HTTP,
             ),

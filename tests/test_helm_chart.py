@@ -27,7 +27,7 @@ RELEASE, NAMESPACE = "rl", "sampling"
 FULLNAME = f"{RELEASE}-triton-sampling-mask"
 PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002, "probe": 8003}
 PENDING_METRIC = "nv_inference_pending_request_count"
-# The launcher's charset for TRITON_ADMIN_KEY (launcher.admin_args).
+# The launcher's charset for TRITON_ADMIN_KEY (server_process.admin_args).
 ADMIN_KEY_CHARSET = r"[A-Za-z0-9._~+/-]+"
 # checkov findings the chart may skip, each tied to the value that makes it unnecessary.
 KEPT_FINDINGS = {"CKV_K8S_35", "CKV_K8S_15", "CKV_K8S_43", "CKV_K8S_40"}

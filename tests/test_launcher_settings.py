@@ -3,12 +3,12 @@ and the environment its stubs inherit."""
 
 from __future__ import annotations
 
-from triton_sampling_mask.ops import launcher
+from triton_sampling_mask.ops import server_process
 
 
 def test_resource_args_default_the_pool_and_the_http_threads(monkeypatch):
     monkeypatch.delenv("TRITON_HTTP_THREAD_COUNT", raising=False)
-    args = launcher.resource_args([])
+    args = server_process.resource_args([])
     assert f"--backend-config=python,shm-default-byte-size={64 * 2**20}" in args
     assert f"--backend-config=python,shm-growth-byte-size={64 * 2**20}" in args
     assert sum(arg.startswith("--http-thread-count=") for arg in args) == 1
@@ -16,16 +16,16 @@ def test_resource_args_default_the_pool_and_the_http_threads(monkeypatch):
 
 def test_a_callers_flags_win_over_the_defaults():
     given = ["--backend-config=python,shm-default-byte-size=1048576", "--http-thread-count=5"]
-    args = launcher.resource_args(given)
+    args = server_process.resource_args(given)
     assert not any("shm-default-byte-size" in arg or arg.startswith("--http-thread-count") for arg in args)
     assert any("shm-growth-byte-size" in arg for arg in args)  # the one not given keeps its default
 
 
 def test_http_threads_are_half_the_cores_within_bounds(monkeypatch):
     monkeypatch.delenv("TRITON_HTTP_THREAD_COUNT", raising=False)
-    assert [launcher.http_thread_count(cores) for cores in (1, 2, 6, 64)] == [2, 2, 3, 8]
+    assert [server_process.http_thread_count(cores) for cores in (1, 2, 6, 64)] == [2, 2, 3, 8]
     monkeypatch.setenv("TRITON_HTTP_THREAD_COUNT", "1")
-    assert launcher.http_thread_count(16) == 1
+    assert server_process.http_thread_count(16) == 1
 
 
 def test_stub_openmp_threads_spin_briefly_unless_the_user_chose(monkeypatch):
@@ -33,11 +33,11 @@ def test_stub_openmp_threads_spin_briefly_unless_the_user_chose(monkeypatch):
     passive waits cost a futex wake-up per parallel region. A user's own setting stays."""
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
-    env = launcher.server_environment()
+    env = server_process.server_environment()
     assert env["GOMP_SPINCOUNT"] == "10000" and "OMP_WAIT_POLICY" not in env
     monkeypatch.setenv("GOMP_SPINCOUNT", "500")
-    assert launcher.server_environment()["GOMP_SPINCOUNT"] == "500"
+    assert server_process.server_environment()["GOMP_SPINCOUNT"] == "500"
     monkeypatch.delenv("GOMP_SPINCOUNT")
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
-    env = launcher.server_environment()
+    env = server_process.server_environment()
     assert env["OMP_WAIT_POLICY"] == "PASSIVE" and "GOMP_SPINCOUNT" not in env

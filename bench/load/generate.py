@@ -28,7 +28,7 @@ import numpy as np
 
 from client_tests.generate_client import GenerateStream
 from client_tests.server import MODEL_REPOSITORY, set_parameter
-from triton_sampling_mask.ops.launcher import TritonServer
+from triton_sampling_mask.ops.server_process import TritonServer
 
 PARAMS = dict(temperature=1.0, top_k=20, top_p=0.95, return_sampling_mask=True, ignore_eos=True)
 SCHEDULERS = {"continuous": "generate", "static": "generate_static"}

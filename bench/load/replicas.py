@@ -26,7 +26,7 @@ import numpy as np
 
 from triton_sampling_mask.client.sampler_client import SamplerClient
 from triton_sampling_mask.client.sampling_params import SamplingParams
-from triton_sampling_mask.ops.launcher import TritonServer
+from triton_sampling_mask.ops.server_process import TritonServer
 
 MODEL_REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
 

@@ -421,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.http_url:
         report = soak(args.http_url, args.grpc_url, args.pid)
     else:
-        from triton_sampling_mask.ops.launcher import TritonServer
+        from triton_sampling_mask.ops.server_process import TritonServer
 
         with TritonServer(Path(args.model_repository)) as server:
             report = soak(server.http_url, server.grpc_url, server.process.pid)

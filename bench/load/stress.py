@@ -400,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.http_url:
         rounds, idle, idle_pss = stress(args.http_url, args.pid, args.metrics_url)
     else:
-        from triton_sampling_mask.ops.launcher import TritonServer
+        from triton_sampling_mask.ops.server_process import TritonServer
 
         with TritonServer(Path(args.model_repository), extra_args=args.extra) as server:
             print("+ tritonserver " + " ".join(server.command()[1:]), flush=True)

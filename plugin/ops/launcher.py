@@ -27,193 +27,28 @@ TRITON_WATCHDOG_INTERVAL_S (2); TRITON_HTTP_THREAD_COUNT (half the cores, 2 to 8
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
-import re
 import secrets
-import shutil
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
-from .allocator import with_allocator
-from .shm_cleanup import remove_unused_regions, server_shm_prefix
+from .server_process import (
+    ADMIN_APIS,
+    ADMIN_HEADER,
+    DEFAULT_EXIT_TIMEOUT_S,
+    DEFAULT_PORTS,
+    GRPC_ADMIN_HEADER,
+    admin_args,
+    hardening_args,
+    redact,
+    server_command,
+    server_environment,
+)
+from .supervisor import Supervisor, SupervisorConfig
 
-DEFAULT_PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}
 PORT_VARIABLES = {"http": "TRITON_HTTP_PORT", "grpc": "TRITON_GRPC_PORT", "metrics": "TRITON_METRICS_PORT"}
 DEFAULT_PROBE_PORT = 8003
-# The admin surfaces: anyone who reaches them can map host shared memory into the server or
-# load and unload models. Requests to them must carry ADMIN_HEADER: <key>; over gRPC Triton
-# expects the header as GRPC_ADMIN_HEADER. The client's copy is client.sampler_client.ADMIN_HEADER.
-ADMIN_APIS = ("shared-memory", "model-repository")
-ADMIN_HEADER = "triton-admin-key"
-GRPC_ADMIN_HEADER = "triton-grpc-protocol-" + ADMIN_HEADER
-# Seconds tritonserver waits on SIGTERM for in-flight requests (and, in 2.51, for idle keep-alive
-# HTTP clients and open gRPC streams to a decoupled model) before it exits anyway; Triton's own
-# default is 30.
-DEFAULT_EXIT_TIMEOUT_S = 5
-
-
-def pytriton_root() -> Path:
-    """site-packages/pytriton, located without importing it (its import is slow and noisy)."""
-    spec = importlib.util.find_spec("pytriton")
-    if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("nvidia-pytriton is not installed in this environment; run `make setup`")
-    return Path(list(spec.submodule_search_locations)[0])
-
-
-def prepare_backends(dest: Path | None = None) -> Path:
-    """A backends/ folder whose python/ holds the backend library, its utils and our Python's stub."""
-    server_dir = pytriton_root() / "tritonserver"
-    dest = dest or Path(sys.prefix) / "triton-backends"
-    python_dir = dest / "python"
-    python_dir.mkdir(parents=True, exist_ok=True)
-    stub = (
-        server_dir
-        / "python_backend_stubs"
-        / f"{sys.version_info.major}.{sys.version_info.minor}"
-        / "triton_python_backend_stub"
-    )
-    if not stub.exists():
-        raise RuntimeError(f"nvidia-pytriton ships no Python backend stub for Python {sys.version_info[:2]}")
-    sources = [stub, *(server_dir / "backends" / "python").glob("*.*")]
-    for source in sources:
-        target = python_dir / source.name
-        if not target.exists() or target.stat().st_size != source.stat().st_size:
-            shutil.copy2(source, target)
-    return dest
-
-
-# Where NGC's tritonserver images install the server (used when nvidia-pytriton is absent).
-SYSTEM_TRITONSERVER = Path("/opt/tritonserver/bin/tritonserver")
-
-
-def has_pytriton() -> bool:
-    """Whether the nvidia-pytriton wheel (and so its tritonserver) is installed here."""
-    return importlib.util.find_spec("pytriton") is not None
-
-
-def system_tritonserver() -> str:
-    """The image's own tritonserver (NGC containers), for environments without nvidia-pytriton."""
-    found = shutil.which("tritonserver") or (str(SYSTEM_TRITONSERVER) if SYSTEM_TRITONSERVER.exists() else None)
-    if found is None:
-        raise RuntimeError("no tritonserver: install nvidia-pytriton (`make setup`) or run in a Triton image")
-    return found
-
-
-# OpenMP spin iterations before a stub thread sleeps (libgomp counts ~100,000 per ms).
-STUB_OPENMP_SPIN_COUNT = "10000"
-
-
-def server_environment() -> dict[str, str]:
-    """The environment tritonserver needs: this venv's bin/ first, the wheel's shared libraries
-    (a Triton image's own server needs neither, and gets the environment unchanged but PATH)."""
-    env = dict(os.environ)
-    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
-    if has_pytriton():
-        libs = pytriton_root().parent / "nvidia_pytriton.libs"
-        env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in [str(libs), env.get("LD_LIBRARY_PATH", "")] if p)
-    # The stubs' OpenMP threads (torch's GNU libgomp) spin about 3 ms after each parallel region by
-    # default. Spinning that long, they starve Triton's own threads, and Triton 2.51's dynamic
-    # batcher then misses the wake-up of a request that arrives while the instance is finishing its
-    # last execute: that request waits the batcher's 500 ms idle timeout in the queue. A short spin
-    # (~0.1 ms) stalls no more often than passive waits (sequential B=1 gRPC calls: 0.29% of 15,000
-    # against 0.40% of 17,000 passive and 1.9% of 2,000 by default), while passive waits pay a
-    # futex wake-up per parallel region: a B=64 CPU sampler call took 26-28 ms in the stub against
-    # 18-22 ms. A user's OMP_WAIT_POLICY or GOMP_SPINCOUNT wins (GOMP_SPINCOUNT overrides the policy).
-    if "OMP_WAIT_POLICY" not in env:
-        env.setdefault("GOMP_SPINCOUNT", STUB_OPENMP_SPIN_COUNT)
-    return with_allocator(env)  # jemalloc where installed: glibc's malloc fragments under load
-
-
-# The Python backend moves every tensor through a /dev/shm pool per stub, which never shrinks. Its
-# own default starts at 1 MiB and grows by what each allocation lacks (rounded to 1 MiB), so under
-# large requests it grows in many small steps, and every growth maps the whole region again, in
-# tritonserver and in the stub, keeping the old mappings (python_backend's
-# SharedMemoryManager::GrowIfNeeded): 128 clients of 16 x 151936 rows grew it 20 times to 201 MB
-# and VmRSS counted it about ten times (935 MB in tritonserver, 1015 MB in the stub, +15% a round).
-# 64 MiB holds a batch of preferred_batch_size (64) rows at the largest vocabulary (262144); it
-# grows 64 MiB at a time, so the largest batch a single request can make (256 x 262144) takes 4
-# steps. docker/serve.sh passes the same numbers. A caller's own flag wins.
-SHM_DEFAULT_BYTES = 64 * 2**20
-SHM_GROWTH_BYTES = 64 * 2**20
-# Triton's HTTP frontend threads (its default: 8). They receive and parse whole request bodies,
-# including those the queue policy then sheds, and on a small machine they take the cores the stubs
-# need to sample: with 128 clients of 9.7 MB bodies on 2 cores, 8 threads left the sampler 5-9x
-# slower than alone and admitted half as many requests as 1 or 2 threads did. Half the cores, 2 to
-# 8: never 1, since one thread busy with one pathological body (client_tests/test_survival.py's
-# JSON shape [1, 2**40]) then stalls every HTTP request, health and readiness included.
-MIN_HTTP_THREADS, MAX_HTTP_THREADS = 2, 8
-
-
-def http_thread_count(cores: int | None = None) -> int:
-    """Triton HTTP threads: TRITON_HTTP_THREAD_COUNT, else half of `cores` (default: the cores this
-    process may use), MIN_HTTP_THREADS to MAX_HTTP_THREADS."""
-    if os.environ.get("TRITON_HTTP_THREAD_COUNT", "").strip():
-        return max(1, int(os.environ["TRITON_HTTP_THREAD_COUNT"]))
-    cores = cores or len(os.sched_getaffinity(0))
-    return max(MIN_HTTP_THREADS, min(MAX_HTTP_THREADS, cores // 2))
-
-
-def _backend_settings(args: list[str], backend: str = "python") -> set[str]:
-    """The setting names given as --backend-config=<backend>,<name>=<value> in `args`."""
-    prefix = f"--backend-config={backend},"
-    return {arg[len(prefix) :].split("=", 1)[0] for arg in args if arg.startswith(prefix)}
-
-
-def resource_args(extra_args: list[str] = ()) -> list[str]:
-    """The sizing flags every server started here gets unless `extra_args` sets them: the Python
-    backend's /dev/shm pool (SHM_DEFAULT_BYTES, growing SHM_GROWTH_BYTES) and the HTTP threads."""
-    given = {arg.split("=", 1)[0] for arg in extra_args}
-    settings = _backend_settings(list(extra_args))
-    args = []
-    if "shm-default-byte-size" not in settings:
-        args.append(f"--backend-config=python,shm-default-byte-size={SHM_DEFAULT_BYTES}")
-    if "shm-growth-byte-size" not in settings:
-        args.append(f"--backend-config=python,shm-growth-byte-size={SHM_GROWTH_BYTES}")
-    if "--http-thread-count" not in given:
-        args.append(f"--http-thread-count={http_thread_count()}")
-    return args
-
-
-def server_command(model_repository: Path, ports: dict[str, int], extra_args: list[str] = ()) -> list[str]:
-    """The tritonserver command line for a repository and ports: the nvidia-pytriton wheel's server
-    with the backends prepared for this Python, or else the Triton image's own with its backends;
-    `resource_args` first, then `extra_args`."""
-    if has_pytriton():
-        binary = [
-            str(pytriton_root() / "tritonserver" / "bin" / "tritonserver"),
-            f"--backend-directory={prepare_backends()}",
-        ]
-    else:
-        binary = [system_tritonserver()]
-    return [
-        binary[0],
-        f"--model-repository={Path(model_repository).resolve()}",
-        *binary[1:],
-        f"--http-port={ports['http']}",
-        f"--grpc-port={ports['grpc']}",
-        f"--metrics-port={ports['metrics']}",
-        *resource_args(extra_args),
-        *extra_args,
-    ]
-
-
-def admin_args(admin_key: str, header: str = ADMIN_HEADER) -> list[str]:
-    """The tritonserver flags that lock ADMIN_APIS behind `header: admin_key` (HTTP and gRPC)."""
-    if not admin_key or not re.fullmatch(r"[A-Za-z0-9._~+/-]+", admin_key):
-        raise ValueError("the admin key must be non-empty and made of letters, digits and _.~+/- only")
-    apis = ",".join(ADMIN_APIS)
-    return [
-        f"--http-restricted-api={apis}:{header}={admin_key}",
-        f"--grpc-restricted-protocol={apis}:{header}={admin_key}",
-    ]
 
 
 def resolve_admin_key(http_port: int) -> tuple[str, str, Path | None]:
@@ -235,179 +70,9 @@ def resolve_admin_key(http_port: int) -> tuple[str, str, Path | None]:
     return key, f"generated and written to {path} (mode 0600; set TRITON_ADMIN_KEY to choose it)", path
 
 
-def hardening_args(
-    extra_args: list[str], http_port: int, admin_key: str | None, exit_timeout_s: int = DEFAULT_EXIT_TIMEOUT_S
-) -> list[str]:
-    """The flags `make serve` adds before the caller's: every model loaded at start in explicit
-    model-control mode (so a model whose stub died can be reloaded), no auto-complete stub launch
-    (halves a model's load time; our configs are complete), a bounded exit timeout, the stub
-    regions under this server's own /dev/shm prefix, and the admin APIs locked when a key is given.
-    A flag the caller passes in `extra_args` wins over the one here."""
-    given = {arg.split("=", 1)[0] for arg in extra_args}
-    args = []
-    if "--model-control-mode" not in given:
-        args += ["--model-control-mode=explicit"]
-        if "--load-model" not in given:
-            args += ["--load-model=*"]
-    if not given & {"--disable-auto-complete-config", "--strict-model-config"}:
-        args.append("--disable-auto-complete-config")
-    if "--exit-timeout-secs" not in given:
-        args.append(f"--exit-timeout-secs={exit_timeout_s}")
-    args.append(f"--backend-config=python,shm-region-prefix-name={server_shm_prefix(http_port)}")
-    if admin_key is not None:
-        args += admin_args(admin_key)
-    return args
-
-
-def redact(command: list[str], secret: str | None) -> list[str]:
-    """`command` with `secret` replaced, for printing."""
-    return [arg.replace(secret, "<admin key>") for arg in command] if secret else list(command)
-
-
 def ports_from_environment() -> dict[str, int]:
     """Ports from TRITON_*_PORT variables, defaulting to Triton's 8000/8001/8002."""
     return {name: int(os.environ.get(var, DEFAULT_PORTS[name])) for name, var in PORT_VARIABLES.items()}
-
-
-def free_port() -> int:
-    """A TCP port on loopback that nothing listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class LoopbackUrls:
-    """The URLs of a server listening on loopback at `self.ports` (http, grpc, metrics)."""
-
-    ports: dict[str, int]
-
-    @property
-    def http_url(self) -> str:
-        return f"127.0.0.1:{self.ports['http']}"
-
-    @property
-    def grpc_url(self) -> str:
-        return f"127.0.0.1:{self.ports['grpc']}"
-
-    @property
-    def metrics_url(self) -> str:
-        return f"http://127.0.0.1:{self.ports['metrics']}/metrics"
-
-
-class TritonServer(LoopbackUrls):
-    """A tritonserver child process on free ports, for tests and benchmarks (a context manager).
-
-    With `admin_key` the shared-memory and model-repository APIs need that key (`admin_args`);
-    None leaves them open, as before. The stubs' /dev/shm regions carry this server's own prefix
-    and `stop` removes the ones left behind."""
-
-    def __init__(
-        self,
-        model_repository: Path,
-        extra_args: list[str] = (),
-        log_path: Path | None = None,
-        admin_key: str | None = None,
-    ):
-        self.model_repository = Path(model_repository)
-        self.extra_args = list(extra_args)
-        self.admin_key = admin_key
-        self.ports = {name: free_port() for name in DEFAULT_PORTS}
-        self.shm_prefix = server_shm_prefix(self.ports["http"])
-        self.log_path = log_path or Path(os.environ.get("TMPDIR", "/tmp")) / f"tritonserver-{self.ports['http']}.log"
-        self.process: subprocess.Popen | None = None
-
-    def command(self) -> list[str]:
-        """The tritonserver command line this server runs."""
-        extra = [f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}", *self.extra_args]
-        if self.admin_key is not None:
-            extra = admin_args(self.admin_key) + extra
-        return server_command(self.model_repository, self.ports, extra)
-
-    def start(self, timeout_s: float = 180.0) -> TritonServer:
-        """Start the server and wait until every model is ready; raises with the log tail if not."""
-        self._log = open(self.log_path, "w")  # noqa: SIM115 (open while the server runs)
-        self.process = subprocess.Popen(
-            self.command(), stdout=self._log, stderr=subprocess.STDOUT, env=server_environment(), start_new_session=True
-        )
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                self._log.close()
-                self._clean_up()
-                raise RuntimeError(f"tritonserver exited with {self.process.returncode}:\n{self.log_tail()}")
-            if self.is_ready():
-                return self
-            time.sleep(0.25)
-        self.stop()
-        raise RuntimeError(f"tritonserver not ready within {timeout_s}s:\n{self.log_tail()}")
-
-    def is_ready(self) -> bool:
-        """Whether /v2/health/ready answers 200."""
-        try:
-            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as response:
-                return response.status == 200
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            return False
-
-    def stop(self, timeout_s: float = 30.0) -> int | None:
-        """SIGTERM (Triton's clean shutdown), then SIGKILL if it lingers; returns the exit code.
-        Stubs the server left behind are killed and their /dev/shm regions removed."""
-        if self.process is None:
-            return None
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
-        self._log.close()
-        self._clean_up()
-        return self.process.returncode
-
-    def _clean_up(self) -> None:
-        end_process_group(self.process.pid)
-        remove_unused_regions(self.shm_prefix)
-
-    def log_tail(self, chars: int = 4000) -> str:
-        """The end of the server log."""
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:]
-        except OSError:
-            return ""
-
-    def __enter__(self) -> TritonServer:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-
-def group_members(pgid: int) -> list[int]:
-    """Live (non-zombie) processes of process group `pgid`, from /proc."""
-    members = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if fields[0] != "Z" and int(fields[2]) == pgid:
-            members.append(int(proc.name))
-    return members
-
-
-def end_process_group(pgid: int, timeout_s: float = 2.0) -> None:
-    """SIGKILL what is left of a server's process group (stubs outliving a crashed or timed-out
-    tritonserver) and wait, up to `timeout_s`, until none of it runs."""
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        return
-    deadline = time.monotonic() + timeout_s
-    while group_members(pgid) and time.monotonic() < deadline:
-        time.sleep(0.05)
 
 
 def _env_number(name: str, default, kind=int):
@@ -457,8 +122,6 @@ def main(argv: list[str] | None = None) -> None:
     for arg in extra:  # tritonserver's own flag, if given, is the exit timeout the supervisor honours
         if arg.startswith("--exit-timeout-secs="):
             args.exit_timeout = int(arg.split("=", 1)[1])
-
-    from .supervisor import Supervisor, SupervisorConfig
 
     ports = ports_from_environment()
     admin_key, key_file = None, None

@@ -38,7 +38,8 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from .launcher import (
+from .probe import ProbeResult, http_request, probe_model
+from .server_process import (
     ADMIN_HEADER,
     DEFAULT_EXIT_TIMEOUT_S,
     end_process_group,
@@ -47,7 +48,6 @@ from .launcher import (
     server_command,
     server_environment,
 )
-from .probe import ProbeResult, http_request, probe_model
 from .shm_cleanup import remove_unused_regions, server_shm_prefix
 
 RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
