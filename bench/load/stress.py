@@ -17,7 +17,7 @@ spent their time (client upload; Triton's queue and compute from its metrics por
 share of the clients and the server. It fails (exit 1) on any failure or lost request, on p99 of
 admitted requests >= 5 s, or on RSS after the last round more than 15% above RSS after the first.
 RSS counts the stubs' shared pools once per process and once per mapping (see
-`soak.process_tree_rss`); PSS counts every page once, which is why both are shown.
+`procfs.process_tree_rss`); PSS counts every page once, which is why both are shown.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ import numpy as np
 from triton_sampling_mask.client.replicas import DEFAULT_EJECT_BACKOFF_S, DEFAULT_MAX_EJECT_BACKOFF_S
 from triton_sampling_mask.sampling.outputs import SAMPLING_MASK_LOGPROBS, TOKEN_OUTPUT_NAMES
 
-from .soak import ProcessMemory, mapped_shm_regions, process_tree_memory
+from .procfs import ProcessMemory, mapped_shm_regions, process_tree_memory
 
 MODEL = "sampler"
 # Every output but the [rows, W] per-support log-probs.
