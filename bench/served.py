@@ -188,15 +188,6 @@ def cpu_seconds(pid: int, descendants: bool = True) -> float:
     return total
 
 
-def model_statistics(server: TritonServer, model: str = MODEL) -> dict:
-    """A model's cumulative server-side statistics (counts and nanoseconds per phase)."""
-    client = httpclient.InferenceServerClient(server.http_url)
-    try:
-        return client.get_inference_statistics(model)["model_stats"][0]
-    finally:
-        client.close()
-
-
 def perf_analyzer_load(
     pa,
     server: TritonServer,
@@ -285,7 +276,7 @@ def run_served_benchmark(
             for protocol in PROTOCOLS:
                 for concurrency in concurrencies:
                     model = pa_module.BENCH_MODELS["FP32"] if pa else MODEL
-                    before = model_statistics(server, model)
+                    before = served_call.model_statistics(server, model)
                     cpu_before = (cpu_seconds(server.process.pid), cpu_seconds(os.getpid(), descendants=False))
                     entry = None
                     if pa is not None:
@@ -300,13 +291,13 @@ def run_served_benchmark(
                                 f"{str(exc)[:300]}"
                             )
                             model = MODEL
-                            before = model_statistics(server, model)
+                            before = served_call.model_statistics(server, model)
                             cpu_before = (cpu_seconds(server.process.pid), cpu_seconds(os.getpid(), descendants=False))
                     if entry is None:
                         entry = served_load(server, protocol, concurrency, rows, duration_s, warmup_s)
                         entry["client"] = "python"
                     entry["model"] = model
-                    entry["server"] = server_breakdown(before, model_statistics(server, model))
+                    entry["server"] = server_breakdown(before, served_call.model_statistics(server, model))
                     # CPU milliseconds per row (warm-up included) on each side of the wire: client
                     # and server share the 2 cores, so this shows what the client costs. The
                     # perf_analyzer client's figure includes its start-up (reading the input data).
@@ -327,7 +318,14 @@ def run_served_benchmark(
                     )
             if prepared is not None:
                 call = served_call.run_on_server(
-                    prepared, server, call_requests, Path(tmp), pa, pa_status, progress, statistics=model_statistics
+                    prepared,
+                    server,
+                    call_requests,
+                    Path(tmp),
+                    pa,
+                    pa_status,
+                    progress,
+                    statistics=served_call.model_statistics,
                 )
     clients = sorted({e["client"] for e in served})
     return (

@@ -23,6 +23,8 @@ worth of time the serving path adds.
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import tempfile
 import time
@@ -37,6 +39,7 @@ import tritonclient.utils.shared_memory as shm
 
 from triton_sampling_mask.client import unregister_shared_memory
 from triton_sampling_mask.client.wire import sampler_inputs
+from triton_sampling_mask.ops.server_process import TritonServer
 from triton_sampling_mask.sampling.backends import TorchSamplingBackend
 from triton_sampling_mask.sampling.batching import BatchSampler
 from triton_sampling_mask.sampling.outputs import SAMPLING_MASK_LOGPROBS, TOKEN_OUTPUT_NAMES
@@ -44,7 +47,8 @@ from triton_sampling_mask.sampling.params import RowParams
 from triton_sampling_mask.sampling.validation import MaskPolicy
 
 from . import perf_analyzer as pa_module
-from .common import interleaved_medians, paired_median_ratio, server_breakdown
+from . import report
+from .common import interleaved_medians, machine_facts, mask_width, paired_median_ratio, server_breakdown
 
 FULL_SHAPE, TINY_SHAPE = (64, 151936), (4, 2000)
 # Calls per served point and the interleaved rounds they are split into, full size and --tiny.
@@ -275,7 +279,7 @@ def served_part(
 ) -> list[dict]:
     """Every path x dtype on a running server that serves the bench_sampler models, in `rounds`
     interleaved rounds of `requests / rounds` calls per point (so a slow spell of this shared
-    machine lands on every point alike). `statistics` (served.model_statistics) adds the server's own
+    machine lands on every point alike). `statistics` (model_statistics) adds the server's own
     per-phase breakdown of each point."""
     rows, vocab = logits["fp32"].shape
     params = call_params(rows)
@@ -442,6 +446,15 @@ def run_on_server(
     return out
 
 
+def model_statistics(server: TritonServer, model: str) -> dict:
+    """A model's cumulative server-side statistics (counts and nanoseconds per phase)."""
+    client = httpclient.InferenceServerClient(server.http_url)
+    try:
+        return client.get_inference_statistics(model)["model_stats"][0]
+    finally:
+        client.close()
+
+
 def explicit_models(models) -> list[str]:
     """tritonserver flags that load only `models` (the generate model's stub stays out of the timing)."""
     return ["--model-control-mode=explicit", *(f"--load-model={m}" for m in models)]
@@ -449,15 +462,6 @@ def explicit_models(models) -> list[str]:
 
 def main(argv: list[str] | None = None) -> dict:
     """This table alone, on a server of its own (a quick check; `make bench` runs it too)."""
-    import argparse
-    import json
-
-    from triton_sampling_mask.ops.server_process import TritonServer
-
-    from . import report
-    from .common import machine_facts, mask_width
-    from .served import model_statistics
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help=f"B x V = {TINY_SHAPE}, {REQUESTS['tiny']} calls per point")
     parser.add_argument(
