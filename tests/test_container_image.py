@@ -233,30 +233,46 @@ def test_package_parses_with_the_image_python():
     assert not errors, f"not valid Python {python}:\n" + "\n".join(errors)
 
 
+# The image's settings (docs/settings.md): serve.sh and the launcher read them, the defaults must do.
+SIZE_SETTINGS = ("SHM_DEFAULT_BYTES", "SHM_GROWTH_BYTES", "CUDA_POOL_BYTES", "PINNED_POOL_BYTES", "GPU_COUNT")
+
+
 def serve_command(gpu_count: int) -> list[str]:
+    """docker/serve.sh's command (--dry-run) with the default sizes, run by this venv's python3 as
+    the image runs it by its own."""
+    env = {name: value for name, value in os.environ.items() if name not in SIZE_SETTINGS}
+    env.update(GPU_COUNT=str(gpu_count), PATH=os.pathsep.join([str(Path(sys.executable).parent), env["PATH"]]))
     done = subprocess.run(
         ["bash", str(REPO_ROOT / "docker" / "serve.sh"), "--dry-run", "--model-control-mode=explicit"],
         capture_output=True,
         text=True,
-        env={**os.environ, "GPU_COUNT": str(gpu_count)},
+        env=env,
         check=True,
     )
     return done.stdout.splitlines()
 
 
-def test_server_flags_hold_the_largest_request_of_the_config():
+def test_server_flags_hold_the_largest_request_of_the_config(monkeypatch):
     from google.protobuf import text_format
     from tritonclient.grpc import model_config_pb2
+
+    from triton_sampling_mask.ops import settings
+    from triton_sampling_mask.ops.server_process import resource_args
 
     config = text_format.Parse(
         (REPO_ROOT / "model_repository" / "sampler" / "config.pbtxt").read_text(), model_config_pb2.ModelConfig()
     )
     largest_request = 4 * config.max_batch_size * int(config.parameters["max_vocab_size"].string_value)
+    assert largest_request == settings.LARGEST_REQUEST_BYTES
     command = serve_command(gpu_count=3)
-    # The supervisor runs tritonserver (README "Failure modes"); its flags follow the "--".
+    # The supervisor runs tritonserver (README "Failure modes"); its flags follow the "--", and the
+    # launcher adds its sizing flags (the /dev/shm pools) to those.
     assert command[:3] == ["python3", "-m", "triton_sampling_mask.ops.launcher"], command
     assert command[-1] == "--model-control-mode=explicit"
+    for name in SIZE_SETTINGS:
+        monkeypatch.delenv(name, raising=False)
     command = command[command.index("--") :]
+    command += resource_args(command[1:])
     flags = dict(
         arg.split("=", 1) for arg in command[1:] if arg.startswith("--") and "=" in arg and "cuda-memory" not in arg
     )

@@ -3,7 +3,9 @@ and the environment its stubs inherit."""
 
 from __future__ import annotations
 
-from triton_sampling_mask.ops import server_process
+import pytest
+
+from triton_sampling_mask.ops import allocator, server_process
 
 
 def test_resource_args_default_the_pool_and_the_http_threads(monkeypatch):
@@ -41,3 +43,23 @@ def test_stub_openmp_threads_spin_briefly_unless_the_user_chose(monkeypatch):
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
     env = server_process.server_environment()
     assert env["OMP_WAIT_POLICY"] == "PASSIVE" and "GOMP_SPINCOUNT" not in env
+
+
+def test_the_pool_sizes_come_from_the_environment(monkeypatch):
+    monkeypatch.setenv("SHM_DEFAULT_BYTES", str(8 * 2**20))
+    monkeypatch.setenv("SHM_GROWTH_BYTES", "")  # empty: the default
+    args = server_process.resource_args([])
+    assert f"--backend-config=python,shm-default-byte-size={8 * 2**20}" in args
+    assert f"--backend-config=python,shm-growth-byte-size={64 * 2**20}" in args
+
+
+def test_jemalloc_gets_its_purge_options_unless_the_user_set_them(monkeypatch):
+    monkeypatch.delenv("MALLOC_CONF", raising=False)
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    name, library = allocator.find_allocator("jemalloc")
+    if name != "jemalloc":
+        pytest.skip("libjemalloc2 is not installed here")
+    env = allocator.with_allocator({}, "jemalloc")
+    assert env["LD_PRELOAD"] == library and "background_thread:true" in env["MALLOC_CONF"]
+    assert allocator.with_allocator({"MALLOC_CONF": "narenas:2"}, "jemalloc")["MALLOC_CONF"] == "narenas:2"
+    assert "LD_PRELOAD" not in allocator.with_allocator({}, "system")

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import threading
 import time
@@ -23,6 +22,8 @@ from pathlib import Path
 import numpy as np
 
 from triton_sampling_mask.client.wire import infer_input
+from triton_sampling_mask.ops import settings
+from triton_sampling_mask.ops.server_process import TritonServer
 
 from .procfs import process_tree_rss
 
@@ -297,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of measured traffic")
     parser.add_argument("--warmup", type=float, default=5.0, help="seconds of traffic before the start RSS")
     parser.add_argument("--vocab", type=int, default=4096)
-    parser.add_argument("--model-repository", default=os.environ.get("MODEL_REPOSITORY", "model_repository"))
+    parser.add_argument("--model-repository", default=settings.MODEL_REPOSITORY.value())
     parser.add_argument("--http-url")
     parser.add_argument("--grpc-url")
     parser.add_argument("--pid", type=int, help="tritonserver pid, for RSS (with --http-url/--grpc-url)")
@@ -310,8 +311,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.http_url:
         report = soak(args.http_url, args.grpc_url, args.pid)
     else:
-        from triton_sampling_mask.ops.server_process import TritonServer
-
         with TritonServer(Path(args.model_repository)) as server:
             report = soak(server.http_url, server.grpc_url, server.process.pid)
     print(report.summary())

@@ -39,6 +39,8 @@ from pathlib import Path
 import numpy as np
 
 from triton_sampling_mask.client.replicas import DEFAULT_EJECT_BACKOFF_S, DEFAULT_MAX_EJECT_BACKOFF_S
+from triton_sampling_mask.ops import settings
+from triton_sampling_mask.ops.server_process import TritonServer
 from triton_sampling_mask.sampling.outputs import SAMPLING_MASK_LOGPROBS, TOKEN_OUTPUT_NAMES
 
 from .procfs import ProcessMemory, mapped_shm_regions, process_tree_memory
@@ -346,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--duration", type=float, default=30.0, help="seconds per round")
-    parser.add_argument("--model-repository", default=os.environ.get("MODEL_REPOSITORY", "model_repository"))
+    parser.add_argument("--model-repository", default=settings.MODEL_REPOSITORY.value())
     parser.add_argument(
         "--backoff",
         type=float,
@@ -400,8 +402,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.http_url:
         rounds, idle, idle_pss = stress(args.http_url, args.pid, args.metrics_url)
     else:
-        from triton_sampling_mask.ops.server_process import TritonServer
-
         with TritonServer(Path(args.model_repository), extra_args=args.extra) as server:
             print("+ tritonserver " + " ".join(server.command()[1:]), flush=True)
             rounds, idle, idle_pss = stress(server.http_url, server.process.pid, server.metrics_url)

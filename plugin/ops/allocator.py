@@ -1,16 +1,16 @@
 """The memory allocator tritonserver runs with.
 
 Under many concurrent large requests glibc's malloc fragments tritonserver's heap across its
-threads and never returns the memory (measured here: RSS +34-39% over three 20 s rounds of 128
-clients, never released when idle). Triton's docs recommend preloading tcmalloc or jemalloc;
-jemalloc, with its background purging thread, kept RSS flat on the same load (+3%). `make setup`
-installs Debian's libjemalloc2 where it can; TRITON_MALLOC=system opts out.
+threads and never returns the memory. Triton's docs recommend preloading tcmalloc or jemalloc;
+jemalloc, with its background purging thread (settings.MALLOC_CONF), keeps RSS flat under the
+same load. `make setup` installs Debian's libjemalloc2 where it can; TRITON_MALLOC=system opts out.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
+
+from . import settings
 
 # Where Debian/Ubuntu (and the NGC images) put the libraries, by preference.
 CANDIDATES = {
@@ -25,14 +25,12 @@ CANDIDATES = {
         "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4",
     ],
 }
-# Return freed pages to the OS within about a second, from a background thread.
-JEMALLOC_CONF = "background_thread:true,dirty_decay_ms:1000,muzzy_decay_ms:1000"
 
 
 def find_allocator(preference: str | None = None) -> tuple[str, str | None]:
     """(name, library path) of the allocator to preload: TRITON_MALLOC (jemalloc, tcmalloc or
     system) or the first one installed; ("system", None) when none is."""
-    preference = (preference or os.environ.get("TRITON_MALLOC", "")).strip().lower()
+    preference = (preference or settings.TRITON_MALLOC.value()).strip().lower()
     if preference == "system":
         return "system", None
     names = [preference] if preference in CANDIDATES else list(CANDIDATES)
@@ -53,5 +51,5 @@ def with_allocator(env: dict[str, str], preference: str | None = None) -> dict[s
     if library not in preloaded:
         env["LD_PRELOAD"] = ":".join([library, *preloaded])
     if name == "jemalloc":
-        env.setdefault("MALLOC_CONF", JEMALLOC_CONF)
+        env["MALLOC_CONF"] = settings.MALLOC_CONF.value(env)
     return env

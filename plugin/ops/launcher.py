@@ -17,11 +17,8 @@ stubs' /dev/shm regions are removed after any exit. `--no-supervise` execs trito
 loaded in explicit model-control mode, a bounded exit timeout, and the shared-memory and
 model-repository APIs locked behind the admin key (TRITON_ADMIN_KEY; generated when unset).
 
-Environment: MODEL_REPOSITORY; TRITON_HTTP_PORT / TRITON_GRPC_PORT / TRITON_METRICS_PORT
-(8000/8001/8002); TRITON_PROBE_PORT (8003, 0 = no probe endpoint); TRITON_ADMIN_KEY,
-TRITON_ADMIN_KEY_FILE (where a generated key is written); TRITON_EXIT_TIMEOUT_S (5);
-TRITON_WATCHDOG_INTERVAL_S (2); TRITON_HTTP_THREAD_COUNT (half the cores, 2 to 8; see
-`resource_args`, which also sizes the Python backend's /dev/shm pool).
+The environment variables it reads (ports, the admin key, timeouts, pool sizes) are declared,
+with their defaults, in `ops.settings` (docs/settings.md).
 """
 
 from __future__ import annotations
@@ -33,11 +30,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from . import settings
 from .server_process import (
     ADMIN_APIS,
     ADMIN_HEADER,
-    DEFAULT_EXIT_TIMEOUT_S,
-    DEFAULT_PORTS,
     GRPC_ADMIN_HEADER,
     admin_args,
     hardening_args,
@@ -47,21 +43,16 @@ from .server_process import (
 )
 from .supervisor import Supervisor, SupervisorConfig
 
-PORT_VARIABLES = {"http": "TRITON_HTTP_PORT", "grpc": "TRITON_GRPC_PORT", "metrics": "TRITON_METRICS_PORT"}
-DEFAULT_PROBE_PORT = 8003
-
 
 def resolve_admin_key(http_port: int) -> tuple[str, str, Path | None]:
     """(key, where it comes from, the file it was written to): TRITON_ADMIN_KEY, else a fresh
     random key written, readable by this user only, to TRITON_ADMIN_KEY_FILE (default
     <tmp>/triton-admin-key-<http port>). The key itself is never printed."""
-    key = os.environ.get("TRITON_ADMIN_KEY", "").strip()
+    key = settings.TRITON_ADMIN_KEY.value()
     if key:
         admin_args(key)  # refuse a key the flags cannot carry, before anything starts
         return key, "from TRITON_ADMIN_KEY", None
-    path = Path(
-        os.environ.get("TRITON_ADMIN_KEY_FILE") or Path(tempfile.gettempdir()) / f"triton-admin-key-{http_port}"
-    )
+    path = Path(settings.TRITON_ADMIN_KEY_FILE.value() or Path(tempfile.gettempdir()) / f"triton-admin-key-{http_port}")
     key = secrets.token_urlsafe(32)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w") as handle:
@@ -71,20 +62,19 @@ def resolve_admin_key(http_port: int) -> tuple[str, str, Path | None]:
 
 
 def ports_from_environment() -> dict[str, int]:
-    """Ports from TRITON_*_PORT variables, defaulting to Triton's 8000/8001/8002."""
-    return {name: int(os.environ.get(var, DEFAULT_PORTS[name])) for name, var in PORT_VARIABLES.items()}
-
-
-def _env_number(name: str, default, kind=int):
-    value = os.environ.get(name, "").strip()
-    return kind(value) if value else default
+    """tritonserver's ports: TRITON_HTTP_PORT, TRITON_GRPC_PORT and TRITON_METRICS_PORT."""
+    return {
+        "http": settings.TRITON_HTTP_PORT.value(),
+        "grpc": settings.TRITON_GRPC_PORT.value(),
+        "metrics": settings.TRITON_METRICS_PORT.value(),
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
     """Serve a model repository in the foreground (`make serve`, the container's command): under
     the supervisor by default, or exec'd with --no-supervise."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model-repository", default=os.environ.get("MODEL_REPOSITORY", "model_repository"))
+    parser.add_argument("--model-repository", default=settings.MODEL_REPOSITORY.value())
     parser.add_argument(
         "--no-supervise",
         action="store_true",
@@ -93,13 +83,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--probe-port",
         type=int,
-        default=_env_number("TRITON_PROBE_PORT", DEFAULT_PROBE_PORT),
+        default=settings.TRITON_PROBE_PORT.value(),
         help="port of the supervisor's /ready and /live (TRITON_PROBE_PORT; 0: none; default %(default)s)",
     )
     parser.add_argument(
         "--watchdog-interval",
         type=float,
-        default=_env_number("TRITON_WATCHDOG_INTERVAL_S", 2.0, float),
+        default=settings.TRITON_WATCHDOG_INTERVAL_S.value(),
         help="seconds between watchdog rounds (TRITON_WATCHDOG_INTERVAL_S; default %(default)s)",
     )
     parser.add_argument(
@@ -108,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--exit-timeout",
         type=int,
-        default=_env_number("TRITON_EXIT_TIMEOUT_S", DEFAULT_EXIT_TIMEOUT_S),
+        default=settings.TRITON_EXIT_TIMEOUT_S.value(),
         help="tritonserver's --exit-timeout-secs (TRITON_EXIT_TIMEOUT_S; default %(default)s)",
     )
     parser.add_argument(

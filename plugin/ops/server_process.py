@@ -17,25 +17,23 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
+from . import settings
 from .allocator import with_allocator
 from .shm_cleanup import remove_unused_regions, server_shm_prefix
 
-DEFAULT_PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}
+PORT_NAMES = ("http", "grpc", "metrics")
 # The admin surfaces: anyone who reaches them can map host shared memory into the server or
 # load and unload models. Requests to them must carry ADMIN_HEADER: <key>; over gRPC Triton
 # expects the header as GRPC_ADMIN_HEADER. The client's copy is client.sampler_client.ADMIN_HEADER.
 ADMIN_APIS = ("shared-memory", "model-repository")
 ADMIN_HEADER = "triton-admin-key"
 GRPC_ADMIN_HEADER = "triton-grpc-protocol-" + ADMIN_HEADER
-# Seconds tritonserver waits on SIGTERM for in-flight requests (and, in 2.51, for idle keep-alive
-# HTTP clients and open gRPC streams to a decoupled model) before it exits anyway; Triton's own
-# default is 30.
-DEFAULT_EXIT_TIMEOUT_S = 5
 
 
 def pytriton_root() -> Path:
@@ -85,10 +83,6 @@ def system_tritonserver() -> str:
     return found
 
 
-# OpenMP spin iterations before a stub thread sleeps (libgomp counts ~100,000 per ms).
-STUB_OPENMP_SPIN_COUNT = "10000"
-
-
 def server_environment() -> dict[str, str]:
     """The environment tritonserver needs: this venv's bin/ first, the wheel's shared libraries
     (a Triton image's own server needs neither, and gets the environment unchanged but PATH)."""
@@ -97,44 +91,22 @@ def server_environment() -> dict[str, str]:
     if has_pytriton():
         libs = pytriton_root().parent / "nvidia_pytriton.libs"
         env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in [str(libs), env.get("LD_LIBRARY_PATH", "")] if p)
-    # The stubs' OpenMP threads (torch's GNU libgomp) spin about 3 ms after each parallel region by
-    # default. Spinning that long, they starve Triton's own threads, and Triton 2.51's dynamic
-    # batcher then misses the wake-up of a request that arrives while the instance is finishing its
-    # last execute: that request waits the batcher's 500 ms idle timeout in the queue. A short spin
-    # (~0.1 ms) stalls no more often than passive waits (sequential B=1 gRPC calls: 0.29% of 15,000
-    # against 0.40% of 17,000 passive and 1.9% of 2,000 by default), while passive waits pay a
-    # futex wake-up per parallel region: a B=64 CPU sampler call took 26-28 ms in the stub against
-    # 18-22 ms. A user's OMP_WAIT_POLICY or GOMP_SPINCOUNT wins (GOMP_SPINCOUNT overrides the policy).
+    # A short OpenMP spin in the stubs (settings.GOMP_SPINCOUNT); a user's wait policy or spin wins.
     if "OMP_WAIT_POLICY" not in env:
-        env.setdefault("GOMP_SPINCOUNT", STUB_OPENMP_SPIN_COUNT)
+        env["GOMP_SPINCOUNT"] = settings.GOMP_SPINCOUNT.value(env)
     return with_allocator(env)  # jemalloc where installed: glibc's malloc fragments under load
 
 
-# The Python backend moves every tensor through a /dev/shm pool per stub, which never shrinks. Its
-# own default starts at 1 MiB and grows by what each allocation lacks (rounded to 1 MiB), so under
-# large requests it grows in many small steps, and every growth maps the whole region again, in
-# tritonserver and in the stub, keeping the old mappings (python_backend's
-# SharedMemoryManager::GrowIfNeeded): 128 clients of 16 x 151936 rows grew it 20 times to 201 MB
-# and VmRSS counted it about ten times (935 MB in tritonserver, 1015 MB in the stub, +15% a round).
-# 64 MiB holds a batch of preferred_batch_size (64) rows at the largest vocabulary (262144); it
-# grows 64 MiB at a time, so the largest batch a single request can make (256 x 262144) takes 4
-# steps. docker/serve.sh passes the same numbers. A caller's own flag wins.
-SHM_DEFAULT_BYTES = 64 * 2**20
-SHM_GROWTH_BYTES = 64 * 2**20
-# Triton's HTTP frontend threads (its default: 8). They receive and parse whole request bodies,
-# including those the queue policy then sheds, and on a small machine they take the cores the stubs
-# need to sample: with 128 clients of 9.7 MB bodies on 2 cores, 8 threads left the sampler 5-9x
-# slower than alone and admitted half as many requests as 1 or 2 threads did. Half the cores, 2 to
-# 8: never 1, since one thread busy with one pathological body (client_tests/test_survival.py's
-# JSON shape [1, 2**40]) then stalls every HTTP request, health and readiness included.
+# Half the cores for Triton's HTTP threads, within these bounds (why: settings.TRITON_HTTP_THREAD_COUNT).
 MIN_HTTP_THREADS, MAX_HTTP_THREADS = 2, 8
 
 
 def http_thread_count(cores: int | None = None) -> int:
     """Triton HTTP threads: TRITON_HTTP_THREAD_COUNT, else half of `cores` (default: the cores this
     process may use), MIN_HTTP_THREADS to MAX_HTTP_THREADS."""
-    if os.environ.get("TRITON_HTTP_THREAD_COUNT", "").strip():
-        return max(1, int(os.environ["TRITON_HTTP_THREAD_COUNT"]))
+    given = settings.TRITON_HTTP_THREAD_COUNT.value()
+    if given is not None:
+        return max(1, given)
     cores = cores or len(os.sched_getaffinity(0))
     return max(MIN_HTTP_THREADS, min(MAX_HTTP_THREADS, cores // 2))
 
@@ -149,12 +121,12 @@ def resource_args(extra_args: list[str] = ()) -> list[str]:
     """The sizing flags every server started here gets unless `extra_args` sets them: the Python
     backend's /dev/shm pool (SHM_DEFAULT_BYTES, growing SHM_GROWTH_BYTES) and the HTTP threads."""
     given = {arg.split("=", 1)[0] for arg in extra_args}
-    settings = _backend_settings(list(extra_args))
+    backend = _backend_settings(list(extra_args))
     args = []
-    if "shm-default-byte-size" not in settings:
-        args.append(f"--backend-config=python,shm-default-byte-size={SHM_DEFAULT_BYTES}")
-    if "shm-growth-byte-size" not in settings:
-        args.append(f"--backend-config=python,shm-growth-byte-size={SHM_GROWTH_BYTES}")
+    if "shm-default-byte-size" not in backend:
+        args.append(f"--backend-config=python,shm-default-byte-size={settings.SHM_DEFAULT_BYTES.value()}")
+    if "shm-growth-byte-size" not in backend:
+        args.append(f"--backend-config=python,shm-growth-byte-size={settings.SHM_GROWTH_BYTES.value()}")
     if "--http-thread-count" not in given:
         args.append(f"--http-thread-count={http_thread_count()}")
     return args
@@ -195,7 +167,10 @@ def admin_args(admin_key: str, header: str = ADMIN_HEADER) -> list[str]:
 
 
 def hardening_args(
-    extra_args: list[str], http_port: int, admin_key: str | None, exit_timeout_s: int = DEFAULT_EXIT_TIMEOUT_S
+    extra_args: list[str],
+    http_port: int,
+    admin_key: str | None,
+    exit_timeout_s: int = settings.TRITON_EXIT_TIMEOUT_S.default,
 ) -> list[str]:
     """The flags `make serve` adds before the caller's: every model loaded at start in explicit
     model-control mode (so a model whose stub died can be reloaded), no auto-complete stub launch
@@ -265,9 +240,9 @@ class TritonServer(LoopbackUrls):
         self.model_repository = Path(model_repository)
         self.extra_args = list(extra_args)
         self.admin_key = admin_key
-        self.ports = {name: free_port() for name in DEFAULT_PORTS}
+        self.ports = {name: free_port() for name in PORT_NAMES}
         self.shm_prefix = server_shm_prefix(self.ports["http"])
-        self.log_path = log_path or Path(os.environ.get("TMPDIR", "/tmp")) / f"tritonserver-{self.ports['http']}.log"
+        self.log_path = log_path or Path(tempfile.gettempdir()) / f"tritonserver-{self.ports['http']}.log"
         self.process: subprocess.Popen | None = None
 
     def command(self) -> list[str]:

@@ -38,10 +38,10 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+from . import settings
 from .probe import ProbeResult, http_request, probe_model
 from .server_process import (
     ADMIN_HEADER,
-    DEFAULT_EXIT_TIMEOUT_S,
     end_process_group,
     hardening_args,
     redact,
@@ -91,10 +91,10 @@ class SupervisorConfig:
     ports: dict[str, int]
     extra_args: list[str] = field(default_factory=list)
     admin_key: str | None = None
-    probe_port: int = 8003  # 0: no probe endpoint
-    watchdog_interval_s: float = 2.0
+    probe_port: int = settings.TRITON_PROBE_PORT.default  # 0: no probe endpoint
+    watchdog_interval_s: float = settings.TRITON_WATCHDOG_INTERVAL_S.default
     probe_timeout_s: float = 5.0
-    exit_timeout_s: int = DEFAULT_EXIT_TIMEOUT_S
+    exit_timeout_s: int = settings.TRITON_EXIT_TIMEOUT_S.default
     admin_key_file: Path | None = None  # a generated key's file, removed at exit
 
     @property

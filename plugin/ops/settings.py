@@ -1,0 +1,202 @@
+"""Every environment variable the server reads, declared once: name, type, default and meaning.
+
+In the style of vLLM's `envs.py`: each setting is read when asked (`settings.TRITON_HTTP_PORT.value()`),
+so a change to os.environ is seen at once, and an unset or empty variable gives the default. The
+launcher, the supervisor, the allocator choice, docker/serve.sh (through `--shell`) and the Helm
+chart's `server.env` read these names and no others; docs/settings.md is generated from here.
+
+    python -m triton_sampling_mask.ops.settings --markdown > docs/settings.md
+    python -m triton_sampling_mask.ops.settings --shell CUDA_POOL_BYTES GPU_COUNT   # NAME=value lines
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+MIB = 2**20
+SERVER, IMAGE = "server", "image"
+
+
+@dataclass
+class Setting(Generic[T]):
+    """One environment variable: how its text is parsed, its default (a callable computes it when
+    needed; None leaves it to the reader, described by `shown_default`) and what it means."""
+
+    parse: Callable[[str], T]
+    default: T | Callable[[], T] | None
+    doc: str
+    shown_default: str = ""
+    scope: str = SERVER  # SERVER: the launcher and supervisor read it; IMAGE: docker/serve.sh does
+    name: str = field(default="", init=False)  # the module attribute's name, set below
+
+    def value(self, environ: Mapping[str, str] | None = None) -> T | None:
+        """The variable's value in `environ` (default: os.environ), parsed; the default when unset or empty."""
+        text = (os.environ if environ is None else environ).get(self.name, "").strip()
+        if not text:
+            return self.default() if callable(self.default) else self.default
+        try:
+            return self.parse(text)
+        except ValueError as error:
+            raise ValueError(f"{self.name}={text!r}: {error}") from None
+
+    def default_text(self) -> str:
+        """The default as docs/settings.md shows it."""
+        if self.shown_default:
+            return self.shown_default
+        if isinstance(self.default, int) and self.default >= MIB and self.default % MIB == 0:
+            return f"`{self.default}` ({self.default // MIB} MiB)"
+        return f"`{self.default}`"
+
+
+def _port(text: str) -> int:
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise ValueError("a port is 0 to 65535")
+    return port
+
+
+def _visible_gpus() -> int:
+    import torch  # only the image's sizing needs it, and only when GPU_COUNT is unset
+
+    return torch.cuda.device_count()
+
+
+# The largest request the sampler's config.pbtxt admits: max_batch_size 256 rows of max_vocab_size
+# 262144 FP32 logits (tests/test_container_image.py checks these numbers against the config).
+LARGEST_REQUEST_BYTES = 256 * 262144 * 4
+
+MODEL_REPOSITORY = Setting(
+    str, "model_repository", "the model repository to serve (the image's is /models, set by docker/serve.sh)"
+)
+TRITON_HTTP_PORT = Setting(_port, 8000, "tritonserver's HTTP port")
+TRITON_GRPC_PORT = Setting(_port, 8001, "tritonserver's gRPC port")
+TRITON_METRICS_PORT = Setting(_port, 8002, "tritonserver's metrics port (/metrics)")
+TRITON_PROBE_PORT = Setting(_port, 8003, "the supervisor's /ready, /live and /status; 0: none")
+TRITON_ADMIN_KEY = Setting(
+    str,
+    "",
+    "the key that unlocks the shared-memory and model-repository APIs (letters, digits and ._~+/-); "
+    "empty: a random key, written to `TRITON_ADMIN_KEY_FILE`",
+    shown_default="a random key",
+)
+TRITON_ADMIN_KEY_FILE = Setting(
+    str,
+    None,
+    "where a generated admin key is written (mode 0600, removed at exit)",
+    shown_default="`<tmp>/triton-admin-key-<HTTP port>`",
+)
+# Triton's own default is 30 s; in 2.51 it also waits that long for idle keep-alive HTTP clients
+# and open gRPC streams to a decoupled model, so a short bound keeps SIGTERM prompt.
+TRITON_EXIT_TIMEOUT_S = Setting(
+    int, 5, "seconds tritonserver waits on SIGTERM for requests in flight before it exits anyway"
+)
+TRITON_WATCHDOG_INTERVAL_S = Setting(
+    float, 2.0, "seconds between the supervisor's watchdog rounds (a tiny real inference per model)"
+)
+# Triton's default is 8; those threads parse every body, shed ones included, and take the cores the
+# stubs need to sample. Never 1: one pathological body would then stall every HTTP request.
+TRITON_HTTP_THREAD_COUNT = Setting(
+    int, None, "threads of tritonserver's HTTP frontend", shown_default="half the usable cores, 2 to 8"
+)
+TRITON_MALLOC = Setting(
+    str.lower,
+    "",
+    "tritonserver's allocator: jemalloc, tcmalloc or system (glibc's malloc fragments under load)",
+    shown_default="jemalloc, else tcmalloc, where installed",
+)
+# libgomp's default spin (about 3 ms after each parallel region) starves Triton's threads, and its
+# dynamic batcher then misses wake-ups (a request waits out the 500 ms idle timeout); passive waits
+# pay a futex wake-up per parallel region instead. libgomp counts about 100,000 spins a millisecond.
+GOMP_SPINCOUNT = Setting(
+    str,
+    "10000",
+    "OpenMP spins of the stubs' threads before they sleep; not set when `OMP_WAIT_POLICY` is",
+)
+MALLOC_CONF = Setting(
+    str,
+    "background_thread:true,dirty_decay_ms:1000,muzzy_decay_ms:1000",
+    "jemalloc's options, when it is the allocator: freed pages go back to the OS within about a second",
+)
+# The Python backend's /dev/shm pool per stub never shrinks, and every growth maps the whole region
+# again in tritonserver and the stub, keeping the old mappings: few large steps, not many small ones.
+SHM_DEFAULT_BYTES = Setting(
+    int,
+    64 * MIB,
+    "initial size of each Python stub's /dev/shm pool: a 64-row batch at the largest vocabulary",
+)
+SHM_GROWTH_BYTES = Setting(
+    int, 64 * MIB, "step by which a stub's /dev/shm pool grows: the largest request takes at most 4 steps"
+)
+# Room for two largest requests a GPU: one being sampled while the next is handed over.
+CUDA_POOL_BYTES = Setting(
+    int,
+    2 * LARGEST_REQUEST_BYTES,
+    "Triton's CUDA memory pool per GPU, through which GPU-resident inputs reach the models",
+    scope=IMAGE,
+)
+PINNED_POOL_BYTES = Setting(
+    int, 2 * LARGEST_REQUEST_BYTES, "Triton's pinned host memory pool, which stages inputs to the GPUs", scope=IMAGE
+)
+GPU_COUNT = Setting(
+    int, _visible_gpus, "GPUs to give a CUDA pool (numbered from 0)", shown_default="the GPUs torch sees", scope=IMAGE
+)
+
+SETTINGS: dict[str, Setting] = {name: value for name, value in globals().items() if isinstance(value, Setting)}
+for _name, _setting in SETTINGS.items():
+    _setting.name = _name
+del _name, _setting
+
+SCOPES = {
+    SERVER: "Read by the launcher and the supervisor (`make serve`, the image):",
+    IMAGE: "Read by the image's command, docker/serve.sh, on top of those:",
+}
+
+
+def markdown() -> str:
+    """docs/settings.md: every setting as a table row (variable, default, meaning), by reader."""
+    lines = [
+        "# Settings",
+        "",
+        "Every environment variable the server reads. An unset or empty variable takes its default.",
+        "Generated from `plugin/ops/settings.py` by",
+        "`python -m triton_sampling_mask.ops.settings --markdown > docs/settings.md`; a test keeps them equal.",
+    ]
+    for scope, heading in SCOPES.items():
+        lines += ["", heading, "", "| Variable | Default | Meaning |", "|---|---|---|"]
+        lines += [f"| `{s.name}` | {s.default_text()} | {s.doc} |" for s in SETTINGS.values() if s.scope == scope]
+    return "\n".join(lines) + "\n"
+
+
+def shell(names: list[str]) -> str:
+    """`NAME=value` lines, shell-quoted, for a script to eval: each named setting's current value."""
+    unknown = [name for name in names if name not in SETTINGS]
+    if unknown:
+        raise SystemExit(f"unknown setting(s): {', '.join(unknown)} (known: {', '.join(SETTINGS)})")
+    lines = []
+    for name in names:
+        value = SETTINGS[name].value()
+        lines.append(f"{name}={shlex.quote('' if value is None else str(value))}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Print the settings as docs/settings.md (--markdown) or as shell assignments (--shell NAME...)."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--markdown", action="store_true", help="the table of docs/settings.md")
+    mode.add_argument("--shell", nargs="+", metavar="NAME", help="NAME=value lines for these settings")
+    args = parser.parse_args(argv)
+    try:
+        print(markdown() if args.markdown else shell(args.shell), end="")
+    except ValueError as error:  # a variable set to what its type cannot parse
+        raise SystemExit(f"settings: {error}") from None
+
+
+if __name__ == "__main__":
+    main()
