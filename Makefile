@@ -25,7 +25,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 # tritonserver under the supervisor (restarts, model watchdog, :8003/ready, admin APIs locked);
-# SERVE_ARGS=--no-supervise execs tritonserver itself. See plugin/ops/launcher.py for the variables.
+# SERVE_ARGS=--no-supervise execs tritonserver itself. Environment variables: docs/settings.md.
 SERVE_ARGS ?=
 serve: setup
 	exec $(PYTHON) -m triton_sampling_mask.ops.launcher --model-repository $(MODEL_REPOSITORY) $(SERVE_ARGS)

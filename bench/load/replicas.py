@@ -78,6 +78,7 @@ def drive(urls: list[str], protocol: str, threads: int, seconds: float, rows: in
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Start the replicas and print the throughput table for 1..n of them."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--replicas", type=int, default=3)
     parser.add_argument("--threads", type=int, default=16)

@@ -73,9 +73,11 @@ class SoakRequest:
 
     @property
     def expected_status(self) -> int:
+        """The HTTP status this request must get."""
         return KINDS[self.kind]
 
     def inputs(self, module) -> list:
+        """The request's InferInputs for `module` (tritonclient.http or .grpc)."""
         return [infer_input(module, "logits", self.logits, "FP32")] + [
             infer_input(module, name, array, datatype) for name, (array, datatype) in self.params.items()
         ]
@@ -154,10 +156,12 @@ class SoakReport:
 
     @property
     def rss_growth(self) -> float:
+        """RSS growth from after the warm-up to the end, as a fraction."""
         return self.rss_end_mb / self.rss_start_mb - 1 if self.rss_start_mb else 0.0
 
     @property
     def failures(self) -> list[str]:
+        """The names of the checks that did not hold."""
         checks = {
             "requests lost": self.lost == 0 and self.answered == self.sent,
             "5xx answers": self.server_errors_5xx == 0,
@@ -167,6 +171,7 @@ class SoakReport:
         return [name for name, held in checks.items() if not held]
 
     def summary(self) -> str:
+        """The report in one paragraph."""
         return (
             f"soak: {self.clients} clients, {self.duration_s:.0f} s: sent {self.sent}, answered {self.answered} "
             f"(ok {self.ok}, 4xx {self.rejected_4xx}, 5xx {self.server_errors_5xx}), lost {self.lost}, wrong {self.wrong}; "

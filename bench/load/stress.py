@@ -116,6 +116,7 @@ class RoundReport:
 
     @property
     def shed_share(self) -> float:
+        """The share of requests sent that were shed (503)."""
         return self.shed / self.sent if self.sent else 0.0
 
 

@@ -1,9 +1,11 @@
-"""Running the server: the launcher, the supervisor and the GPU repository derivation.
+"""Running the server: the launcher, the supervisor, the server process and its settings.
 
-Owns `launcher` (finds the `tritonserver` shipped by `nvidia-pytriton`, or a Triton image's own,
-and runs it under `supervisor`: restarts, a model watchdog, the readiness endpoint, locked admin
-APIs), `probe` (one real inference, for Kubernetes exec probes), `shm_cleanup` (removes a dead
-server's /dev/shm regions), `allocator` (jemalloc for tritonserver) and `gpu_repository` (derives
-the KIND_GPU model repository from the CPU one). The load tools live in `bench/load/`.
-Command-line tools; may import every other subpackage, none imports them.
+Owns `launcher` (the command line of `make serve` and the image), `server_process` (the
+`tritonserver` of `nvidia-pytriton` or of a Triton image: its environment, flags and locked admin
+APIs, and `TritonServer`, a child server for tests and benchmarks), `supervisor` (restarts, a
+model watchdog, the readiness endpoint), `settings` (every environment variable with its default
+and meaning), `probe` (one real inference, for Kubernetes exec probes), `shm_cleanup` (removes a
+dead server's /dev/shm regions), `allocator` (jemalloc for tritonserver) and `gpu_repository`
+(derives the KIND_GPU model repository from the CPU one). It talks to the server over HTTP and
+imports nothing from the client (tests/test_layout.py); the load tools live in `bench/load/`.
 """

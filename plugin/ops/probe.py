@@ -50,6 +50,7 @@ class ProbeResult:
     shed: bool = False
 
     def line(self) -> str:
+        """One line for a person: the model, ok or FAILED, the probe kind, its time and detail."""
         state = "ok" if self.ok else "FAILED"
         return f"{self.model}: {state} ({self.kind} probe, {self.seconds * 1000:.0f} ms): {self.detail}"
 

@@ -212,14 +212,17 @@ class LoopbackUrls:
 
     @property
     def http_url(self) -> str:
+        """host:port of the HTTP endpoint."""
         return f"127.0.0.1:{self.ports['http']}"
 
     @property
     def grpc_url(self) -> str:
+        """host:port of the gRPC endpoint."""
         return f"127.0.0.1:{self.ports['grpc']}"
 
     @property
     def metrics_url(self) -> str:
+        """The full URL of the Prometheus metrics."""
         return f"http://127.0.0.1:{self.ports['metrics']}/metrics"
 
 

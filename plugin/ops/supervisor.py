@@ -1,7 +1,7 @@
 """tritonserver under supervision: restarted when it dies, models reloaded when their stub dies,
 readiness that means "a real inference works", a bounded shutdown that leaves nothing behind.
 
-What it answers (issue 15), with Triton 2.51 / Python backend r24.10:
+What it answers, with Triton 2.51 / Python backend r24.10:
 
 - One request can kill a model's Python stub (a declared shape whose byte size wraps around
   passes Triton's checks; the stub aborts before `execute`). The backend never restarts the
@@ -71,10 +71,12 @@ def _child_setup() -> None:
 
 
 def log(message: str) -> None:
+    """Print one supervisor line, at once (the container log is read live)."""
     print(f"[supervisor] {message}", flush=True)
 
 
 def describe_exit(code: int) -> str:
+    """A child's return code in words: "exit code N" or "signal NAME"."""
     if code < 0:
         try:
             return f"signal {signal.Signals(-code).name}"
@@ -99,13 +101,16 @@ class SupervisorConfig:
 
     @property
     def http_url(self) -> str:
+        """host:port of the supervised server's HTTP endpoint, on loopback."""
         return f"127.0.0.1:{self.ports['http']}"
 
     @property
     def shm_prefix(self) -> str:
+        """The /dev/shm prefix of this server's stub regions."""
         return server_shm_prefix(self.ports["http"])
 
     def command(self) -> list[str]:
+        """The tritonserver command line: hardening flags, then the caller's."""
         args = hardening_args(self.extra_args, self.ports["http"], self.admin_key, self.exit_timeout_s)
         return server_command(self.model_repository, self.ports, args + self.extra_args)
 
@@ -120,9 +125,11 @@ class RoundReport:
 
     @property
     def passed(self) -> bool:
+        """Whether every expected model answered correctly."""
         return bool(self.results) and all(result["ok"] for result in self.results.values())
 
     def as_json(self, max_age_s: float) -> dict:
+        """The round for /ready and /status, with its age and whether it is fresh enough."""
         age = time.monotonic() - self.finished
         return {
             "passed": self.passed,
@@ -392,6 +399,7 @@ class Supervisor:
         self._probe_server: ThreadingHTTPServer | None = None
 
     def server_running(self) -> bool:
+        """Whether tritonserver runs and no stop was asked for."""
         child = self.child
         return child is not None and child.poll() is None and not self.stopping.is_set()
 
