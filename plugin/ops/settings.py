@@ -88,7 +88,7 @@ TRITON_ADMIN_KEY = Setting(
 TRITON_ADMIN_KEY_FILE = Setting(
     str,
     None,
-    "where a generated admin key is written (mode 0600, removed at exit)",
+    "where a generated admin key is written (mode 0600; the supervisor removes it at exit)",
     shown_default="`<tmp>/triton-admin-key-<HTTP port>`",
 )
 # Triton's own default is 30 s; in 2.51 it also waits that long for idle keep-alive HTTP clients
