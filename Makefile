@@ -47,7 +47,7 @@ format: setup
 test: lint
 	$(PYTHON) -m pytest $(PYTEST_ARGS)
 
-# 128 clients x 16 x 151936 rows for 3 rounds of 30 s: shed share, p99 and RSS per round (README "Stress").
+# 128 clients x 16 x 151936 rows for 3 rounds of 30 s: shed share, p99 and RSS per round (docs/operations.md, "Stress").
 STRESS_ARGS ?= --clients 128 --rows 16 --vocab 151936 --rounds 3 --duration 30
 stress: setup
 	$(PYTHON) -m bench.load.stress --model-repository $(MODEL_REPOSITORY) $(STRESS_ARGS)

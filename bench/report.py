@@ -438,7 +438,7 @@ def plot(results: dict, path: Path) -> None:
 
 
 def markdown_summary(results: dict) -> str:
-    """The committed results as markdown tables (pasted into bench/README.md)."""
+    """The committed results as markdown tables (bench/results/latest.md; bench/README.md quotes the targets)."""
     m = results["machine"]
     lines = [
         f"Measured {results['timestamp']} on {m['cpu']}, {m['cpu_cores']} cores, torch {m['torch']} "

@@ -106,33 +106,13 @@ def test_probe_blocks_what_it_names():
     assert done.returncode != 0 and "blocked by the layering test: tritonclient" in done.stderr
 
 
-@pytest.mark.parametrize(
-    "old, new",
-    [
-        ("converters", "client.converters"),
-        ("replay", "client.replay"),
-        ("sampling_params", "client.sampling_params"),
-        ("sampler", "sampling.sampler"),
-        ("launcher", "ops.launcher"),
-        ("gpu_repository", "ops.gpu_repository"),
-    ],
-)
-def test_documented_old_import_paths_give_the_moved_module(old, new):
+@pytest.mark.parametrize("old", ["converters", "replay", "sampling_params", "sampler", "launcher", "gpu_repository"])
+def test_the_pre_split_import_paths_are_gone(old):
+    # They were aliases of the subpackages' modules until 0.1.0 (CHANGELOG.md).
     import importlib
 
-    moved = importlib.import_module(f"triton_sampling_mask.{new}")
-    assert importlib.import_module(f"triton_sampling_mask.{old}") is moved
-    assert moved.__spec__.name == f"triton_sampling_mask.{new}"
-
-
-def test_old_launcher_path_runs_with_python_m():
-    done = subprocess.run(
-        [sys.executable, "-m", "triton_sampling_mask.gpu_repository", "--help"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0 and "Derive the GPU model repository" in done.stdout, done.stderr
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module(f"triton_sampling_mask.{old}")
 
 
 def source_modules(trees: dict[str, Path]) -> dict[str, Path]:

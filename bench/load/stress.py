@@ -7,7 +7,7 @@
 Closed-loop HTTP clients (one keep-alive connection each) send the same prebuilt binary request
 (rows x vocab float32 logits, top_k 50 with masks) for `rounds` rounds of `duration` seconds.
 Each answer is 200 (admitted), 503 (shed by the queue policy) or a failure. A client answered 503
-waits before its next request, as the README asks of clients (`--backoff`: 0.5 s doubling to 5 s
+waits before its next request, as docs/operations.md asks of clients (`--backoff`: 0.5 s doubling to 5 s
 while it keeps being shed, jittered, reset by a 200); `--backoff 0` resends at once (a retry
 storm: every request, shed or not, then waits its turn behind all the others' uploads).
 

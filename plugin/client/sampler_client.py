@@ -53,7 +53,7 @@ _PROTOCOLS = ("http", "grpc")
 # Seconds a health probe of an ejected replica may take.
 _PROBE_TIMEOUT_S = 2.0
 # The header the launcher's servers require on the shared-memory and model-repository APIs
-# (tritonserver --http-restricted-api / --grpc-restricted-protocol; ops.launcher.ADMIN_HEADER).
+# (tritonserver --http-restricted-api / --grpc-restricted-protocol; ops.server_process.ADMIN_HEADER).
 # Over gRPC Triton expects it with this prefix.
 ADMIN_HEADER = "triton-admin-key"
 GRPC_RESTRICTED_PREFIX = "triton-grpc-protocol-"
