@@ -16,8 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from triton_sampling_mask.generation.engine import ContinuousEngine, EngineFull, EngineLimits
-from triton_sampling_mask.generation.generator import GenerationRequest, Generator, check_generation_request
+from triton_sampling_mask.generation.generator import Generator
 from triton_sampling_mask.generation.lm import load_lm
+from triton_sampling_mask.generation.request import GenerationRequest, check_generation_request
 from triton_sampling_mask.sampling import rng
 from triton_sampling_mask.sampling.backends import load_backend
 from triton_sampling_mask.sampling.batching import BatchSampler

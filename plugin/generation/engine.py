@@ -28,8 +28,9 @@ from ..sampling.batching import outputs_to_numpy
 from ..sampling.outputs import MASK_OUTPUT_NAMES, TOKEN_OUTPUT_NAMES, UNMASKED_OUTPUT_NAMES, padding
 from ..sampling.params import RowParams
 from ..sampling.validation import check_logit_rows
-from .generator import FINISH_LENGTH, FINISH_STOP, GenerationChunk, GenerationRequest, Generator
+from .generator import Generator
 from .lm import can_merge
+from .request import FINISH_LENGTH, FINISH_STOP, GenerationChunk, GenerationRequest
 
 
 class EngineFull(Exception):

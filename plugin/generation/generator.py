@@ -24,45 +24,11 @@ from ..sampling.outputs import (
     SAMPLING_MASK,
     SAMPLING_MASK_LEN,
     SAMPLING_MASK_LOGPROBS,
-    TOKEN_OUTPUT_NAMES,
-    padding,
 )
 from ..sampling.params import RowParams
-from ..sampling.validation import SamplingRequestError, check_logit_rows, check_rows
+from ..sampling.validation import check_logit_rows, check_rows
 from .lm import CausalLM
-
-FINISH_LENGTH = "length"
-FINISH_STOP = "stop"
-
-
-@dataclass
-class GenerationRequest:
-    """One prompt to continue, already checked by `check_generation_request`."""
-
-    prompt: np.ndarray  # int64 [L], L >= 1
-    max_new_tokens: int
-    stop_token_ids: np.ndarray  # int64 [S]
-    ignore_eos: bool
-    stream: bool
-    params: RowParams  # one row
-
-
-@dataclass
-class GenerationChunk:
-    """Tokens of one request with their sampler outputs, aligned 1:1: `outputs` holds every token
-    output of `outputs.TOKEN_OUTPUTS` by name ([n] per token, [n, W] per mask row), and
-    `finish_reason` is "" until the request's last chunk, then "length" or "stop"."""
-
-    outputs: dict[str, np.ndarray]
-    finish_reason: str
-
-    def __getitem__(self, name: str) -> np.ndarray:
-        return self.outputs[name]
-
-    @classmethod
-    def empty(cls, width: int, finish_reason: str) -> GenerationChunk:
-        """No tokens (a request with max_new_tokens 0)."""
-        return cls({name: padding(name, 0, width) for name in TOKEN_OUTPUT_NAMES}, finish_reason)
+from .request import FINISH_LENGTH, FINISH_STOP, GenerationChunk, GenerationRequest
 
 
 class GenerationSink(Protocol):
@@ -78,26 +44,6 @@ class GenerationSink(Protocol):
         """Called once per step, before that step's results are sent (for counters)."""
 
     def fail(self, position: int, message: str) -> None: ...
-
-
-def check_generation_request(
-    prompt: np.ndarray, max_new_tokens: int, stop_token_ids: np.ndarray, vocab_size: int, context_length: int
-) -> None:
-    """Raise SamplingRequestError (naming the field) for a prompt or budget the LM cannot serve."""
-    if prompt.size == 0:
-        raise SamplingRequestError("input_ids", "input_ids must hold at least one token id")
-    for field, ids in (("input_ids", prompt), ("stop_token_ids", stop_token_ids)):
-        if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
-            bad = int(ids[(ids < 0) | (ids >= vocab_size)][0])
-            raise SamplingRequestError(field, f"{field} must be token ids in [0, {vocab_size}), got {bad}")
-    if max_new_tokens < 0:
-        raise SamplingRequestError("max_new_tokens", f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    if prompt.size + max_new_tokens > context_length:
-        raise SamplingRequestError(
-            "max_new_tokens",
-            f"prompt length {prompt.size} + max_new_tokens {max_new_tokens} exceeds the model's context "
-            f"length {context_length}",
-        )
 
 
 class Generator:

@@ -20,8 +20,9 @@ import numpy as np
 import torch
 
 from ..generation.engine import ContinuousEngine, EngineFull, EngineLimits
-from ..generation.generator import GenerationChunk, GenerationRequest, Generator, check_generation_request
+from ..generation.generator import Generator
 from ..generation.lm import load_lm
+from ..generation.request import GenerationChunk, GenerationRequest, check_generation_request
 from ..model_config import config_path, instance_device, int_parameter, load_model_config, string_parameter
 from ..sampling.backends import load_backend
 from ..sampling.batching import BatchSampler
