@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from triton_sampling_mask.model_config import LOGITS_DATA_TYPES, config_path, input_dtype
-from triton_sampling_mask.serving.sampler_model import declared_outputs
+from triton_sampling_mask.serving.deployment import declared_outputs
 
 
 def config(logits_type="TYPE_FP32", support_width=8):

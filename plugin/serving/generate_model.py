@@ -28,7 +28,7 @@ from ..sampling.backends import load_backend
 from ..sampling.batching import BatchSampler
 from ..sampling.outputs import FINISH_REASON
 from ..sampling.validation import SamplingRequestError
-from .sampler_model import declared_outputs, mask_policy
+from .deployment import declared_outputs, mask_policy
 from .triton_io import error_response, read_input, read_params, wanted_outputs
 
 SCHEDULERS = ("continuous", "static")
