@@ -1,16 +1,14 @@
-"""Continuous against static batching of the `generate` model (default tiny Llama) on a real tritonserver.
+"""Load on the `generate` model's continuous engine (default tiny Llama) on a real tritonserver.
 
     .venv/bin/python -m bench.load.generate [--clients 32] [--requests-per-client 3]
 
-Starts one server holding two copies of the shipped `generate` model, `scheduler: "continuous"`
-(the default) and `scheduler: "static"` (each dynamic batch generated to its end, the previous
-behaviour), on free ports. For each scheduler, streaming and not, `clients` closed-loop clients
-(one gRPC stream each, next request sent when the previous one ends) each send
-`requests-per-client` requests whose max_new_tokens are drawn from [16, 256] (the same draws for
-every configuration), sampling masks on (top_k 20); every output is sent, the clients decode
-`output_ids` only. Prints tokens/s, time to first token p50/p99
-(non-streaming: the time to the one response) and inter-token latency p50/p99 (streaming), and
-the machine's load average (the clients share the CPUs with the server).
+Starts one server holding the shipped `generate` model on free ports. Non-streaming, then
+streaming, `clients` closed-loop clients (one gRPC stream each, next request sent when the
+previous one ends) each send `requests-per-client` requests whose max_new_tokens are drawn from
+[16, 256] (the same draws for both), sampling masks on (top_k 20); every output is sent, the
+clients decode `output_ids` only. Prints tokens/s, time to first token p50/p99 (non-streaming:
+the time to the one response) and inter-token latency p50/p99 (streaming), what streaming costs
+in tokens/s, and the machine's load average (the clients share the CPUs with the server).
 """
 
 from __future__ import annotations
@@ -27,11 +25,11 @@ from pathlib import Path
 import numpy as np
 
 from client_tests.generate_client import GenerateStream
-from client_tests.server import MODEL_REPOSITORY, set_parameter
+from client_tests.server import MODEL_REPOSITORY
 from triton_sampling_mask.ops.server_process import TritonServer
 
 PARAMS = dict(temperature=1.0, top_k=20, top_p=0.95, return_sampling_mask=True, ignore_eos=True)
-SCHEDULERS = {"continuous": "generate", "static": "generate_static"}
+MODEL = "generate"
 BUDGET_RANGE = (16, 256)
 
 
@@ -113,12 +111,8 @@ def closed_loop(url: str, model: str, budgets: np.ndarray, stream: bool) -> Load
 
 
 def build_repository(dest: Path) -> Path:
-    """The shipped generate model twice: continuous (as shipped) and static."""
-    base = (MODEL_REPOSITORY / "generate" / "config.pbtxt").read_text()
-    for scheduler, name in SCHEDULERS.items():
-        shutil.copytree(MODEL_REPOSITORY / "generate", dest / name, ignore=shutil.ignore_patterns("__pycache__"))
-        text = set_parameter(base.replace('name: "generate"', f'name: "{name}"'), "scheduler", scheduler)
-        (dest / name / "config.pbtxt").write_text(text)
+    """A repository holding only the shipped generate model (the sampler models stay unloaded)."""
+    shutil.copytree(MODEL_REPOSITORY / MODEL, dest / MODEL, ignore=shutil.ignore_patterns("__pycache__"))
     return dest
 
 
@@ -140,30 +134,21 @@ def main() -> None:
                 f"{args.requests_per_client} requests, max_new_tokens in {list(BUDGET_RANGE)} "
                 f"(mean {budgets.mean():.0f}); load average before: {os.getloadavg()}"
             )
-            for model in SCHEDULERS.values():  # warm-up
-                closed_loop(server.grpc_url, model, np.full((2, 1), 8), stream=False)
+            closed_loop(server.grpc_url, MODEL, np.full((2, 1), 8), stream=False)  # warm-up
             print(
                 f"{'configuration':<26} {'tokens/s':>9} {'TTFT p50':>8} {'TTFT p99':>8} {'ITL p50':>8} {'ITL p99':>8}   (ms)"
             )
             results = {}
             for stream in (False, True):
-                for scheduler, model in SCHEDULERS.items():
-                    stats = closed_loop(server.grpc_url, model, budgets, stream)
-                    label = f"{scheduler}, {'streaming' if stream else 'non-streaming'}"
-                    results[(scheduler, stream)] = stats
-                    print(
-                        stats.row(label)
-                        + (f"  ERRORS: {len(stats.errors)} e.g. {stats.errors[0]}" if stats.errors else ""),
-                        flush=True,
-                    )
-            for stream in (False, True):
-                cont, static = results[("continuous", stream)], results[("static", stream)]
-                speedup = (cont.tokens / cont.seconds) / (static.tokens / static.seconds)
-                ttft_gain = np.percentile(static.ttft, 99) / np.percentile(cont.ttft, 99)
+                stats = closed_loop(server.grpc_url, MODEL, budgets, stream)
+                results[stream] = stats
                 print(
-                    f"{'streaming' if stream else 'non-streaming'}: continuous/static tokens/s x{speedup:.2f}, "
-                    f"TTFT p99 static/continuous x{ttft_gain:.1f}"
+                    stats.row("streaming" if stream else "non-streaming")
+                    + (f"  ERRORS: {len(stats.errors)} e.g. {stats.errors[0]}" if stats.errors else ""),
+                    flush=True,
                 )
+            ratio = (results[True].tokens / results[True].seconds) / (results[False].tokens / results[False].seconds)
+            print(f"streaming/non-streaming tokens/s x{ratio:.2f} (each streamed token is one response)")
             print(f"load average after: {os.getloadavg()} ({os.cpu_count()} CPUs; the clients run on them too)")
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
