@@ -1,8 +1,9 @@
 """The continuous-batching engine of `generate` through a real tritonserver of its own.
 
-The server holds three variants of the shipped `generate` model: `generate` (continuous, shipped
-bounds), `generate_tight` (one active sequence, one waiting: the refusal beyond the bounds) and
-`generate_static` (the previous static batching). Joins, cancellation, refusals, one final each.
+The server holds two variants of the shipped `generate` model: `generate` (shipped bounds) and
+`generate_tight` (one active sequence, one waiting: the refusal beyond the bounds), and a third,
+`generate_static`, left unloaded: its config still sets `scheduler: "static"`, so it must fail to
+load. Joins, cancellation, refusals, one final each.
 """
 
 from __future__ import annotations
@@ -23,8 +24,16 @@ SAMPLED = dict(temperature=0.7, top_k=10, top_p=0.9, min_p=0.03, return_sampling
 VARIANTS = {
     "generate": {},
     "generate_tight": {"max_active_sequences": "1", "max_waiting": "1"},
-    "generate_static": {"scheduler": "static"},
 }
+RETIRED_SCHEDULER = "generate_static"  # a config that still asks for the removed static loop
+
+
+def with_parameter(config_text: str, key: str, value: str) -> str:
+    """config.pbtxt text with one more string parameter (first in the list)."""
+    assert config_text.count("parameters [") == 1
+    return config_text.replace(
+        "parameters [", f'parameters [\n  {{ key: "{key}", value: {{ string_value: "{value}" }} }},'
+    )
 
 
 def build_engine_repository(dest, variants: dict[str, dict[str, str]]):
@@ -44,6 +53,9 @@ def engine_server(tmp_path_factory):
     if ExternalTritonServer.from_environment() is not None:
         pytest.skip("starts a local CPU tritonserver with generate variants of its own")
     repository = build_engine_repository(tmp_path_factory.mktemp("engine_models"), VARIANTS)
+    build_engine_repository(repository, {RETIRED_SCHEDULER: {}})
+    config = repository / RETIRED_SCHEDULER / "config.pbtxt"
+    config.write_text(with_parameter(config.read_text(), "scheduler", "static"))
     # Explicit model control: the last test unloads a variant while it generates.
     control = ["--model-control-mode=explicit", *(f"--load-model={name}" for name in VARIANTS)]
     with TritonServer(
@@ -94,10 +106,6 @@ def test_a_request_joining_a_running_batch_equals_it_run_alone(engine_server):
     np.testing.assert_allclose(joined.output_logprobs, alone.output_logprobs, atol=1e-4)
     streamed_alone = grpc_generate(engine_server.grpc_url, [40, 41, 42, 43], 12, stream=True, **dict(SAMPLED, seed=11))
     np.testing.assert_array_equal(streamed_alone.output_ids, alone.output_ids)
-    static = grpc_generate(
-        engine_server.grpc_url, [40, 41, 42, 43], 12, model="generate_static", **dict(SAMPLED, seed=11)
-    )
-    np.testing.assert_array_equal(static.output_ids, alone.output_ids)
 
 
 def test_cancellation_frees_its_slot_while_others_continue(engine_server):
@@ -193,6 +201,23 @@ def test_exactly_one_final_per_request_in_a_mixed_stream(engine_server):
     assert len(collect(results["stream"]["outputs"]).output_ids) == 9
     assert len(results["stream"]["outputs"]) == 9
     assert counter(engine_server.metrics_url, "generate_time_to_first_token_seconds_count") == ttft_before + 3
+
+
+def test_a_config_that_still_sets_another_scheduler_fails_to_load_naming_it(engine_server):
+    import tritonclient.http as httpclient
+
+    admin = httpclient.InferenceServerClient(engine_server.http_url)
+    try:
+        with pytest.raises(InferenceServerException) as refused:
+            admin.load_model(RETIRED_SCHEDULER)
+        assert not admin.is_model_ready(RETIRED_SCHEDULER)
+    finally:
+        admin.close()
+    message = refused.value.message()
+    # Our line names the file relative to the repository (Triton appends a traceback of its own).
+    ours = next(line for line in message.splitlines() if "'scheduler'" in line)
+    assert f"'scheduler' in {RETIRED_SCHEDULER}/config.pbtxt" in ours and "'static'" in ours, message
+    assert str(engine_server.model_repository) not in ours
 
 
 def test_unloading_ends_every_in_flight_request_with_one_final(engine_server):

@@ -1,13 +1,15 @@
-"""Generation without Triton: per-step seeds, request checks, the padded LM batch, the loop.
+"""Generation without Triton: per-step seeds, request checks, the padded LM batch, the engine.
 
-The loop runs on a bigram LM (logits = a fixed row per previous token) plugged in through the
-`lm` factory hook, so every step's support can be recomputed by the float64 numpy reference.
+The engine runs in-process on a bigram LM (logits = a fixed row per previous token) plugged in
+through the `lm` factory hook, so every step's support can be recomputed by the float64 numpy
+reference, and on the default tiny Llama for joins, cancellation and bounds.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -16,9 +18,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from triton_sampling_mask.generation.engine import ContinuousEngine, EngineFull, EngineLimits
-from triton_sampling_mask.generation.generator import Generator
 from triton_sampling_mask.generation.lm import load_lm
-from triton_sampling_mask.generation.request import GenerationRequest, check_generation_request
+from triton_sampling_mask.generation.request import (
+    GenerationRequest,
+    admission_errors,
+    check_generation_request,
+    stop_ids,
+)
 from triton_sampling_mask.sampling import rng
 from triton_sampling_mask.sampling.backends import load_backend
 from triton_sampling_mask.sampling.batching import BatchSampler
@@ -65,30 +71,52 @@ def bigram_factory(model_path, device):
     return BigramLM()
 
 
-class RecordingSink:
-    def __init__(self, cancel_after: dict[int, int] | None = None):
-        self.chunks, self.finals, self.cancels, self.failures, self.counted = {}, {}, {}, {}, 0
-        self.cancel_after = cancel_after or {}
+class RecordingHandle:
+    """A request handle that records chunks; `cancel_after` tokens flips its cancellation flag."""
 
-    def is_cancelled(self, position):
-        return len(self.chunks.get(position, [])) >= self.cancel_after.get(position, 10**9)
+    def __init__(self, cancel_after: int | None = None):
+        self.chunks, self.finals, self.errors, self.cancelled_at = [], 0, [], None
+        self.cancel_after, self.done = cancel_after, threading.Event()
+        self.first = threading.Event()
 
-    def send(self, position, chunk, final):
-        self.chunks.setdefault(position, []).append(chunk)
+    def is_cancelled(self):
+        return self.cancel_after is not None and sum(len(c["output_ids"]) for c in self.chunks) >= self.cancel_after
+
+    def send(self, chunk, final):
+        self.chunks.append(chunk)
+        self.first.set()
         if final:
-            self.finals[position] = self.finals.get(position, 0) + 1
+            self.finals += 1
+            self.done.set()
 
-    def cancelled(self, position, tokens):
-        self.cancels[position] = tokens
+    def cancelled(self, tokens):
+        self.cancelled_at = tokens
+        self.done.set()
 
-    def fail(self, position, message):
-        self.failures[position] = message
+    def fail(self, message, code_name="INTERNAL"):
+        self.errors.append((code_name, message))
+        self.done.set()
+
+    def output(self, name):
+        """One output over every chunk received, in order."""
+        return np.concatenate([c[name] for c in self.chunks])
+
+    def ids(self):
+        return self.output("output_ids")
+
+
+class RecordingObserver:
+    def __init__(self):
+        self.tokens, self.ttft, self.peak_active = 0, [], 0
 
     def generated(self, tokens):
-        self.counted += tokens
+        self.tokens += tokens
 
-    def ids(self, position):
-        return np.concatenate([c["output_ids"] for c in self.chunks[position]])
+    def first_token(self, seconds):
+        self.ttft.append(seconds)
+
+    def occupancy(self, active, waiting, kv_tokens):
+        self.peak_active = max(self.peak_active, active)
 
 
 def request(prompt, max_new_tokens, stream=False, stop=(), ignore_eos=False, **params) -> GenerationRequest:
@@ -102,8 +130,46 @@ def request(prompt, max_new_tokens, stream=False, stop=(), ignore_eos=False, **p
     )
 
 
-def generator(lm) -> Generator:
-    return Generator(lm, BatchSampler(load_backend("torch"), MaskPolicy(WIDTH, "test"), torch.device("cpu")))
+def policy() -> MaskPolicy:
+    return MaskPolicy(WIDTH, "test")
+
+
+def engine(lm, start: bool = True, **limits) -> ContinuousEngine:
+    sampler = BatchSampler(load_backend("torch"), policy(), torch.device("cpu"))
+    running = ContinuousEngine(lm, sampler, EngineLimits(**limits), RecordingObserver())
+    return running.start() if start else running
+
+
+def submit_and_finish(running, handles, reqs, timeout_s: float) -> None:
+    """Submit each request with its handle, wait until every one is done, then stop the engine."""
+    try:
+        for handle, req in zip(handles, reqs):
+            running.submit(req, handle)
+        for handle in handles:
+            assert handle.done.wait(timeout_s)
+    finally:
+        running.stop()
+
+
+def generate(lm, reqs, timeout_s: float = 60) -> list[RecordingHandle]:
+    """The requests run to their ends through an engine of their own, one handle each; queued
+    before the loop starts, so they are admitted together in its first step."""
+    handles = [RecordingHandle() for _ in reqs]
+    running = engine(lm, start=False)
+    for handle, req in zip(handles, reqs):
+        running.submit(req, handle)
+    running.start()
+    try:
+        for handle in handles:
+            assert handle.done.wait(timeout_s)
+    finally:
+        running.stop()
+    return handles
+
+
+def alone(lm, req) -> RecordingHandle:
+    """The request run alone (non-streamed), through an engine of its own."""
+    return generate(lm, [replace(req, stream=False)])[0]
 
 
 MASKED = dict(temperature=0.9, top_k=12, top_p=0.85, min_p=0.02, seed=5, return_sampling_mask=True)
@@ -136,9 +202,11 @@ def test_generation_request_checks_name_the_field(prompt, budget, stops, field):
 
 def test_every_step_matches_the_reference_and_rows_align():
     lm = load_lm(lm_factory="tests.test_generation:bigram_factory")
-    sink = RecordingSink()
-    generator(lm).run([request([10], 30, ignore_eos=True, **MASKED)], sink)
-    chunk = sink.chunks[0][0]
+    running = engine(lm)
+    handle = RecordingHandle()
+    submit_and_finish(running, [handle], [request([10], 30, ignore_eos=True, **MASKED)], 60)
+    assert handle.finals == 1 and len(handle.chunks) == 1
+    chunk = handle.chunks[0]
     ids = chunk["output_ids"]
     assert len(ids) == 30 and chunk["sampling_mask"].shape == (30, WIDTH) and chunk.finish_reason == "length"
     previous = np.concatenate([[10], ids[:-1]])
@@ -150,32 +218,30 @@ def test_every_step_matches_the_reference_and_rows_align():
         assert chunk["sampling_logprobs"][i] == pytest.approx(
             ref.renormalised_logprob(token, len(ref.support)), abs=1e-4
         )
-    assert sink.counted == 30
+    assert running.observer.tokens == 30
 
 
 def test_stops_streaming_zero_budget_and_batching():
     lm = BigramLM()
-    greedy = RecordingSink()
-    generator(lm).run([request([10], 12, ignore_eos=True, temperature=0.0)], greedy)
-    ids = greedy.ids(0)
+    ids = generate(lm, [request([10], 12, ignore_eos=True, temperature=0.0)])[0].ids()
     j = next(i for i in range(1, 12) if ids[i] not in ids[:i])
-    sink = RecordingSink()
     batch = [
         request([10], 12, stream=True, ignore_eos=True, stop=[ids[j]], temperature=0.0, return_sampling_mask=True),
         request([10], 0, **MASKED),
         request([20, 21], 9, ignore_eos=True, **MASKED),
         request([10], 12, ignore_eos=True, temperature=0.0),
     ]
-    generator(lm).run(batch, sink)
-    assert sink.finals == {0: 1, 1: 1, 2: 1, 3: 1}  # exactly one final each
-    assert [len(c["output_ids"]) for c in sink.chunks[0]] == [1] * (j + 1)  # streamed token by token
-    np.testing.assert_array_equal(sink.ids(0), ids[: j + 1])
-    assert sink.chunks[0][-1].finish_reason == "stop" and sink.chunks[0][-1]["sampling_mask_len"][0] == 1
-    assert len(sink.ids(1)) == 0 and sink.chunks[1][0]["sampling_mask"].shape == (0, WIDTH)
-    np.testing.assert_array_equal(sink.ids(3), ids)
-    alone = RecordingSink()
-    generator(lm).run([request([20, 21], 9, ignore_eos=True, **MASKED)], alone)
-    np.testing.assert_array_equal(sink.ids(2), alone.ids(0))  # batch-mates change nothing
+    handles = generate(lm, batch)
+    assert [h.finals for h in handles] == [1, 1, 1, 1] and not any(h.errors for h in handles)  # one final each
+    streamed = handles[0]
+    assert [len(c["output_ids"]) for c in streamed.chunks] == [1] * (j + 1)  # streamed token by token
+    np.testing.assert_array_equal(streamed.ids(), ids[: j + 1])
+    assert streamed.chunks[-1].finish_reason == "stop" and streamed.chunks[-1]["sampling_mask_len"][0] == 1
+    assert all(c.finish_reason == "" for c in streamed.chunks[:-1])
+    zero = handles[1].chunks[0]
+    assert len(zero["output_ids"]) == 0 and zero["sampling_mask"].shape == (0, WIDTH) and zero.finish_reason == "length"
+    np.testing.assert_array_equal(handles[3].ids(), ids)
+    np.testing.assert_array_equal(handles[2].ids(), alone(lm, batch[2]).ids())  # batch-mates change nothing
 
 
 def test_eos_stops_and_keeps_its_row_unless_ignored():
@@ -184,34 +250,32 @@ def test_eos_stops_and_keeps_its_row_unless_ignored():
     table[first, EOS] = table[first].max() + 10  # greedy from [30]: first, EOS, ...
     lm = BigramLM()
     lm.TABLE = table
-    sink = RecordingSink()
-    generator(lm).run(
+    stopped, ignored = generate(
+        lm,
         [
             request([30], 5, temperature=0.0, return_sampling_mask=True),
             request([30], 5, ignore_eos=True, temperature=0.0),
         ],
-        sink,
     )
-    stopped = sink.chunks[0][0]
-    assert stopped["output_ids"].tolist() == [first, EOS] and stopped.finish_reason == "stop"
-    assert stopped["sampling_mask"][1, : stopped["sampling_mask_len"][1]].tolist() == [EOS]
-    assert sink.ids(1)[:2].tolist() == [first, EOS] and len(sink.ids(1)) == 5
-    assert sink.chunks[1][0].finish_reason == "length"
+    chunk = stopped.chunks[0]
+    assert chunk["output_ids"].tolist() == [first, EOS] and chunk.finish_reason == "stop"
+    assert chunk["sampling_mask"][1, : chunk["sampling_mask_len"][1]].tolist() == [EOS]
+    assert ignored.ids()[:2].tolist() == [first, EOS] and len(ignored.ids()) == 5
+    assert ignored.chunks[0].finish_reason == "length"
 
 
-def test_cancellation_and_broken_logits_end_only_their_request():
-    sink = RecordingSink(cancel_after={0: 3})
-    generator(BigramLM()).run(
-        [request([10], 20, stream=True, ignore_eos=True, **MASKED), request([11], 20, ignore_eos=True, **MASKED)], sink
-    )
-    assert sink.cancels == {0: 3} and len(sink.ids(0)) == 3 and 0 not in sink.finals
-    assert len(sink.ids(1)) == 20 and sink.finals[1] == 1
-    broken = RecordingSink()
-    generator(BigramLM(nan_after=2)).run(
-        [request([10], 6, ignore_eos=True, **MASKED), request([11], 6, ignore_eos=True, **MASKED)], broken
-    )
-    assert 0 in broken.failures and 0 not in broken.chunks
-    assert len(broken.ids(1)) == 6
+def test_stop_ids_hold_eos_unless_ignored():
+    assert stop_ids(request([1], 4, stop=[9, 3, 9]), (3, 7)).tolist() == [3, 7, 9]
+    assert stop_ids(request([1], 4, stop=[9], ignore_eos=True), (3, 7)).tolist() == [9]
+    assert stop_ids(request([1], 4, ignore_eos=True), (3,)).size == 0
+
+
+def test_sampler_rules_refuse_only_their_request_before_any_token():
+    reqs = [request([1], 4, **MASKED), request([1], 4, top_k=WIDTH + 1, return_sampling_mask=True), request([1], 4)]
+    errors = admission_errors(reqs, VOCAB, policy())
+    assert errors[0] is None and errors[2] is None
+    assert "top_k" in errors[1]
+    assert admission_errors([], VOCAB, policy()) == []
 
 
 @torch.inference_mode()
@@ -262,87 +326,22 @@ def test_a_local_hugging_face_directory_loads_through_model_path(tmp_path):
 )
 def test_streaming_and_masks_never_change_the_tokens(seed, temperature, top_k, top_p, min_p, first, budget):
     params = dict(seed=seed, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
-    sink = RecordingSink()
-    batch = [
-        request([first], budget, ignore_eos=True, return_sampling_mask=True, **params),
-        request([first], budget, ignore_eos=True, stream=True, return_sampling_mask=True, **params),
-        request([first], budget, ignore_eos=True, **params),
-    ]
-    generator(BigramLM()).run(batch, sink)
-    whole, streamed = sink.chunks[0][0], sink.chunks[1]
-    np.testing.assert_array_equal(sink.ids(1), whole["output_ids"])
-    np.testing.assert_array_equal(np.concatenate([c["sampling_mask"] for c in streamed]), whole["sampling_mask"])
-    np.testing.assert_array_equal(sink.ids(2), whole["output_ids"])
-    assert (sink.chunks[2][0]["sampling_mask_len"] == 0).all()
+    whole, streamed, unmasked = generate(
+        BigramLM(),
+        [
+            request([first], budget, ignore_eos=True, return_sampling_mask=True, **params),
+            request([first], budget, ignore_eos=True, stream=True, return_sampling_mask=True, **params),
+            request([first], budget, ignore_eos=True, **params),
+        ],
+    )
+    assert len(whole.chunks) == 1 and len(streamed.chunks) == budget
+    np.testing.assert_array_equal(streamed.ids(), whole.ids())
+    np.testing.assert_array_equal(streamed.output("sampling_mask"), whole.output("sampling_mask"))
+    np.testing.assert_array_equal(unmasked.ids(), whole.ids())
+    assert (unmasked.output("sampling_mask_len") == 0).all()
 
 
-# The continuous engine (in-process, no Triton): joins, cancellation, bounds, stop.
-
-
-class RecordingHandle:
-    """A request handle that records chunks; `cancel_after` tokens flips its cancellation flag."""
-
-    def __init__(self, cancel_after: int | None = None):
-        self.chunks, self.finals, self.errors, self.cancelled_at = [], 0, [], None
-        self.cancel_after, self.done = cancel_after, threading.Event()
-        self.first = threading.Event()
-
-    def is_cancelled(self):
-        return self.cancel_after is not None and sum(len(c["output_ids"]) for c in self.chunks) >= self.cancel_after
-
-    def send(self, chunk, final):
-        self.chunks.append(chunk)
-        self.first.set()
-        if final:
-            self.finals += 1
-            self.done.set()
-
-    def cancelled(self, tokens):
-        self.cancelled_at = tokens
-        self.done.set()
-
-    def fail(self, message, code_name="INTERNAL"):
-        self.errors.append((code_name, message))
-        self.done.set()
-
-    def ids(self):
-        return np.concatenate([c["output_ids"] for c in self.chunks])
-
-
-class NullObserver:
-    def __init__(self):
-        self.tokens, self.ttft, self.peak_active = 0, [], 0
-
-    def generated(self, tokens):
-        self.tokens += tokens
-
-    def first_token(self, seconds):
-        self.ttft.append(seconds)
-
-    def occupancy(self, active, waiting, kv_tokens):
-        self.peak_active = max(self.peak_active, active)
-
-
-def engine(lm, **limits) -> ContinuousEngine:
-    return ContinuousEngine(generator(lm), EngineLimits(**limits), NullObserver()).start()
-
-
-def solo(lm, req):
-    """The request run alone through the static generator."""
-    sink = RecordingSink()
-    generator(lm).run([req], sink)
-    return sink
-
-
-def submit_and_finish(running, handles, reqs, timeout_s: float) -> None:
-    """Submit each request with its handle, wait until every one is done, then stop the engine."""
-    try:
-        for handle, req in zip(handles, reqs):
-            running.submit(req, handle)
-        for handle in handles:
-            assert handle.done.wait(timeout_s)
-    finally:
-        running.stop()
+# Joins, cancellation, bounds, stop.
 
 
 def test_a_seeded_request_joining_mid_flight_equals_running_alone():
@@ -366,17 +365,10 @@ def test_a_seeded_request_joining_mid_flight_equals_running_alone():
         running.stop()
     assert running.observer.peak_active == 3, "the newcomers should have joined the running batch"
     for handle, req in [(long, request([5, 6, 7, 8, 9], 120, ignore_eos=True, **MASKED)), *zip(joined, short)]:
-        alone = solo(lm, replace_stream(req))
+        by_itself = alone(lm, req)
         assert handle.finals == 1 and not handle.errors
-        np.testing.assert_array_equal(handle.ids(), alone.ids(0))
-        got = np.concatenate([c["sampling_mask"] for c in handle.chunks])
-        np.testing.assert_array_equal(got, alone.chunks[0][0]["sampling_mask"])
-
-
-def replace_stream(req):
-    from dataclasses import replace
-
-    return replace(req, stream=False)
+        np.testing.assert_array_equal(handle.ids(), by_itself.ids())
+        np.testing.assert_array_equal(handle.output("sampling_mask"), by_itself.output("sampling_mask"))
 
 
 def test_an_lm_without_merge_still_generates_through_the_engine():
@@ -386,7 +378,7 @@ def test_an_lm_without_merge_still_generates_through_the_engine():
     reqs = [request([10 + i], 8 + i, ignore_eos=True, **dict(MASKED, seed=i)) for i in range(3)]
     submit_and_finish(running, handles, reqs, 30)
     for handle, req in zip(handles, reqs):
-        np.testing.assert_array_equal(handle.ids(), solo(BigramLM(), req).ids(0))
+        np.testing.assert_array_equal(handle.ids(), alone(BigramLM(), req).ids())
 
 
 def test_cancellation_frees_the_slot_and_others_continue():
@@ -399,7 +391,7 @@ def test_cancellation_frees_the_slot_and_others_continue():
         assert waiting.done.wait(60) and other.done.wait(60)
     finally:
         running.stop()
-    assert cancelled.cancelled_at == 3 and cancelled.finals == 0
+    assert cancelled.cancelled_at == 3 and cancelled.finals == 0 and len(cancelled.ids()) == 3
     assert len(other.ids()) == 60 and other.finals == 1
     assert waiting.finals == 1 and len(waiting.ids()) == 4
 
@@ -431,11 +423,8 @@ def test_the_engine_fails_only_the_row_whose_logits_broke():
     # Both requests start together (BigramLM cannot merge); at its second decode the LM returns
     # NaN logits for the first row: that request fails naming the step, the other one finishes
     # with the tokens it gets alone.
-    lm = BigramLM(nan_after=2)
-    running = engine(lm)
-    handles = [RecordingHandle(), RecordingHandle()]
     reqs = [request([10], 6, ignore_eos=True, **MASKED), request([11], 6, ignore_eos=True, **dict(MASKED, seed=6))]
-    submit_and_finish(running, handles, reqs, 60)
+    handles = generate(BigramLM(nan_after=2), reqs)
     assert handles[0].errors and "unusable logits at step 2" in handles[0].errors[0][1] and handles[0].finals == 0
     assert not handles[1].errors and handles[1].finals == 1
-    np.testing.assert_array_equal(handles[1].ids(), solo(BigramLM(), reqs[1]).ids(0))
+    np.testing.assert_array_equal(handles[1].ids(), alone(BigramLM(), reqs[1]).ids())

@@ -17,20 +17,18 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 import torch
 
-from ..sampling import rng
-from ..sampling.batching import outputs_to_numpy
+from ..sampling.batching import BatchSampler, outputs_to_numpy
 from ..sampling.outputs import MASK_OUTPUT_NAMES, TOKEN_OUTPUT_NAMES, UNMASKED_OUTPUT_NAMES, padding
 from ..sampling.params import RowParams
 from ..sampling.validation import check_logit_rows
-from .generator import Generator
-from .lm import can_merge
-from .request import FINISH_LENGTH, FINISH_STOP, GenerationChunk, GenerationRequest
+from .lm import CausalLM, can_merge
+from .request import FINISH_LENGTH, FINISH_STOP, GenerationChunk, GenerationRequest, step_params, stop_ids
 
 
 class EngineFull(Exception):
@@ -102,13 +100,14 @@ class ContinuousEngine:
 
     def __init__(
         self,
-        generator: Generator,
+        lm: CausalLM,
+        sampler: BatchSampler,
         limits: EngineLimits,
         observer: EngineObserver,
         log_error: Callable[[str], None] = print,
     ):
-        self.generator, self.limits, self.observer, self.log_error = generator, limits, observer, log_error
-        self.lm, self.sampler, self.width = generator.lm, generator.sampler, generator.width
+        self.lm, self.sampler, self.limits, self.observer, self.log_error = lm, sampler, limits, observer, log_error
+        self.width = sampler.policy.mask_width
         self._merges = can_merge(self.lm)
         self._cv = threading.Condition()
         self._waiting: deque[_Sequence] = deque()
@@ -129,7 +128,7 @@ class ContinuousEngine:
         if request.max_new_tokens == 0:  # nothing to generate: answered here, no slot taken
             handle.send(GenerationChunk.empty(self.width, FINISH_LENGTH), final=True)
             return
-        sequence = _Sequence(request, handle, time.monotonic(), _stop_ids(request, self.lm.eos_token_ids))
+        sequence = _Sequence(request, handle, time.monotonic(), stop_ids(request, self.lm.eos_token_ids))
         if sequence.reserved > self.limits.kv_budget_tokens:
             raise EngineFull(
                 f"prompt length {request.prompt.size} + max_new_tokens {request.max_new_tokens} exceeds "
@@ -212,7 +211,7 @@ class ContinuousEngine:
             self._join(fresh)
         if not self._rows:
             return
-        result = self.sampler.sample(self._logits, self._step_params())
+        result = self.sampler.sample(self._logits, step_params(self._params, np.array([s.step for s in self._rows])))
         # The sampler returns each row's max with its outputs: rows whose logits the LM broke
         # (NaN, +inf, all -inf) fail here, without a separate pass over the logits.
         broken = ~np.equal(check_logit_rows(result.host()["row_max"]), None).astype(bool)
@@ -281,18 +280,6 @@ class ContinuousEngine:
         self._logits = self._logits.index_select(0, index.to(self._logits.device))
         self._params = self._params.take(keep)
 
-    def _step_params(self) -> RowParams:
-        """The rows' parameters for this step: a seeded row gets the seed of its own step."""
-        params = self._params
-        if not params.has_seed.any():
-            return params
-        steps = np.array([s.step for s in self._rows])
-        seeds = params.seed.view(np.int64).copy()
-        for step in np.unique(steps[params.has_seed]):
-            rows = np.flatnonzero((steps == step) & params.has_seed)
-            seeds[rows] = rng.step_seeds(torch.from_numpy(seeds[rows]), int(step)).numpy()
-        return replace(params, seed=seeds.view(np.uint64))
-
     def _reset(self) -> None:
         self._rows, self._state, self._logits, self._params, self._reserved = [], None, None, None, 0
 
@@ -300,11 +287,6 @@ class ContinuousEngine:
         with self._cv:
             waiting = len(self._waiting)
         self.observer.occupancy(len(self._rows), waiting, sum(s.cached for s in self._rows))
-
-
-def _stop_ids(request: GenerationRequest, eos_ids: tuple[int, ...]) -> np.ndarray:
-    ids = [int(t) for t in request.stop_token_ids] + ([] if request.ignore_eos else list(eos_ids))
-    return np.array(sorted(set(ids)), np.int64)
 
 
 def _whole(sequence: _Sequence, finish_reason: str, width: int) -> GenerationChunk:

@@ -150,7 +150,9 @@ def _layer_tensors(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [(layer.keys, layer.values) for layer in cache.layers]
     if hasattr(cache, "key_cache"):
         return list(zip(cache.key_cache, cache.value_cache))
-    raise NotImplementedError(f"cannot merge a {type(cache).__name__}; use scheduler 'static'")
+    raise NotImplementedError(
+        f"cannot merge a {type(cache).__name__}: joining a running batch needs a transformers dynamic cache"
+    )
 
 
 def _set_layer_tensors(cache, tensors: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

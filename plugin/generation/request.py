@@ -1,14 +1,17 @@
-"""A generation request, the chunks its results come in, and the checks of its prompt and budget."""
+"""A generation request, the chunks its results come in, and the rules every request follows:
+its checks, the ids that end it, and the seed of each of its steps."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
+import torch
 
+from ..sampling import rng
 from ..sampling.outputs import TOKEN_OUTPUT_NAMES, padding
 from ..sampling.params import RowParams
-from ..sampling.validation import SamplingRequestError
+from ..sampling.validation import MaskPolicy, SamplingRequestError, check_rows
 
 FINISH_LENGTH = "length"
 FINISH_STOP = "stop"
@@ -62,3 +65,31 @@ def check_generation_request(
             f"prompt length {prompt.size} + max_new_tokens {max_new_tokens} exceeds the model's context "
             f"length {context_length}",
         )
+
+
+def admission_errors(requests: list[GenerationRequest], vocab_size: int, policy: MaskPolicy) -> list[str | None]:
+    """The sampler's rules (ranges, mask admission) for every request at once, before any token:
+    its error message, or None when it may be generated."""
+    if not requests:
+        return []
+    params = RowParams.concatenate([r.params for r in requests])
+    errors = check_rows(params, None, vocab_size, policy)
+    return [None if e is None else e.message for e in errors]
+
+
+def stop_ids(request: GenerationRequest, eos_ids: tuple[int, ...]) -> np.ndarray:
+    """The sorted ids that end `request` (finish "stop"): its stop ids, plus EOS unless ignored."""
+    ids = [int(t) for t in request.stop_token_ids] + ([] if request.ignore_eos else list(eos_ids))
+    return np.array(sorted(set(ids)), np.int64)
+
+
+def step_params(params: RowParams, steps: np.ndarray) -> RowParams:
+    """The rows' parameters for one sampler call, row i at its own step `steps[i]`: a seeded row
+    samples with `rng.step_seeds(seed, step)`, so its tokens depend on (seed, step) only."""
+    if not params.has_seed.any():
+        return params
+    seeds = params.seed.view(np.int64).copy()
+    for step in np.unique(steps[params.has_seed]):
+        rows = np.flatnonzero((steps == step) & params.has_seed)
+        seeds[rows] = rng.step_seeds(torch.from_numpy(seeds[rows]), int(step)).numpy()
+    return replace(params, seed=seeds.view(np.uint64))

@@ -1,13 +1,14 @@
 """The `generate` model's lifecycle (decoupled Python backend), kept out of model.py.
 
-Each execute call takes the requests the dynamic batcher grouped and answers the invalid ones with
-a per-request 400 before any token is generated. With `scheduler: "continuous"` (the default) it
-then only enqueues the rest on the instance's `ContinuousEngine`, whose background loop admits
-them into the running decode batch (a request beyond the engine's bounds gets UNAVAILABLE at
-once); with `scheduler: "static"` it generates them as one padded batch before returning (the old
-path, kept for comparison). Every request ends with exactly one response flagged COMPLETE_FINAL:
-its last token (streaming), its whole result (non-streaming), its error, or an empty final once it
-is cancelled.
+Each execute call takes the requests the dynamic batcher grouped, answers the invalid ones with a
+per-request 400 before any token is generated, and only enqueues the rest on the instance's
+`ContinuousEngine`, whose background loop admits them into the running decode batch (a request
+beyond the engine's bounds gets UNAVAILABLE at once). Every request ends with exactly one response
+flagged COMPLETE_FINAL: its last token (streaming), its whole result (non-streaming), its error, or
+an empty final once it is cancelled.
+
+The engine is the only generation loop. A config.pbtxt may still set the `scheduler` parameter,
+but only to "continuous"; any other value fails model load, naming the parameter and the file.
 """
 
 from __future__ import annotations
@@ -20,9 +21,8 @@ import numpy as np
 import torch
 
 from ..generation.engine import ContinuousEngine, EngineFull, EngineLimits
-from ..generation.generator import Generator
 from ..generation.lm import load_lm
-from ..generation.request import GenerationChunk, GenerationRequest, check_generation_request
+from ..generation.request import GenerationChunk, GenerationRequest, admission_errors, check_generation_request
 from ..model_config import config_path, instance_device, int_parameter, load_model_config, string_parameter
 from ..sampling.backends import load_backend
 from ..sampling.batching import BatchSampler
@@ -31,7 +31,7 @@ from ..sampling.validation import SamplingRequestError
 from .deployment import declared_outputs, mask_policy
 from .triton_io import error_response, read_input, read_params, wanted_outputs
 
-SCHEDULERS = ("continuous", "static")
+SCHEDULER = "continuous"  # the only generation loop
 # Time-to-first-token histogram bounds, seconds (from enqueue to the first sampled token).
 TTFT_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 
@@ -88,6 +88,17 @@ def chunk_response(pb_utils, chunk: GenerationChunk, wanted: set[str] | None = N
     return pb_utils.InferenceResponse(output_tensors=tensors)
 
 
+def check_scheduler(model_config: dict, config_file: str) -> None:
+    """Fail model load when config.pbtxt sets `scheduler` to anything but "continuous" (the engine
+    is the only generation loop; the parameter may be left out)."""
+    value = string_parameter(model_config, "scheduler", SCHEDULER)
+    if value != SCHEDULER:
+        raise ValueError(
+            f"config parameter 'scheduler' in {config_file} must be {SCHEDULER!r} or left out "
+            f"(the continuous engine is the only generation loop), got {value!r}"
+        )
+
+
 class _Outbox:
     """Sends the engine's responses on a thread of its own, in order (one FIFO for all requests, so
     a request's final always follows its tokens): the engine computes its next step meanwhile."""
@@ -118,9 +129,9 @@ class _Outbox:
 class _RequestHandle:
     """One request's response sender: tokens, its error, or the empty final after cancellation.
 
-    With an outbox the responses are built and sent on the outbox thread; `done` is set at once."""
+    The responses are built and sent on the outbox thread; `done` is set at once."""
 
-    def __init__(self, model: GenerateModel, request, outbox: _Outbox | None = None):
+    def __init__(self, model: GenerateModel, request, outbox: _Outbox):
         self.model, self.request, self.outbox = model, request, outbox
         self.sender = request.get_response_sender()
         self.final_flag = model.pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -129,10 +140,7 @@ class _RequestHandle:
         self._wanted: set[str] | None = None
 
     def _dispatch(self, call, *args) -> None:
-        if self.outbox is None:
-            call(*args)
-        else:
-            self.outbox.put(call, *args)
+        self.outbox.put(call, *args)
 
     def is_cancelled(self) -> bool:
         return self.broken or self.request.is_cancelled()
@@ -181,28 +189,6 @@ class _RequestHandle:
             self.sender.send(error_response(self.model.pb_utils, message, code_name), flags=self.final_flag)
 
 
-class _TritonSink:
-    """The static generator's sink over the handles of one execute's admitted requests."""
-
-    def __init__(self, model: GenerateModel, handles: list[_RequestHandle]):
-        self.model, self.handles = model, handles
-
-    def is_cancelled(self, position: int) -> bool:
-        return self.handles[position].is_cancelled()
-
-    def send(self, position: int, chunk: GenerationChunk, final: bool) -> None:
-        self.handles[position].send(chunk, final)
-
-    def cancelled(self, position: int, tokens: int) -> None:
-        self.handles[position].cancelled(tokens)
-
-    def generated(self, tokens: int) -> None:
-        self.model.tokens_counter.increment(tokens)
-
-    def fail(self, position: int, message: str) -> None:
-        self.handles[position].fail(message)
-
-
 class _EngineMetrics:
     """The engine's gauges and time-to-first-token histogram; a gauge is set only when it changes."""
 
@@ -247,12 +233,13 @@ class _EngineMetrics:
 
 
 class GenerateModel:
-    """Triton glue for generation: parse, admit, generate the batch, stream or answer each request."""
+    """Triton glue for generation: parse, check, enqueue on the engine, which streams or answers each request."""
 
     def __init__(self, args: dict, pb_utils):
         self.pb_utils = pb_utils
         self.logger = pb_utils.Logger
         model_config = load_model_config(args)
+        check_scheduler(model_config, config_path(args))
         device = instance_device(args)
         if device.type == "cuda":
             torch.cuda.set_device(device)
@@ -264,7 +251,7 @@ class GenerateModel:
         self.declared_outputs = declared_outputs(model_config, policy.mask_width, config_path(args))
         model_path = string_parameter(model_config, "model_path", "")
         self.lm = load_lm(model_path, string_parameter(model_config, "lm", ""), device)
-        self.generator = Generator(self.lm, BatchSampler(backend, policy, device))
+        self.sampler = BatchSampler(backend, policy, device)
         labels = {"model": args.get("model_name", "generate")}
         tokens = pb_utils.MetricFamily(
             name="generate_tokens_total",
@@ -280,34 +267,27 @@ class GenerateModel:
         self.metric_families = (tokens, cancelled)
         self.tokens_counter = tokens.Metric(labels=labels)
         self.cancelled_counter = cancelled.Metric(labels=labels)
-        self.scheduler = string_parameter(model_config, "scheduler", "continuous")
-        if self.scheduler not in SCHEDULERS:
-            raise ValueError(f"config parameter 'scheduler' must be one of {list(SCHEDULERS)}, got {self.scheduler!r}")
-        self.engine = None
-        if self.scheduler == "continuous":
-            limits = EngineLimits(
-                max_active_sequences=int_parameter(
-                    model_config, "max_active_sequences", EngineLimits.max_active_sequences
-                ),
-                max_waiting=int_parameter(model_config, "max_waiting", EngineLimits.max_waiting),
-                kv_budget_tokens=int_parameter(model_config, "kv_budget_tokens", EngineLimits.kv_budget_tokens),
-            )
-            self.engine_metrics = _EngineMetrics(self, pb_utils, labels)
-            self.outbox = _Outbox(self.logger)
-            self.engine = ContinuousEngine(self.generator, limits, self.engine_metrics, self.logger.log_error).start()
+        limits = EngineLimits(
+            max_active_sequences=int_parameter(model_config, "max_active_sequences", EngineLimits.max_active_sequences),
+            max_waiting=int_parameter(model_config, "max_waiting", EngineLimits.max_waiting),
+            kv_budget_tokens=int_parameter(model_config, "kv_budget_tokens", EngineLimits.kv_budget_tokens),
+        )
+        self.engine_metrics = _EngineMetrics(self, pb_utils, labels)
+        self.outbox = _Outbox(self.logger)
+        self.engine = ContinuousEngine(
+            self.lm, self.sampler, limits, self.engine_metrics, self.logger.log_error
+        ).start()
         self.logger.log_info(
             f"generate ready on {device}: lm={model_path or 'built-in tiny llama'}, vocab={self.lm.vocab_size}, "
             f"context={self.lm.context_length}, eos={list(self.lm.eos_token_ids)}, mask width={policy.mask_width}, "
-            f"torch threads={torch.get_num_threads()}, scheduler={self.scheduler}"
-            + (f" ({self.engine.limits})" if self.engine else "")
+            f"torch threads={torch.get_num_threads()} ({self.engine.limits})"
         )
 
     def execute(self, requests) -> None:
         """Answers every request through its response sender; nothing escapes (decoupled: returns None)."""
         handles, engine_owned = [], set()  # once submitted, only the engine answers a request
         try:
-            outbox = self.outbox if self.engine is not None else None
-            handles = [_RequestHandle(self, request, outbox) for request in requests]
+            handles = [_RequestHandle(self, request, self.outbox) for request in requests]
             parsed, admitted_handles = [], []
             for handle in handles:
                 try:
@@ -320,21 +300,20 @@ class GenerateModel:
                 except SamplingRequestError as exc:
                     handle.fail(exc.message, "INVALID_ARG")
             admitted, checked_handles = [], []
-            for item, handle, error in zip(parsed, admitted_handles, self.generator.admission_errors(parsed)):
+            for item, handle, error in zip(
+                parsed, admitted_handles, admission_errors(parsed, self.lm.vocab_size, self.sampler.policy)
+            ):
                 if error is not None:
                     handle.fail(error, "INVALID_ARG")
                 else:
                     admitted.append(item)
                     checked_handles.append(handle)
-            if self.engine is not None:
-                for item, handle in zip(admitted, checked_handles):
-                    try:
-                        self.engine.submit(item, handle)
-                        engine_owned.add(id(handle))
-                    except EngineFull as exc:  # load shedding: refused now, never queued unboundedly
-                        handle.fail(exc.message, "UNAVAILABLE")
-            elif admitted:
-                self.generator.run(admitted, _TritonSink(self, checked_handles))
+            for item, handle in zip(admitted, checked_handles):  # every 400 is sent before any token
+                try:
+                    self.engine.submit(item, handle)
+                    engine_owned.add(id(handle))
+                except EngineFull as exc:  # load shedding: refused now, never queued unboundedly
+                    handle.fail(exc.message, "UNAVAILABLE")
         except Exception as exc:  # an internal fault: end every unanswered request, never raise
             self.logger.log_error(f"generate internal error: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
             message = f"internal generate error ({type(exc).__name__}); see the server log"
@@ -348,7 +327,6 @@ class GenerateModel:
 
     def finalize(self) -> None:
         """Stop the engine loop: requests still in flight or waiting end with an UNAVAILABLE final."""
-        if self.engine is not None:
-            self.engine.stop()
-            self.outbox.stop()
+        self.engine.stop()
+        self.outbox.stop()
         self.logger.log_info("generate finalized")
