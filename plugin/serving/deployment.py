@@ -1,8 +1,15 @@
-"""What a deployment's config.pbtxt says about its sampler, read the same way by both models."""
+"""What a deployment's config.pbtxt and Triton's instance args set up for a model's sampler: the
+device, the backend, the mask policy, the declared outputs. Both models read them here."""
 
 from __future__ import annotations
 
-from ..model_config import config_path, output_width, string_parameter
+from dataclasses import dataclass
+
+import torch
+
+from ..model_config import config_path, instance_device, load_model_config, output_width, string_parameter
+from ..sampling.backends import load_backend
+from ..sampling.batching import BatchSampler
 from ..sampling.outputs import SAMPLING_MASK, SAMPLING_MASK_LOGPROBS
 from ..sampling.validation import MaskPolicy
 
@@ -27,4 +34,51 @@ def mask_policy(args: dict, model_config: dict, backend) -> MaskPolicy:
         speculative_algorithm=string_parameter(model_config, "speculative_algorithm", "none"),
         backend_name=backend.name,
         backend_builds_support=backend.builds_support,
+    )
+
+
+def select_device(args: dict) -> torch.device:
+    """The instance's device (cuda:<id> for KIND_GPU, else the CPU), made the stub's current CUDA
+    device so that tensors created without one land there too."""
+    device = instance_device(args)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
+
+
+@dataclass
+class SamplerDeployment:
+    """A model instance's sampler as its config.pbtxt sets it up."""
+
+    model_config: dict
+    config_file: str  # relative to the model repository, for messages
+    device: torch.device
+    policy: MaskPolicy
+    declared_outputs: set[str]
+    sampler: BatchSampler
+
+    def ready_message(self, model: str, *details: str) -> str:
+        """The line a model logs once loaded: its own `details`, then the sampler's set-up."""
+        sampler = (
+            f"backend={self.policy.backend_name}, mask width={self.policy.mask_width}, "
+            f"speculative_algorithm={self.policy.speculative_algorithm}, torch threads={torch.get_num_threads()}"
+        )
+        return f"{model} ready on {self.device}: " + ", ".join([*details, sampler])
+
+
+def load_deployment(args: dict) -> SamplerDeployment:
+    """Read config.pbtxt from `initialize`'s args, pick the device, load the sampling backend and
+    build the batch sampler; a bad config fails model load with a message naming the file."""
+    model_config = load_model_config(args)
+    config_file = config_path(args)
+    device = select_device(args)
+    backend = load_backend(string_parameter(model_config, "sampling_backend", "torch"))
+    policy = mask_policy(args, model_config, backend)
+    return SamplerDeployment(
+        model_config=model_config,
+        config_file=config_file,
+        device=device,
+        policy=policy,
+        declared_outputs=declared_outputs(model_config, policy.mask_width, config_file),
+        sampler=BatchSampler(backend, policy, device),
     )

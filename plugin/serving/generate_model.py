@@ -23,12 +23,10 @@ import torch
 from ..generation.engine import ContinuousEngine, EngineFull, EngineLimits
 from ..generation.lm import load_lm
 from ..generation.request import GenerationChunk, GenerationRequest, admission_errors, check_generation_request
-from ..model_config import config_path, instance_device, int_parameter, load_model_config, string_parameter
-from ..sampling.backends import load_backend
-from ..sampling.batching import BatchSampler
+from ..model_config import int_parameter, string_parameter
 from ..sampling.outputs import FINISH_REASON
 from ..sampling.validation import SamplingRequestError
-from .deployment import declared_outputs, mask_policy
+from .deployment import load_deployment
 from .triton_io import error_response, read_input, read_params, wanted_outputs
 
 SCHEDULER = "continuous"  # the only generation loop
@@ -238,20 +236,15 @@ class GenerateModel:
     def __init__(self, args: dict, pb_utils):
         self.pb_utils = pb_utils
         self.logger = pb_utils.Logger
-        model_config = load_model_config(args)
-        check_scheduler(model_config, config_path(args))
-        device = instance_device(args)
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
+        deployment = load_deployment(args)
+        model_config = deployment.model_config
+        check_scheduler(model_config, deployment.config_file)
         threads = int_parameter(model_config, "cpu_threads", 0)
         if threads > 0:  # this stub process runs only this instance, so the setting stays local
             torch.set_num_threads(threads)
-        backend = load_backend(string_parameter(model_config, "sampling_backend", "torch"))
-        policy = mask_policy(args, model_config, backend)
-        self.declared_outputs = declared_outputs(model_config, policy.mask_width, config_path(args))
+        self.sampler, self.declared_outputs = deployment.sampler, deployment.declared_outputs
         model_path = string_parameter(model_config, "model_path", "")
-        self.lm = load_lm(model_path, string_parameter(model_config, "lm", ""), device)
-        self.sampler = BatchSampler(backend, policy, device)
+        self.lm = load_lm(model_path, string_parameter(model_config, "lm", ""), deployment.device)
         labels = {"model": args.get("model_name", "generate")}
         tokens = pb_utils.MetricFamily(
             name="generate_tokens_total",
@@ -278,9 +271,14 @@ class GenerateModel:
             self.lm, self.sampler, limits, self.engine_metrics, self.logger.log_error
         ).start()
         self.logger.log_info(
-            f"generate ready on {device}: lm={model_path or 'built-in tiny llama'}, vocab={self.lm.vocab_size}, "
-            f"context={self.lm.context_length}, eos={list(self.lm.eos_token_ids)}, mask width={policy.mask_width}, "
-            f"torch threads={torch.get_num_threads()} ({self.engine.limits})"
+            deployment.ready_message(
+                "generate",
+                f"lm={model_path or 'built-in tiny llama'}",
+                f"vocab={self.lm.vocab_size}",
+                f"context={self.lm.context_length}",
+                f"eos={list(self.lm.eos_token_ids)}",
+                f"{self.engine.limits}",
+            )
         )
 
     def execute(self, requests) -> None:

@@ -6,23 +6,12 @@ import time
 import traceback
 
 import numpy as np
-import torch
 
-from ..model_config import (
-    LOGITS_DATA_TYPES,
-    config_path,
-    input_dtype,
-    instance_device,
-    int_parameter,
-    load_model_config,
-    string_parameter,
-)
-from ..sampling.backends import load_backend
-from ..sampling.batching import BatchSampler
+from ..model_config import LOGITS_DATA_TYPES, input_dtype, int_parameter
 from ..sampling.outputs import SAMPLING_MASK_LEN
 from ..sampling.validation import SamplingRequestError
 from . import metrics
-from .deployment import declared_outputs, mask_policy
+from .deployment import load_deployment
 from .triton_io import error_response, parse_request, sampler_response, wanted_outputs
 
 DEFAULT_MAX_VOCAB_SIZE = 262144
@@ -34,24 +23,18 @@ class SamplerModel:
     def __init__(self, args: dict, pb_utils):
         self.pb_utils = pb_utils
         self.logger = pb_utils.Logger
-        model_config = load_model_config(args)
-        self.device = instance_device(args)
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
+        deployment = load_deployment(args)
+        model_config = deployment.model_config
+        self.device, self.sampler = deployment.device, deployment.sampler
+        self.declared_outputs = deployment.declared_outputs
         self.max_vocab_size = int_parameter(model_config, "max_vocab_size", DEFAULT_MAX_VOCAB_SIZE)
         # FP32 by default; BF16 / FP16 when the deployment declares it (the engine's own dtype).
         self.logits_dtype = input_dtype(model_config, "logits", LOGITS_DATA_TYPES)
-        backend = load_backend(string_parameter(model_config, "sampling_backend", "torch"))
-        self.policy = mask_policy(args, model_config, backend)
-        self.declared_outputs = declared_outputs(model_config, self.policy.mask_width, config_path(args))
-        self.sampler = BatchSampler(backend, self.policy, self.device)
         self.metrics = metrics.SamplerMetrics(
-            pb_utils, args["model_name"], args["model_version"], self.policy.mask_width
+            pb_utils, args["model_name"], args["model_version"], deployment.policy.mask_width
         )
         self.logger.log_info(
-            f"sampler ready on {self.device}: backend={backend.name}, mask width={self.policy.mask_width}, "
-            f"logits {str(self.logits_dtype).removeprefix('torch.')}, "
-            f"speculative_algorithm={self.policy.speculative_algorithm}, torch threads={torch.get_num_threads()}"
+            deployment.ready_message("sampler", f"logits {str(self.logits_dtype).removeprefix('torch.')}")
         )
 
     def execute(self, requests) -> list:
