@@ -17,72 +17,18 @@ import queue
 import threading
 import traceback
 
-import numpy as np
 import torch
 
 from ..generation.engine import ContinuousEngine, EngineFull, EngineLimits
 from ..generation.lm import load_lm
-from ..generation.request import GenerationChunk, GenerationRequest, admission_errors, check_generation_request
+from ..generation.request import GenerationChunk, admission_errors
 from ..model_config import int_parameter, string_parameter
-from ..sampling.outputs import FINISH_REASON
 from ..sampling.validation import SamplingRequestError
 from .deployment import load_deployment
 from .metrics import GenerateMetrics
-from .triton_io import error_response, read_input, read_params, wanted_outputs
+from .triton_io import chunk_response, error_response, parse_generation_request, wanted_outputs
 
 SCHEDULER = "continuous"  # the only generation loop
-
-
-def _input(request, pb_utils, name: str, dtype, required: bool = False) -> np.ndarray | None:
-    """A request input as a flat numpy array of `dtype`, one per request (batch size 1)."""
-    values = read_input(request, pb_utils, name, dtype, required)
-    if values is None:
-        return None
-    if values.ndim < 1 or values.shape[0] != 1:
-        raise SamplingRequestError(
-            name, f"{name}: generate takes one prompt per request (batch size 1), got shape {list(values.shape)}"
-        )
-    return values.reshape(-1)
-
-
-def _flag(request, pb_utils, name: str) -> bool:
-    values = _input(request, pb_utils, name, np.bool_)
-    if values is None:
-        return False
-    if values.size != 1:
-        raise SamplingRequestError(name, f"{name} must hold one value, got {values.size}")
-    return bool(values[0])
-
-
-def parse_generation_request(request, pb_utils, vocab_size: int, context_length: int) -> GenerationRequest:
-    """A GenerationRequest from a Triton request; raises SamplingRequestError naming a bad field."""
-    prompt = _input(request, pb_utils, "input_ids", np.int32, required=True).astype(np.int64)
-    budget = _input(request, pb_utils, "max_new_tokens", np.int32, required=True)
-    if budget.size != 1:
-        raise SamplingRequestError("max_new_tokens", f"max_new_tokens must hold one value, got {budget.size}")
-    stops = _input(request, pb_utils, "stop_token_ids", np.int32)
-    stops = np.zeros(0, np.int64) if stops is None else stops.astype(np.int64)
-    check_generation_request(prompt, int(budget[0]), stops, vocab_size, context_length)
-    return GenerationRequest(
-        prompt=prompt,
-        max_new_tokens=int(budget[0]),
-        stop_token_ids=stops,
-        ignore_eos=_flag(request, pb_utils, "ignore_eos"),
-        stream=_flag(request, pb_utils, "stream"),
-        params=read_params(request, pb_utils, rows=1),
-    )
-
-
-def chunk_response(pb_utils, chunk: GenerationChunk, wanted: set[str] | None = None):
-    """A response with a chunk's outputs (the `wanted` ones when given), each with the leading
-    batch dimension of 1."""
-    arrays = {**chunk.outputs, FINISH_REASON.name: np.array([chunk.finish_reason.encode()], dtype=FINISH_REASON.dtype)}
-    tensors = [
-        pb_utils.Tensor(name, np.ascontiguousarray(value)[np.newaxis])
-        for name, value in arrays.items()
-        if wanted is None or name in wanted
-    ]
-    return pb_utils.InferenceResponse(output_tensors=tensors)
 
 
 def check_scheduler(model_config: dict, config_file: str) -> None:
