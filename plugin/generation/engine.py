@@ -1,4 +1,5 @@
-"""Continuous (in-flight) batching: one background loop owns the LM batch of a model instance.
+"""Continuous (in-flight) batching: one background loop owns the LM batch of a model instance
+(the only generation loop of the `generate` model).
 
 `submit` only enqueues (or refuses at once, `EngineFull`, beyond the configured bounds). Every
 step the loop admits waiting requests (prefilled together, then merged into the running decode
@@ -120,6 +121,7 @@ class ContinuousEngine:
         self._thread = threading.Thread(target=self._run, name="generate-engine", daemon=True)
 
     def start(self) -> ContinuousEngine:
+        """Start the loop thread (requests submitted before wait for it); returns the engine."""
         self._thread.start()
         return self
 
@@ -211,7 +213,8 @@ class ContinuousEngine:
             self._join(fresh)
         if not self._rows:
             return
-        result = self.sampler.sample(self._logits, step_params(self._params, np.array([s.step for s in self._rows])))
+        steps = np.array([s.step for s in self._rows])  # each row samples at its own step
+        result = self.sampler.sample(self._logits, step_params(self._params, steps))
         # The sampler returns each row's max with its outputs: rows whose logits the LM broke
         # (NaN, +inf, all -inf) fail here, without a separate pass over the logits.
         broken = ~np.equal(check_logit_rows(result.host()["row_max"]), None).astype(bool)

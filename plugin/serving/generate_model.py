@@ -82,15 +82,12 @@ class _RequestHandle:
         self.broken = False  # its sender failed: dropped like a cancelled request, batch-mates go on
         self._wanted: set[str] | None = None
 
-    def _dispatch(self, call, *args) -> None:
-        self.outbox.put(call, *args)
-
     def is_cancelled(self) -> bool:
         return self.broken or self.request.is_cancelled()
 
     def send(self, chunk: GenerationChunk, final: bool) -> None:
         self.done = self.done or final
-        self._dispatch(self._send_now, chunk, final)
+        self.outbox.put(self._send_now, chunk, final)
 
     def _send_now(self, chunk: GenerationChunk, final: bool) -> None:
         if self.broken:
@@ -113,7 +110,7 @@ class _RequestHandle:
         self.done = True
         self.model.metrics.cancelled()
         self.model.logger.log_info(f"generate: request cancelled by the client after {tokens} tokens; stopped")
-        self._dispatch(self._final_flag_now)
+        self.outbox.put(self._final_flag_now)
 
     def _final_flag_now(self) -> None:
         try:  # the final flag releases the request; the client may already be gone
@@ -125,7 +122,7 @@ class _RequestHandle:
         if self.done:
             return
         self.done = True
-        self._dispatch(self._fail_now, message, code_name)
+        self.outbox.put(self._fail_now, message, code_name)
 
     def _fail_now(self, message: str, code_name: str) -> None:
         if not self.broken:

@@ -1,4 +1,5 @@
-"""Triton request parsing and response building for the sampler inputs and outputs.
+"""Triton request parsing and response building for both models: the sampler's logits and
+parameters, generate's prompts and result chunks, and the error and wanted-outputs rules they share.
 
 `pb_utils` (the Python backend's `triton_python_backend_utils`) is passed in, so this package
 imports without Triton and the same code serves every model that takes sampler parameters.
