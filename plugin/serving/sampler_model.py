@@ -24,12 +24,11 @@ class SamplerModel:
         self.pb_utils = pb_utils
         self.logger = pb_utils.Logger
         deployment = load_deployment(args)
-        model_config = deployment.model_config
         self.device, self.sampler = deployment.device, deployment.sampler
         self.declared_outputs = deployment.declared_outputs
-        self.max_vocab_size = int_parameter(model_config, "max_vocab_size", DEFAULT_MAX_VOCAB_SIZE)
+        self.max_vocab_size = int_parameter(deployment.model_config, "max_vocab_size", DEFAULT_MAX_VOCAB_SIZE)
         # FP32 by default; BF16 / FP16 when the deployment declares it (the engine's own dtype).
-        self.logits_dtype = input_dtype(model_config, "logits", LOGITS_DATA_TYPES)
+        self.logits_dtype = input_dtype(deployment.model_config, "logits", LOGITS_DATA_TYPES)
         self.metrics = metrics.SamplerMetrics(
             pb_utils, args["model_name"], args["model_version"], deployment.policy.mask_width
         )
