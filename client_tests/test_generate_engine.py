@@ -80,6 +80,22 @@ def read_to_final(stream: GenerateStream, expected: int) -> dict[str, dict]:
     return results
 
 
+def fill_the_tight_variant(server, stream: GenerateStream, running_tokens: int, waiting_tokens: int) -> None:
+    """On `stream` (to generate_tight), "running" takes the only slot, then "waiting" the one
+    waiting place. The first token of "running" says it holds the slot: sent at once, "waiting"
+    could find "running" still in the waiting place and be refused (max_waiting 1)."""
+    stream.send([5, 6, 7], running_tokens, request_id="running", stream=True, **dict(SAMPLED, seed=1))
+    assert stream.next()[3] is None  # generating
+    stream.send([5, 6, 7], waiting_tokens, request_id="waiting", **dict(SAMPLED, seed=2))
+    wait_for_counter(
+        server.metrics_url,
+        "generate_waiting_requests",
+        lambda v: v == 1,
+        "the second request never queued",
+        model=stream.model,
+    )
+
+
 def test_a_request_joining_a_running_batch_equals_it_run_alone(engine_server):
     long_stream, short_stream = GenerateStream(engine_server.grpc_url), GenerateStream(engine_server.grpc_url)
     try:
@@ -144,16 +160,7 @@ def test_beyond_the_bounds_requests_are_refused_unavailable_and_each_ends_once(e
     model = "generate_tight"  # one active sequence, one waiting request
     stream = GenerateStream(engine_server.grpc_url, model)
     try:
-        stream.send([5, 6, 7], 480, request_id="running", stream=True, **dict(SAMPLED, seed=1))
-        assert stream.next()[3] is None  # it holds the only slot
-        stream.send([5, 6, 7], 4, request_id="waiting", **dict(SAMPLED, seed=2))
-        wait_for_counter(
-            engine_server.metrics_url,
-            "generate_waiting_requests",
-            lambda v: v == 1,
-            "the second request never queued",
-            model=model,
-        )
+        fill_the_tight_variant(engine_server, stream, running_tokens=480, waiting_tokens=4)
         stream.send([5, 6, 7], 4, request_id="refused", **dict(SAMPLED, seed=3))
         with pytest.raises(InferenceServerException) as refused:
             grpc_generate(engine_server.grpc_url, [5], 4, model=model)
@@ -227,18 +234,7 @@ def test_unloading_ends_every_in_flight_request_with_one_final(engine_server):
     stream = GenerateStream(engine_server.grpc_url, model)
     admin = httpclient.InferenceServerClient(engine_server.http_url)
     try:
-        stream.send([5, 6, 7], 200, request_id="running", stream=True, **dict(SAMPLED, seed=1))
-        # Its first token says it holds the only slot: sent at once, "waiting" could find "running"
-        # still in the one waiting place and be refused (max_waiting 1), as CI once saw.
-        assert stream.next()[3] is None  # generating
-        stream.send([5, 6, 7], 200, request_id="waiting", **dict(SAMPLED, seed=2))
-        wait_for_counter(
-            engine_server.metrics_url,
-            "generate_waiting_requests",
-            lambda v: v == 1,
-            "the second request never queued",
-            model=model,
-        )
+        fill_the_tight_variant(engine_server, stream, running_tokens=200, waiting_tokens=200)
         admin.unload_model(model)
         results = read_to_final(stream, 2)
         time.sleep(0.2)
