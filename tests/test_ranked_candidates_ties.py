@@ -9,7 +9,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.reference import reference_row
-from triton_sampling_mask.sampling.sampler import SamplingBatch, ranked_candidates, sample
+from triton_sampling_mask.sampling.sampler import SamplingBatch, sample
+from triton_sampling_mask.sampling.selection import ranked_candidates
 
 
 def _expected(logits: np.ndarray, k: int) -> np.ndarray:
@@ -93,14 +94,14 @@ def _selection_rows(vocab: int, k: int, rng: np.random.Generator) -> np.ndarray:
 
 
 def test_threshold_selection_is_exact_and_hands_the_rows_it_cannot_settle_to_top_k(monkeypatch):
-    from triton_sampling_mask.sampling import sampler
+    from triton_sampling_mask.sampling import selection
 
     vocab, k = 40000, 50
     logits = _selection_rows(vocab, k, np.random.default_rng(11))
     fallback_rows = []
-    by_topk = sampler._ranked_by_topk_cpu
+    by_topk = selection._ranked_by_topk_cpu
     monkeypatch.setattr(
-        sampler, "_ranked_by_topk_cpu", lambda lg, kk: fallback_rows.append(lg.shape[0]) or by_topk(lg, kk)
+        selection, "_ranked_by_topk_cpu", lambda lg, kk: fallback_rows.append(lg.shape[0]) or by_topk(lg, kk)
     )
     values, ids = ranked_candidates(torch.from_numpy(logits), k)
     assert fallback_rows == [3], "rows 3, 4 and 5 (only they) go to the top-k fallback, as one group"
@@ -118,12 +119,12 @@ def test_threshold_selection_is_exact_and_hands_the_rows_it_cannot_settle_to_top
 def test_top_k_fetches_one_past_k_and_repairs_boundary_ties(monkeypatch, kind):
     # The top-k path alone (threshold selection off): k + 1 candidates, so a tie at the k-th place
     # must go through the repair, whose result the reference order checks.
-    from triton_sampling_mask.sampling import sampler
+    from triton_sampling_mask.sampling import selection
 
-    monkeypatch.setattr(sampler, "_THRESHOLD_MIN_RATIO", 10**9)
+    monkeypatch.setattr(selection, "_THRESHOLD_MIN_RATIO", 10**9)
     repaired = []
-    repair = sampler._repair_boundary_ties_cpu
-    monkeypatch.setattr(sampler, "_repair_boundary_ties_cpu", lambda *a: repaired.append(a[3].size) or repair(*a))
+    repair = selection._repair_boundary_ties_cpu
+    monkeypatch.setattr(selection, "_repair_boundary_ties_cpu", lambda *a: repaired.append(a[3].size) or repair(*a))
     logits = _tied_logits(kind, 4, 3000, np.random.default_rng(3))
     k = 100
     _, ids = ranked_candidates(torch.from_numpy(logits), k)
