@@ -49,7 +49,7 @@ def test_mask_is_the_reference_support_under_ties(kind):
     rng = np.random.default_rng(7)
     logits = _tied_logits(kind, 4, 3000, rng)
     top_k, top_p, temperature = np.array([1, 20, 100, 512]), np.float32(0.9), np.float32(0.8)
-    batch = SamplingBatch(
+    batch = SamplingBatch.from_arrays(
         logits=torch.from_numpy(logits),
         temperature=torch.full((4,), float(temperature)),
         top_k=torch.from_numpy(top_k),
@@ -137,7 +137,7 @@ def test_top_k_fetches_one_past_k_and_repairs_boundary_ties(monkeypatch, kind):
 def _batch(logits: torch.Tensor, k: int, temperature: float = 0.8, top_p: float = 0.9) -> SamplingBatch:
     """Every row of `logits` with the same top_k, temperature and top_p, masks on, seeded by row."""
     rows = logits.shape[0]
-    return SamplingBatch(
+    return SamplingBatch.from_arrays(
         logits=logits,
         temperature=np.full(rows, temperature, np.float32),
         top_k=np.full(rows, k),

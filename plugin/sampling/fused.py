@@ -2,8 +2,8 @@
 one top-k selection and two kernels, with no device-to-host synchronisation.
 
 Per call: one host-to-device copy of the packed parameters (skipped when they already live on the
-logits' device), `torch.topk` of F = candidate_count(k_max, V) candidates, one `torch.empty` for the
-packed output, then
+logits' device), `torch.topk` of F = selection.candidate_count(k_max, V) candidates, one
+`torch.empty` for the packed output, then
 
 * kernel A (`_row_stats_kernel`, one program per row): one pass over the row for row_max with
   `amax`'s semantics (NaN if any NaN, +inf if any +inf, -inf if all -inf) and
@@ -13,7 +13,7 @@ packed output, then
   the lowest tied ids, ascending);
 * kernel B (`_select_kernel`, one program per row): the candidates ranked by the total order
   (logit desc, lower id first) with one sort of a composite int64 key, then the prefix rules of
-  `sampler._sample_ranked` (top_k, -inf, top_p, min_p), a Gumbel-max draw whose noise is
+  the epilogues (top_k, -inf, top_p, min_p), a Gumbel-max draw whose noise is
   `rng.gumbel(rng.seed_state(seed), id)` recomputed in the kernel with the same wrapping int64
   arithmetic, and the packed outputs.
 
@@ -27,7 +27,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from . import rng
+from . import outputs, rng
+from .params import RowParams
+from .results import ROW_MAX, HostResult
+from .selection import candidate_count
 
 try:
     import triton
@@ -40,8 +43,8 @@ except ImportError:  # the plain-torch sampler serves every row then
     AVAILABLE = False
 
 # The packed output: int32 [R, PACKED_COLUMNS + 2 W] (then the W mask ids and their W log-probs).
-# Floats travel as their float32 bit patterns, so
-# one int32 tensor (one device-to-host copy) carries every per-row output.
+# Floats travel as their float32 bit patterns, so one int32 tensor (one device-to-host copy)
+# carries every per-row output.
 PACKED_COLUMNS = 6
 COL_TOKEN_ID, COL_LOGPROB, COL_MASK_LEN, COL_MASK_LOGPROB, COL_ROW_MAX, COL_LOG_Z = range(PACKED_COLUMNS)
 
@@ -57,42 +60,21 @@ _MIN_BLOCK = 16  # smallest block kernel B sorts (tl.arange and tl.sort want a f
 LAUNCHES = 0
 
 
-def pack_params(temperature, top_k, top_p, min_p, seed, want_mask, vocab: int) -> np.ndarray:
-    """Per-row parameters as the kernels read them: int64 [R, 6], built on the host with numpy.
+def pack_params(params: RowParams, k_eff: np.ndarray) -> np.ndarray:
+    """Per-row parameters as the kernels read them: int64 [R, PARAM_COLUMNS], built on the host.
 
-    Applies the greedy convention (temperature 0 -> top_k 1 at temperature 1) and stores the
-    effective top_k, min(top_k, vocab) with -1 meaning the whole vocabulary. Floats are stored as
-    their float32 bit patterns; `seed` holds the int64 bit patterns of the uint64 seeds (a uint64
-    array is reinterpreted). Scalars broadcast over the rows, whose count `temperature` sets.
+    `params` are the rows' as the sampler applies them (greedy applied: `RowPlan.params`) and
+    `k_eff` their effective top_k (`RowPlan.k_eff`). Floats are stored as their float32 bit
+    patterns and seeds as the int64 bit patterns of the uint64 seeds.
     """
-    temperature = np.atleast_1d(np.asarray(temperature, dtype=np.float32))
-    rows = temperature.shape[0]
-
-    def column(value, dtype):
-        return np.broadcast_to(np.asarray(value).astype(dtype, copy=False), (rows,))
-
-    seed = np.asarray(seed)
-    seed = seed.view(np.int64) if seed.dtype == np.uint64 else seed.astype(np.int64)
-    greedy = temperature == 0
-    top_k = np.where(greedy, 1, column(top_k, np.int64))
-    params = np.empty((rows, PARAM_COLUMNS), dtype=np.int64)
-    params[:, PARAM_TEMPERATURE] = np.where(greedy, np.float32(1), temperature).astype(np.float32).view(np.int32)
-    params[:, PARAM_K_EFF] = np.where(top_k == -1, vocab, np.minimum(top_k, vocab))
-    params[:, PARAM_TOP_P] = np.ascontiguousarray(column(top_p, np.float32)).view(np.int32)
-    params[:, PARAM_MIN_P] = np.ascontiguousarray(column(min_p, np.float32)).view(np.int32)
-    params[:, PARAM_SEED] = np.broadcast_to(seed, (rows,))
-    params[:, PARAM_WANT_MASK] = column(want_mask, bool)
-    return params
-
-
-def candidate_count(k_max: int, vocab: int) -> int:
-    """Candidates `torch.topk` fetches for a largest top_k of k_max: k + min(V - k, 16 + k // 4).
-
-    The margin past k (as `sampler.ranked_candidates` fetches) lets a run of equal logits at the
-    k-th place usually end inside the fetched set; kernel A repairs the rows where it does not.
-    """
-    k = min(k_max, vocab)
-    return k + min(vocab - k, 16 + k // 4)
+    packed = np.empty((params.rows, PARAM_COLUMNS), dtype=np.int64)
+    packed[:, PARAM_TEMPERATURE] = np.ascontiguousarray(params.temperature, np.float32).view(np.int32)
+    packed[:, PARAM_K_EFF] = k_eff
+    packed[:, PARAM_TOP_P] = np.ascontiguousarray(params.top_p, np.float32).view(np.int32)
+    packed[:, PARAM_MIN_P] = np.ascontiguousarray(params.min_p, np.float32).view(np.int32)
+    packed[:, PARAM_SEED] = params.seed.view(np.int64)
+    packed[:, PARAM_WANT_MASK] = params.return_sampling_mask
+    return packed
 
 
 def _next_power_of_two(value: int) -> int:
@@ -109,11 +91,11 @@ def _launch(kernel, grid, *args, **kwargs) -> None:
 def sample_packed(logits: torch.Tensor, params: torch.Tensor, k_max: int, mask_width: int) -> torch.Tensor:
     """Sample every row of `logits` [R, V] (float32, bfloat16 or float16) on its own device.
 
-    `params` is `pack_params`' int64 [R, 6] as a host tensor (pin it for a truly asynchronous
-    copy), `k_max` the largest effective top_k in it (1..1024), `mask_width` the mask width W.
-    Returns int32 [R, 6 + 2W] on the logits' device: token id, logprob, mask_len, mask_logprob,
-    row_max, log_z (floats as float32 bits), the mask ids padded with -1, then each mask id's
-    renormalised log-probability (-inf padded; see `unpack`).
+    `params` is `pack_params`' int64 [R, PARAM_COLUMNS] as a host tensor (pin it for a truly
+    asynchronous copy), `k_max` the largest effective top_k in it (1..1024), `mask_width` the mask
+    width W. Returns int32 [R, PACKED_COLUMNS + 2W] on the logits' device: the COL_* columns (floats
+    as float32 bits), the mask ids padded with -1, then each mask id's renormalised log-probability
+    (-inf padded; see `unpack`).
     No device-to-host synchronisation; at most 3 torch ops and 2 kernel launches.
     """
     if not AVAILABLE:
@@ -182,7 +164,7 @@ def sample_packed(logits: torch.Tensor, params: torch.Tensor, k_max: int, mask_w
 
 
 def unpack(packed: np.ndarray) -> dict[str, np.ndarray]:
-    """The packed int32 [R, 6 + 2W] output (on the host) as named per-row arrays."""
+    """The packed int32 [R, PACKED_COLUMNS + 2W] output (on the host) as per-row arrays by field name."""
     packed = np.ascontiguousarray(packed, dtype=np.int32)
     if packed.ndim != 2 or packed.shape[1] < PACKED_COLUMNS or (packed.shape[1] - PACKED_COLUMNS) % 2:
         raise ValueError(f"packed must be int32 [rows, {PACKED_COLUMNS} + 2 W], got {packed.shape}")
@@ -192,14 +174,28 @@ def unpack(packed: np.ndarray) -> dict[str, np.ndarray]:
         return np.ascontiguousarray(packed[:, column]).view(np.float32)
 
     return {
-        "output_ids": packed[:, COL_TOKEN_ID].astype(np.int64),
-        "output_logprobs": as_float(COL_LOGPROB),
-        "sampling_mask_len": packed[:, COL_MASK_LEN].copy(),
-        "sampling_logprobs": as_float(COL_MASK_LOGPROB),
-        "row_max": as_float(COL_ROW_MAX),
-        "sampling_mask": packed[:, PACKED_COLUMNS : PACKED_COLUMNS + width].copy(),
-        "sampling_mask_logprobs": packed[:, PACKED_COLUMNS + width :].copy().view(np.float32),
+        outputs.OUTPUT_IDS.name: packed[:, COL_TOKEN_ID].astype(np.int64),
+        outputs.OUTPUT_LOGPROBS.name: as_float(COL_LOGPROB),
+        outputs.SAMPLING_MASK_LEN.name: packed[:, COL_MASK_LEN].copy(),
+        outputs.SAMPLING_LOGPROBS.name: as_float(COL_MASK_LOGPROB),
+        ROW_MAX: as_float(COL_ROW_MAX),
+        outputs.SAMPLING_MASK.name: packed[:, PACKED_COLUMNS : PACKED_COLUMNS + width].copy(),
+        outputs.SAMPLING_MASK_LOGPROBS.name: packed[:, PACKED_COLUMNS + width :].copy().view(np.float32),
     }
+
+
+class PackedResult(HostResult):
+    """The fused path's result: the packed int32 device tensor of `sample_packed`, copied to the
+    host and unpacked once, by the first `host()` (or field read)."""
+
+    def __init__(self, packed: torch.Tensor):
+        self.packed = packed
+        self.arrays = None
+
+    def host(self) -> dict[str, np.ndarray]:
+        if self.arrays is None:
+            self.arrays = unpack(self.packed.cpu().numpy())
+        return self.arrays
 
 
 def debug_noise(seeds: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -408,7 +404,7 @@ if AVAILABLE:
         values = (ordered ^ ((ordered >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
         values = tl.where(in_set, values, float("-inf"))
 
-        # The prefix rules of sampler._sample_ranked, in fp32.
+        # The epilogues' prefix rules, in fp32.
         # IEEE division (Triton's `/` is approximate on NVIDIA GPUs): the scores match torch's float32.
         scaled = tl.math.div_rn(values - row_max, temperature)
         logp = scaled - log_z

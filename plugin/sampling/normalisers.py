@@ -10,7 +10,7 @@ import torch
 _WORKSPACE = threading.local()
 
 
-def _workspace(slot: str, shape: tuple[int, int]) -> torch.Tensor:
+def workspace(slot: str, shape: tuple[int, int]) -> torch.Tensor:
     """An uninitialised host float32 tensor of `shape` from a per-thread buffer reused from call to
     call (valid until the next call with the same `slot`).
 
@@ -32,7 +32,7 @@ _NORMALISER_BLOCK_ELEMENTS = 1 << 20
 _LOG2_E = 1.4426950408889634
 
 
-def _log_normaliser(logits: torch.Tensor, row_max: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+def log_normaliser(logits: torch.Tensor, row_max: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
     """log sum exp((logits - max) / T) per row in float64, on the GPU: one fused-enough pass
     (memory traffic is not the cost there)."""
     scratch = logits - row_max.float().unsqueeze(1)  # bf16 / fp16 logits: the exp-sum runs in float32
@@ -40,7 +40,7 @@ def _log_normaliser(logits: torch.Tensor, row_max: torch.Tensor, temperature: to
     return scratch.sum(dim=-1).to(torch.float64).log()
 
 
-def _normaliser_cpu(logits: torch.Tensor, row_max: np.ndarray, temperature: np.ndarray) -> np.ndarray:
+def normaliser_cpu(logits: torch.Tensor, row_max: np.ndarray, temperature: np.ndarray) -> np.ndarray:
     """sum exp((logits - max) / T) per row, as float32 numpy (the epilogue widens it to float64), in
     one pass over cache-sized row blocks. row_max float32 [rows] (each row's largest logit),
     temperature float32 [rows].
@@ -52,7 +52,7 @@ def _normaliser_cpu(logits: torch.Tensor, row_max: np.ndarray, temperature: np.n
     shift = torch.from_numpy(row_max[:, None])
     scale = torch.from_numpy((_LOG2_E / temperature)[:, None])  # float32 (a Python float does not widen it)
     block = max(1, min(rows, _NORMALISER_BLOCK_ELEMENTS // max(vocab, 1)))
-    scratch = _workspace("normaliser", (block, vocab))
+    scratch = workspace("normaliser", (block, vocab))
     if block == rows:  # one block: no slicing (at B=1 every torch call's dispatch shows)
         return _exp_sum(logits, shift, scale, scratch).numpy()
     sums = torch.empty(rows, dtype=torch.float32)

@@ -1,30 +1,47 @@
-"""Top-k selection: each row's k first candidates in the total order (logit desc, lower id first)."""
+"""Top-k selection: each row's k first candidates in the total order (logit desc, lower id first).
+
+One entry point, `ranked_candidates`; on the CPU a threshold selection (with a top-(k + 1)
+fallback), elsewhere a top-k with a margin past k; both repair runs of equal logits at the k-th
+place, so the order never depends on how a library's top-k breaks ties.
+"""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from .normalisers import _workspace
+from .normalisers import workspace
 
 # Entries per row block on the full-vocabulary paths (float64 scores and sort indices per entry).
-_FULL_VOCAB_BLOCK_ELEMENTS = 1 << 21
+FULL_VOCAB_BLOCK_ELEMENTS = 1 << 21
 
 
 def ranked_candidates(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The k highest logits of each row in the total order (logit desc, id asc): values, ids.
     On the CPU, rows holding NaN may rank without it (the sampler takes their max apart)."""
-    vocab = logits.shape[1]
-    if k >= vocab:
+    if k >= logits.shape[1]:
         # A stable descending sort keeps equal logits in ascending id order.
         return torch.sort(logits, dim=-1, descending=True, stable=True)
     if logits.device.type == "cpu":
         return _ranked_candidates_cpu(logits, k)
-    # Fetch a few candidates past k: a run of equal logits at the k-th place (common with bf16
-    # logits) then usually ends inside the fetched set, and ranking the set by (logit, id) is
-    # exact without another pass over the vocabulary (on a GPU the margin costs next to nothing).
-    fetched = k + min(vocab - k, 16 + k // 4)
-    values, ids = torch.topk(logits, fetched, dim=-1, sorted=True)
+    return _ranked_candidates_device(logits, k)
+
+
+def candidate_count(k: int, vocab: int) -> int:
+    """Candidates a device top-k fetches for a top_k of k: k + min(V - k, 16 + k // 4).
+
+    The margin past k lets a run of equal logits at the k-th place (common with bf16 logits)
+    usually end inside the fetched set, so ranking the set by (logit, id) is exact without another
+    pass over the vocabulary; on a GPU the margin costs next to nothing.
+    """
+    k = min(k, vocab)
+    return k + min(vocab - k, 16 + k // 4)
+
+
+def _ranked_candidates_device(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`ranked_candidates` on a GPU, for k < V: one top-k of `candidate_count` candidates."""
+    vocab = logits.shape[1]
+    values, ids = torch.topk(logits, candidate_count(k, vocab), dim=-1, sorted=True)
     boundary = values[:, k - 1]
     overflows = (values[:, -1] == boundary) & (boundary > float("-inf"))
     if bool(overflows.any()):  # the run reaches past the fetched set: find its lowest ids
@@ -57,7 +74,7 @@ def _ranked_candidates_cpu(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, 
     rows, vocab = logits.shape
     if vocab < _THRESHOLD_MIN_RATIO * (k + 1):
         return _ranked_by_topk_cpu(logits, k)
-    block_rows = max(1, _FULL_VOCAB_BLOCK_ELEMENTS // vocab)
+    block_rows = max(1, FULL_VOCAB_BLOCK_ELEMENTS // vocab)
     if block_rows < rows:
         values, ids = np.empty((rows, k), np.float32), np.empty((rows, k), np.int64)
     for start in range(0, rows, block_rows):  # a loop over memory blocks, not over requests
@@ -87,7 +104,7 @@ def _select_by_threshold(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.nda
     unique keys (row, logit descending, id) gives the exact order with no repair. A row is not
     settled when k or fewer logits reach its threshold (the sample misled it, or NaN) or too many
     do (a long run of equal logits at the threshold, such as -inf): sorting those would cost more
-    than a top-k. Rows*V is at most _FULL_VOCAB_BLOCK_ELEMENTS (or one row), so keys fit in int64.
+    than a top-k. Rows*V is at most FULL_VOCAB_BLOCK_ELEMENTS (or one row), so keys fit in int64.
     """
     rows, vocab = logits.shape
     sample = logits[:, :: max(1, vocab // _THRESHOLD_SAMPLE)]
@@ -142,7 +159,7 @@ def _float32_host(block: torch.Tensor) -> torch.Tensor:
     "convert" workspace."""
     if block.dtype == torch.float32:
         return block
-    return _workspace("convert", tuple(block.shape)).copy_(block)
+    return workspace("convert", tuple(block.shape)).copy_(block)
 
 
 def _ranked_by_topk_cpu(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -185,7 +202,7 @@ def _repair_boundary_ties_cpu(logits: torch.Tensor, values: np.ndarray, ids: np.
     """
     fetched = values.shape[1]
     vocab = logits.shape[1]
-    block_rows = max(1, _FULL_VOCAB_BLOCK_ELEMENTS // max(vocab, 1))
+    block_rows = max(1, FULL_VOCAB_BLOCK_ELEMENTS // max(vocab, 1))
     for start in range(0, rows.size, block_rows):  # a loop over memory blocks, not over requests
         block = rows[start : start + block_rows]
         tied_value = values[block, -1]
@@ -213,7 +230,7 @@ def _repair_boundary_ties(logits, values, ids, overflows):
     ids = ids.clone()
     vocab_ids = torch.arange(vocab, dtype=torch.int32, device=logits.device)
     places = torch.arange(fetched, device=logits.device).unsqueeze(0)
-    block_rows = max(1, _FULL_VOCAB_BLOCK_ELEMENTS // max(vocab, 1))
+    block_rows = max(1, FULL_VOCAB_BLOCK_ELEMENTS // max(vocab, 1))
     for block in torch.split(torch.nonzero(overflows).flatten(), block_rows):
         boundary = values[block, -1].unsqueeze(1)
         above = (values[block] > boundary).sum(dim=-1, keepdim=True)
