@@ -18,8 +18,10 @@ logits' device), `torch.topk` of F = selection.candidate_count(k_max, V) candida
   arithmetic, and the packed outputs.
 
 Everything is fp32 (no float64 on this path); bf16/fp16 logits are ranked by the values as sent.
-Under `TRITON_INTERPRET=1` (set before this module is imported) the kernels run on CPU tensors.
-The module imports without triton: `AVAILABLE` is then False and `sample_packed` raises.
+The kernels address the packed parameters and outputs through the column constants below, passed
+to them as `tl.constexpr` arguments. Under `TRITON_INTERPRET=1` (set before this module is
+imported) the kernels run on CPU tensors. The module imports without triton: `AVAILABLE` is then
+False and `sample_packed` raises.
 """
 
 from __future__ import annotations
@@ -121,7 +123,7 @@ def sample_packed(logits: torch.Tensor, params: torch.Tensor, k_max: int, mask_w
     params = params.contiguous()
     fetched = candidate_count(k_max, vocab)
     values, ids = torch.topk(logits, fetched, dim=-1, largest=True, sorted=True)
-    # Columns 4 and 5 double as kernel A's output (row_max, log_z): no other allocation.
+    # Columns COL_ROW_MAX and COL_LOG_Z double as kernel A's output: no other allocation.
     packed = torch.empty(rows, PACKED_COLUMNS + 2 * mask_width, dtype=torch.int32, device=device)
     if rows == 0:
         return packed
@@ -141,6 +143,11 @@ def sample_packed(logits: torch.Tensor, params: torch.Tensor, k_max: int, mask_w
         packed.stride(0),
         BLOCK_V=block_v,
         BLOCK_F=block_f,
+        PARAM_COLUMNS=PARAM_COLUMNS,
+        PARAM_TEMPERATURE=PARAM_TEMPERATURE,
+        PARAM_K_EFF=PARAM_K_EFF,
+        COL_ROW_MAX=COL_ROW_MAX,
+        COL_LOG_Z=COL_LOG_Z,
         num_warps=8,
         enable_fp_fusion=False,
     )
@@ -157,6 +164,20 @@ def sample_packed(logits: torch.Tensor, params: torch.Tensor, k_max: int, mask_w
         BLOCK_F=block_f,
         LOG_F=block_f.bit_length() - 1,
         BLOCK_W=max(_MIN_BLOCK, _next_power_of_two(mask_width)),
+        PARAM_COLUMNS=PARAM_COLUMNS,
+        PARAM_TEMPERATURE=PARAM_TEMPERATURE,
+        PARAM_K_EFF=PARAM_K_EFF,
+        PARAM_TOP_P=PARAM_TOP_P,
+        PARAM_MIN_P=PARAM_MIN_P,
+        PARAM_SEED=PARAM_SEED,
+        PARAM_WANT_MASK=PARAM_WANT_MASK,
+        PACKED_COLUMNS=PACKED_COLUMNS,
+        COL_TOKEN_ID=COL_TOKEN_ID,
+        COL_LOGPROB=COL_LOGPROB,
+        COL_MASK_LEN=COL_MASK_LEN,
+        COL_MASK_LOGPROB=COL_MASK_LOGPROB,
+        COL_ROW_MAX=COL_ROW_MAX,
+        COL_LOG_Z=COL_LOG_Z,
         num_warps=8 if block_f >= 1024 else 4,
         enable_fp_fusion=False,
     )
@@ -311,11 +332,17 @@ if AVAILABLE:
         out_row_stride,
         BLOCK_V: tl.constexpr,
         BLOCK_F: tl.constexpr,
+        PARAM_COLUMNS: tl.constexpr,
+        PARAM_TEMPERATURE: tl.constexpr,
+        PARAM_K_EFF: tl.constexpr,
+        COL_ROW_MAX: tl.constexpr,
+        COL_LOG_Z: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
-        params_row = params_ptr + row * 6
-        temperature = tl.load(params_row + 0).to(tl.int32).to(tl.float32, bitcast=True)
-        k_eff = tl.maximum(tl.minimum(tl.load(params_row + 1), fetched), 1)  # never read out of bounds
+        k_eff = tl.load(params_ptr + row * PARAM_COLUMNS + PARAM_K_EFF)
+        k_eff = tl.maximum(tl.minimum(k_eff, fetched), 1)  # never read out of bounds
+        temperature = tl.load(params_ptr + row * PARAM_COLUMNS + PARAM_TEMPERATURE)
+        temperature = temperature.to(tl.int32).to(tl.float32, bitcast=True)
         row_logits = logits_ptr + row * logits_row_stride
         row_values = values_ptr + row * fetched
         lanes = tl.arange(0, BLOCK_V)
@@ -338,8 +365,8 @@ if AVAILABLE:
         row_max = tl.reduce(best, 0, _max_combine)
         row_max = tl.where(tl.reduce(nan_seen, 0, _add_combine) > 0, float("nan"), row_max)
         out_row = out_ptr + row * out_row_stride
-        tl.store(out_row + 4, row_max.to(tl.int32, bitcast=True))
-        tl.store(out_row + 5, tl.log(tl.reduce(total, 0, _add_combine)).to(tl.int32, bitcast=True))
+        tl.store(out_row + COL_ROW_MAX, row_max.to(tl.int32, bitcast=True))
+        tl.store(out_row + COL_LOG_Z, tl.log(tl.reduce(total, 0, _add_combine)).to(tl.int32, bitcast=True))
 
         # Boundary tie repair: the value at place k_eff - 1 equals the last fetched one, so a run of
         # equal logits may reach past the fetched set and topk chose arbitrary members of it.
@@ -374,18 +401,32 @@ if AVAILABLE:
         BLOCK_F: tl.constexpr,
         LOG_F: tl.constexpr,
         BLOCK_W: tl.constexpr,
+        PARAM_COLUMNS: tl.constexpr,
+        PARAM_TEMPERATURE: tl.constexpr,
+        PARAM_K_EFF: tl.constexpr,
+        PARAM_TOP_P: tl.constexpr,
+        PARAM_MIN_P: tl.constexpr,
+        PARAM_SEED: tl.constexpr,
+        PARAM_WANT_MASK: tl.constexpr,
+        PACKED_COLUMNS: tl.constexpr,
+        COL_TOKEN_ID: tl.constexpr,
+        COL_LOGPROB: tl.constexpr,
+        COL_MASK_LEN: tl.constexpr,
+        COL_MASK_LOGPROB: tl.constexpr,
+        COL_ROW_MAX: tl.constexpr,
+        COL_LOG_Z: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
-        params_row = params_ptr + row * 6
-        temperature = tl.load(params_row + 0).to(tl.int32).to(tl.float32, bitcast=True)
-        k_eff = tl.minimum(tl.load(params_row + 1), fetched)
-        top_p = tl.load(params_row + 2).to(tl.int32).to(tl.float32, bitcast=True)
-        min_p = tl.load(params_row + 3).to(tl.int32).to(tl.float32, bitcast=True)
-        state = _mix64(tl.load(params_row + 4) ^ _GOLDEN_GAMMA)  # rng.seed_state
-        want = tl.load(params_row + 5) != 0
+        params_row = params_ptr + row * PARAM_COLUMNS
+        temperature = tl.load(params_row + PARAM_TEMPERATURE).to(tl.int32).to(tl.float32, bitcast=True)
+        k_eff = tl.minimum(tl.load(params_row + PARAM_K_EFF), fetched)
+        top_p = tl.load(params_row + PARAM_TOP_P).to(tl.int32).to(tl.float32, bitcast=True)
+        min_p = tl.load(params_row + PARAM_MIN_P).to(tl.int32).to(tl.float32, bitcast=True)
+        state = _mix64(tl.load(params_row + PARAM_SEED) ^ _GOLDEN_GAMMA)  # rng.seed_state
+        want = tl.load(params_row + PARAM_WANT_MASK) != 0
         out_row = out_ptr + row * out_row_stride
-        row_max = tl.load(out_row + 4).to(tl.float32, bitcast=True)
-        log_z = tl.load(out_row + 5).to(tl.float32, bitcast=True)
+        row_max = tl.load(out_row + COL_ROW_MAX).to(tl.float32, bitcast=True)
+        log_z = tl.load(out_row + COL_LOG_Z).to(tl.float32, bitcast=True)
 
         # Rank by (logit desc, id asc) with one ascending sort of a composite key: the high 32 bits
         # are the value's bits made order-preserving as a signed int, then inverted (descending),
@@ -430,11 +471,11 @@ if AVAILABLE:
         mask_logprob = tl.where(want, token_scaled - tl.log(support_mass), 0.0)
         mask_len = tl.where(want, tl.minimum(support_len, mask_width), 0)
 
-        tl.store(out_row + 0, token_id.to(tl.int32))
-        tl.store(out_row + 1, (token_scaled - log_z).to(tl.int32, bitcast=True))
-        tl.store(out_row + 2, mask_len.to(tl.int32))
-        tl.store(out_row + 3, mask_logprob.to(tl.int32, bitcast=True))
-        mask_row = out_row + 6
+        tl.store(out_row + COL_TOKEN_ID, token_id.to(tl.int32))
+        tl.store(out_row + COL_LOGPROB, (token_scaled - log_z).to(tl.int32, bitcast=True))
+        tl.store(out_row + COL_MASK_LEN, mask_len.to(tl.int32))
+        tl.store(out_row + COL_MASK_LOGPROB, mask_logprob.to(tl.int32, bitcast=True))
+        mask_row = out_row + PACKED_COLUMNS
         tl.store(mask_row + rank, tl.where(rank < mask_len, ids, -1).to(tl.int32), mask=rank < mask_width)
         # W may exceed the candidate block: the columns past it are padding.
         columns = tl.arange(0, BLOCK_W)
