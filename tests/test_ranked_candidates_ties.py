@@ -215,9 +215,8 @@ class _LargeFloat32Allocations(TorchDispatchMode):
 
 
 def test_half_precision_path_allocates_no_float32_row_block_per_call():
-    # A fresh float32 copy of each bf16 row block is 8 MiB: allocators return blocks that size to
-    # the OS at once, so every call paid their page faults (jemalloc: bf16 B=64 took 33-57 ms
-    # against 23 ms in float32). After the first call the conversions reuse one buffer.
+    # A fresh float32 copy of each bf16 row block is 8 MiB, which allocators return to the OS at
+    # once, so every call would pay its page faults. After the first call the conversions reuse one buffer.
     logits = torch.from_numpy(np.random.default_rng(5).standard_normal((40, 151936)) * 3).bfloat16()
     sample(_batch(logits, 512), mask_width=512)
     with _LargeFloat32Allocations(min_elements=151936 * 4) as counted:

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import textwrap
 
-ROWS, VOCAB = 256, 262144  # the issue's case: 256 x 262144 logits, top_k 512, masks on
+ROWS, VOCAB = 256, 262144  # a large batch: 256 x 262144 logits, top_k 512, masks on
 
 PROBE = textwrap.dedent(
     """

@@ -14,9 +14,8 @@ def workspace(slot: str, shape: tuple[int, int]) -> torch.Tensor:
     """An uninitialised host float32 tensor of `shape` from a per-thread buffer reused from call to
     call (valid until the next call with the same `slot`).
 
-    Row blocks are several MiB: allocators hand blocks that size back to the OS when freed
-    (jemalloc's huge arena at once), so a fresh one per call paid its page faults every call, which
-    cost more than the work done in it (measured: bf16 B=64 33-57 ms against 23 ms in float32).
+    Row blocks are several MiB, and allocators hand blocks that size back to the OS when freed: a
+    fresh one per call would pay its page faults on every call, more than the work done in it.
     """
     buffers = _WORKSPACE.__dict__.setdefault("buffers", {})
     numel = shape[0] * shape[1]
@@ -26,15 +25,15 @@ def workspace(slot: str, shape: tuple[int, int]) -> torch.Tensor:
     return buffer[:numel].view(shape)
 
 
-# Rows of logits processed per scratch block in the normaliser: a few MiB keeps the block in
-# cache and under the allocator's mmap threshold, so no page faults on every call.
+# Logits per scratch block in the CPU normaliser: a few MiB stays in cache and under the
+# allocator's mmap threshold.
 _NORMALISER_BLOCK_ELEMENTS = 1 << 20
 _LOG2_E = 1.4426950408889634
 
 
 def log_normaliser(logits: torch.Tensor, row_max: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
-    """log sum exp((logits - max) / T) per row in float64, on the GPU: one fused-enough pass
-    (memory traffic is not the cost there)."""
+    """log sum exp((logits - max) / T) per row in float64, in one pass on the logits' device (the
+    GPU path, where memory traffic is not the cost)."""
     scratch = logits - row_max.float().unsqueeze(1)  # bf16 / fp16 logits: the exp-sum runs in float32
     scratch.div_(temperature.unsqueeze(1)).exp_()
     return scratch.sum(dim=-1).to(torch.float64).log()
@@ -45,8 +44,8 @@ def normaliser_cpu(logits: torch.Tensor, row_max: np.ndarray, temperature: np.nd
     one pass over cache-sized row blocks. row_max float32 [rows] (each row's largest logit),
     temperature float32 [rows].
 
-    exp((x - max) / T) is computed as exp2((x - max) * (log2(e) / T)): torch's float32 exp2 costs
-    about half its exp on the CPU. The subtraction comes first, so the largest terms stay exact.
+    exp((x - max) / T) is computed as exp2((x - max) * (log2(e) / T)), torch's cheaper float32
+    exponential on the CPU. The subtraction comes first, so the largest terms stay exact.
     """
     rows, vocab = logits.shape
     shift = torch.from_numpy(row_max[:, None])

@@ -65,8 +65,8 @@ _THRESHOLD_MIN_RATIO = 8
 def _ranked_candidates_cpu(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`ranked_candidates` on the CPU, for k < V.
 
-    torch's CPU top-k copies each row into a buffer of (value, index) pairs (2.4 MB at V=151936),
-    which costs more than the selection itself and evicts the caches the rest of the step needs.
+    torch's CPU top-k copies each row into a buffer of (value, index) pairs, which costs more than
+    the selection itself and evicts the caches the rest of the step needs.
     Where V is large next to k, rows are ranked by threshold selection instead (a few numpy passes
     over the row, then a sort of ~2k candidates); the rows it cannot settle, and small
     vocabularies, take one top-(k + 1). Both give the same exact order.

@@ -77,7 +77,7 @@ def check_scalar_ranges(params: RowParams) -> np.ndarray:
 
 
 def check_mask_admission(params: RowParams, vocab_size: int, policy: MaskPolicy) -> np.ndarray:
-    """Per-row Rejection (or None) for mask requests this deployment must refuse (SGLang #35205)."""
+    """Per-row Rejection (or None) for mask requests this deployment must refuse."""
     wants = params.return_sampling_mask.astype(bool)
     applied = params.greedy_applied()  # greedy rows sample with top_k 1: bounded whatever top_k says
     k_eff = effective_top_k(applied, vocab_size)
