@@ -196,6 +196,26 @@ def test_half_precision_rows_match_the_reference_as_the_conversion_buffer_is_reu
             assert float(result.row_max[row]) == exact[row].max()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_rows_on_every_path_give_the_outputs_of_their_float32_values(dtype):
+    # One row per path: a small top_k, top-p candidates first, a full sort (top_k above the
+    # small-k bound) and the unranked whole-vocabulary draw; each reads the values as float32.
+    logits = torch.from_numpy(np.random.default_rng(9).standard_normal((4, 6000)) * 3).to(dtype)
+    arrays = dict(
+        temperature=np.full(4, 0.8, np.float32),
+        top_k=np.array([20, -1, 2000, -1]),
+        top_p=np.array([0.9, 0.9, 0.9, 1.0], np.float32),
+        min_p=np.zeros(4, np.float32),
+        seed=np.arange(4),
+        want_mask=np.array([True, False, True, False]),
+    )
+    half = sample(SamplingBatch.from_arrays(logits, **arrays), 64).host()
+    single = sample(SamplingBatch.from_arrays(logits.float(), **arrays), 64).host()
+    assert half.keys() == single.keys()
+    for name, value in half.items():
+        np.testing.assert_array_equal(value, single[name], err_msg=name)
+
+
 class _LargeFloat32Allocations(TorchDispatchMode):
     """Names the ops that return a new float32 tensor of `min_elements` or more (not a view, not in
     place, no out=)."""

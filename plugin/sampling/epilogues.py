@@ -148,5 +148,5 @@ def unranked_outputs(logits: torch.Tensor, params: RowParams) -> dict[str, torch
         outputs.SAMPLING_MASK_LEN.name: torch.zeros(rows, dtype=torch.int32),
         outputs.SAMPLING_LOGPROBS.name: torch.zeros(rows, dtype=torch.float32),
         outputs.SAMPLING_MASK_LOGPROBS.name: torch.full((rows, 0), float("-inf")),
-        ROW_MAX: row_max,
+        ROW_MAX: row_max.float(),  # bf16 logits: numpy has no bfloat16
     }
