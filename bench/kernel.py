@@ -49,7 +49,7 @@ def make_batch(logits: torch.Tensor, top_k: int, want_mask: bool) -> SamplingBat
     """The sampler's input for every row at the benchmark's parameters (seeded rows; parameters on
     the host, where requests arrive)."""
     rows = logits.shape[0]
-    return SamplingBatch(
+    return SamplingBatch.from_arrays(
         logits=logits,
         temperature=np.full(rows, TEMPERATURE, np.float32),
         top_k=np.full(rows, top_k, np.int64),
@@ -63,13 +63,14 @@ def make_batch(logits: torch.Tensor, top_k: int, want_mask: bool) -> SamplingBat
 def _device_params(batch: SamplingBatch, device: torch.device, top_k: int | None = None) -> dict[str, torch.Tensor]:
     """The batch's parameters as device tensors, for the baselines (built once, outside the timing);
     `top_k` overrides the batch's (the baselines want V, not -1, for "no top_k")."""
-    k = batch.top_k if top_k is None else np.full(batch.top_k.shape, top_k, np.int64)
+    params = batch.params
+    k = params.top_k.astype(np.int64) if top_k is None else np.full(params.top_k.shape, top_k, np.int64)
     return {
-        "temperature": torch.from_numpy(batch.temperature).to(device),
+        "temperature": torch.from_numpy(params.temperature).to(device),
         "top_k": torch.from_numpy(k).to(device),
         "top_k_i32": torch.from_numpy(k.astype(np.int32)).to(device),
-        "top_p": torch.from_numpy(batch.top_p).to(device),
-        "min_p": torch.from_numpy(batch.min_p).to(device),
+        "top_p": torch.from_numpy(params.top_p).to(device),
+        "min_p": torch.from_numpy(params.min_p).to(device),
     }
 
 

@@ -38,7 +38,7 @@ def run_sampler(
     logits = torch.as_tensor(np.asarray(logits, dtype=np.float32)).to(_device["name"])
     rows = logits.shape[0]
     column = lambda value, dtype: np.broadcast_to(np.asarray(value), (rows,)).astype(dtype)  # noqa: E731
-    batch = SamplingBatch(
+    batch = SamplingBatch.from_arrays(
         logits=logits,
         temperature=column(temperature, np.float32),
         top_k=column(top_k, np.int64),

@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_leaves
 
 from tests.reference import reference_row
 from triton_sampling_mask.sampling import fused, rng
+from triton_sampling_mask.sampling.sampler import SamplingBatch, plan_rows
 
 pytestmark = pytest.mark.skipif(not fused.AVAILABLE, reason="triton is not installed")
 
@@ -35,22 +36,24 @@ def run_fused(
     """Sample rows of `logits` [B, V] with the fused path; scalar parameters broadcast over rows."""
     logits = np.asarray(logits, dtype=np.float32)
     rows, vocab = logits.shape
-    per_row = lambda value, dtype: np.broadcast_to(np.asarray(value, dtype), (rows,)).copy()  # noqa: E731
-    params = fused.pack_params(
-        per_row(temperature, np.float32),
-        per_row(top_k, np.int64),
-        per_row(top_p, np.float32),
-        per_row(min_p, np.float32),
-        per_row(seed, np.int64),
-        per_row(want_mask, bool),
-        vocab,
-    )
+    params = pack(np.broadcast_to(np.float32(temperature), (rows,)), top_k, top_p, min_p, seed, want_mask, vocab)
     k_max = int(params[:, fused.PARAM_K_EFF].max())
     packed = fused.sample_packed(
         torch.from_numpy(logits).to(DEVICE, dtype), torch.from_numpy(params), k_max, mask_width
     )
     assert packed.dtype == torch.int32 and packed.shape == (rows, fused.PACKED_COLUMNS + 2 * mask_width)
     return fused.unpack(packed.cpu().numpy())
+
+
+def pack(temperature, top_k, top_p, min_p, seed, want_mask, vocab: int) -> np.ndarray:
+    """The kernels' parameters as the sampler packs them (from its plan) for rows given one array or
+    scalar per parameter; scalars broadcast over the rows `temperature` counts."""
+    rows = np.size(temperature)
+    arrays = (
+        np.broadcast_to(np.asarray(value), (rows,)) for value in (temperature, top_k, top_p, min_p, seed, want_mask)
+    )
+    plan = plan_rows(SamplingBatch.from_arrays(torch.empty(rows, vocab, device="meta"), *arrays))
+    return fused.pack_params(plan.params, plan.k_eff)
 
 
 def check_row(out, row, logits, temperature, top_k, top_p, min_p, want_mask, mask_width) -> None:
@@ -437,7 +440,7 @@ def counted_launches(monkeypatch):
 def test_no_host_sync_no_float64_and_at_most_six_ops(counted_launches, rows):
     generator = np.random.default_rng(8)
     logits = torch.from_numpy(make_logits("long_run", rows, 1000, generator)).to(DEVICE)  # the repair runs too
-    params = fused.pack_params(np.full(rows, 0.8, np.float32), np.full(rows, 7), 0.9, 0.05, np.arange(rows), True, 1000)
+    params = pack(np.full(rows, 0.8, np.float32), 7, 0.9, 0.05, np.arange(rows), True, 1000)
     params = torch.from_numpy(params)
     if DEVICE.type == "cuda":
         params = params.pin_memory()
@@ -463,7 +466,7 @@ def test_the_sync_and_float64_checks_can_fail():
 
 
 def test_pack_params_conventions():
-    params = fused.pack_params(
+    params = pack(
         np.array([0.0, 0.5, 1.0], np.float32),
         np.array([7, -1, 5000]),
         np.float32(0.9),
@@ -496,8 +499,9 @@ class Block:
 sys.meta_path.insert(0, Block())
 import numpy as np, torch
 from triton_sampling_mask.sampling import fused
+from triton_sampling_mask.sampling.params import RowParams
 assert not fused.AVAILABLE
-params = fused.pack_params(np.ones(2, np.float32), 5, 1.0, 0.0, np.arange(2), True, 100)
+params = fused.pack_params(RowParams.defaults(2), np.full(2, 5))
 try:
     fused.sample_packed(torch.zeros(2, 100), torch.from_numpy(params), 5, 8)
 except RuntimeError as error:

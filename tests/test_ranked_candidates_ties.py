@@ -9,7 +9,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.reference import reference_row
-from triton_sampling_mask.sampling.sampler import SamplingBatch, ranked_candidates, sample
+from triton_sampling_mask.sampling.sampler import SamplingBatch, sample
+from triton_sampling_mask.sampling.selection import ranked_candidates
 
 
 def _expected(logits: np.ndarray, k: int) -> np.ndarray:
@@ -48,7 +49,7 @@ def test_mask_is_the_reference_support_under_ties(kind):
     rng = np.random.default_rng(7)
     logits = _tied_logits(kind, 4, 3000, rng)
     top_k, top_p, temperature = np.array([1, 20, 100, 512]), np.float32(0.9), np.float32(0.8)
-    batch = SamplingBatch(
+    batch = SamplingBatch.from_arrays(
         logits=torch.from_numpy(logits),
         temperature=torch.full((4,), float(temperature)),
         top_k=torch.from_numpy(top_k),
@@ -93,14 +94,14 @@ def _selection_rows(vocab: int, k: int, rng: np.random.Generator) -> np.ndarray:
 
 
 def test_threshold_selection_is_exact_and_hands_the_rows_it_cannot_settle_to_top_k(monkeypatch):
-    from triton_sampling_mask.sampling import sampler
+    from triton_sampling_mask.sampling import selection
 
     vocab, k = 40000, 50
     logits = _selection_rows(vocab, k, np.random.default_rng(11))
     fallback_rows = []
-    by_topk = sampler._ranked_by_topk_cpu
+    by_topk = selection._ranked_by_topk_cpu
     monkeypatch.setattr(
-        sampler, "_ranked_by_topk_cpu", lambda lg, kk: fallback_rows.append(lg.shape[0]) or by_topk(lg, kk)
+        selection, "_ranked_by_topk_cpu", lambda lg, kk: fallback_rows.append(lg.shape[0]) or by_topk(lg, kk)
     )
     values, ids = ranked_candidates(torch.from_numpy(logits), k)
     assert fallback_rows == [3], "rows 3, 4 and 5 (only they) go to the top-k fallback, as one group"
@@ -118,12 +119,12 @@ def test_threshold_selection_is_exact_and_hands_the_rows_it_cannot_settle_to_top
 def test_top_k_fetches_one_past_k_and_repairs_boundary_ties(monkeypatch, kind):
     # The top-k path alone (threshold selection off): k + 1 candidates, so a tie at the k-th place
     # must go through the repair, whose result the reference order checks.
-    from triton_sampling_mask.sampling import sampler
+    from triton_sampling_mask.sampling import selection
 
-    monkeypatch.setattr(sampler, "_THRESHOLD_MIN_RATIO", 10**9)
+    monkeypatch.setattr(selection, "_THRESHOLD_MIN_RATIO", 10**9)
     repaired = []
-    repair = sampler._repair_boundary_ties_cpu
-    monkeypatch.setattr(sampler, "_repair_boundary_ties_cpu", lambda *a: repaired.append(a[3].size) or repair(*a))
+    repair = selection._repair_boundary_ties_cpu
+    monkeypatch.setattr(selection, "_repair_boundary_ties_cpu", lambda *a: repaired.append(a[3].size) or repair(*a))
     logits = _tied_logits(kind, 4, 3000, np.random.default_rng(3))
     k = 100
     _, ids = ranked_candidates(torch.from_numpy(logits), k)
@@ -136,7 +137,7 @@ def test_top_k_fetches_one_past_k_and_repairs_boundary_ties(monkeypatch, kind):
 def _batch(logits: torch.Tensor, k: int, temperature: float = 0.8, top_p: float = 0.9) -> SamplingBatch:
     """Every row of `logits` with the same top_k, temperature and top_p, masks on, seeded by row."""
     rows = logits.shape[0]
-    return SamplingBatch(
+    return SamplingBatch.from_arrays(
         logits=logits,
         temperature=np.full(rows, temperature, np.float32),
         top_k=np.full(rows, k),
@@ -195,6 +196,26 @@ def test_half_precision_rows_match_the_reference_as_the_conversion_buffer_is_reu
             assert float(result.row_max[row]) == exact[row].max()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_rows_on_every_path_give_the_outputs_of_their_float32_values(dtype):
+    # One row per path: a small top_k, top-p candidates first, a full sort (top_k above the
+    # small-k bound) and the unranked whole-vocabulary draw; each reads the values as float32.
+    logits = torch.from_numpy(np.random.default_rng(9).standard_normal((4, 6000)) * 3).to(dtype)
+    arrays = dict(
+        temperature=np.full(4, 0.8, np.float32),
+        top_k=np.array([20, -1, 2000, -1]),
+        top_p=np.array([0.9, 0.9, 0.9, 1.0], np.float32),
+        min_p=np.zeros(4, np.float32),
+        seed=np.arange(4),
+        want_mask=np.array([True, False, True, False]),
+    )
+    half = sample(SamplingBatch.from_arrays(logits, **arrays), 64).host()
+    single = sample(SamplingBatch.from_arrays(logits.float(), **arrays), 64).host()
+    assert half.keys() == single.keys()
+    for name, value in half.items():
+        np.testing.assert_array_equal(value, single[name], err_msg=name)
+
+
 class _LargeFloat32Allocations(TorchDispatchMode):
     """Names the ops that return a new float32 tensor of `min_elements` or more (not a view, not in
     place, no out=)."""
@@ -214,9 +235,8 @@ class _LargeFloat32Allocations(TorchDispatchMode):
 
 
 def test_half_precision_path_allocates_no_float32_row_block_per_call():
-    # A fresh float32 copy of each bf16 row block is 8 MiB: allocators return blocks that size to
-    # the OS at once, so every call paid their page faults (jemalloc: bf16 B=64 took 33-57 ms
-    # against 23 ms in float32). After the first call the conversions reuse one buffer.
+    # A fresh float32 copy of each bf16 row block is 8 MiB, which allocators return to the OS at
+    # once, so every call would pay its page faults. After the first call the conversions reuse one buffer.
     logits = torch.from_numpy(np.random.default_rng(5).standard_normal((40, 151936)) * 3).bfloat16()
     sample(_batch(logits, 512), mask_width=512)
     with _LargeFloat32Allocations(min_elements=151936 * 4) as counted:

@@ -55,7 +55,7 @@ def test_reproduces_sampler_logprobs_on_float32_logits():
     gen = torch.Generator().manual_seed(7)
     logits = torch.randn(rows, 1000, generator=gen) * 4
     temperature = torch.linspace(0.0, 1.5, rows)  # row 0 greedy
-    batch = SamplingBatch(
+    batch = SamplingBatch.from_arrays(
         logits=logits,
         temperature=temperature,
         top_k=torch.randint(1, 65, (rows,), generator=gen),

@@ -105,7 +105,7 @@ def test_rows_are_independent_of_their_batch_and_of_the_mask_flag(case):
         assert flipped["ids"][0] == together["ids"][row], "asking for the mask changed the token"
 
 
-def test_issue_examples():
+def test_worked_examples():
     logits = np.log(np.array([[0.4, 0.3, 0.2, 0.1]] * 2))
     out = run_sampler(logits, top_k=[3, 2], top_p=[1.0, 0.55], min_p=[0.6, 0.0], seed=[1, 2])
     for row in range(2):

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import textwrap
 
-ROWS, VOCAB = 256, 262144  # the issue's case: 256 x 262144 logits, top_k 512, masks on
+ROWS, VOCAB = 256, 262144  # a large batch: 256 x 262144 logits, top_k 512, masks on
 
 PROBE = textwrap.dedent(
     """
@@ -21,7 +21,7 @@ PROBE = textwrap.dedent(
     torch.set_num_threads(2)
     params = lambda n: (np.full(n, 0.8, np.float32), np.full(n, 512), np.full(n, 0.95, np.float32),
                         np.zeros(n, np.float32), np.arange(n), np.ones(n, bool))
-    sample(SamplingBatch(torch.randn(2, 4096), *params(2)), 512)  # imports and first-call set-up
+    sample(SamplingBatch.from_arrays(torch.randn(2, 4096), *params(2)), 512)  # imports and first-call set-up
     def peak_kib():
         # VmHWM: this process image's own peak RSS. (ru_maxrss would start at the parent's RSS,
         # which exec folds into it: a large pytest parent would hide the growth.)
@@ -30,7 +30,7 @@ PROBE = textwrap.dedent(
 
     start = peak_kib()
     logits = torch.zeros(rows, vocab) if kind == "equal" else torch.randn(rows, vocab)
-    result = sample(SamplingBatch(logits, *params(rows)), 512)
+    result = sample(SamplingBatch.from_arrays(logits, *params(rows)), 512)
     peak = peak_kib()
     print(json.dumps({"peak_kib": peak - start, "mask_len": int(result.sampling_mask_len.min())}))
     """

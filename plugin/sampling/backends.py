@@ -11,7 +11,8 @@ import importlib
 from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
-from .sampler import SamplingBatch, SamplingResult, sample
+from .results import SamplingResult
+from .sampler import SamplingBatch, sample
 
 
 @runtime_checkable

@@ -15,7 +15,8 @@ import torch
 from .backends import SamplingBackend
 from .outputs import to_wire
 from .params import RowParams
-from .sampler import SamplingBatch, SamplingResult
+from .results import ROW_MAX, SamplingResult
+from .sampler import SamplingBatch
 from .validation import MaskPolicy, check_logit_rows, check_rows, first_error
 
 
@@ -65,7 +66,7 @@ class BatchSampler:
         if sampled.any():
             rows = logits if sampled.all() else logits[torch.from_numpy(np.flatnonzero(sampled)).to(logits.device)]
             result_arrays = self.sample(rows, params.take(sampled)).host()
-            row_max[sampled] = result_arrays["row_max"]
+            row_max[sampled] = result_arrays[ROW_MAX]
         if (~sampled).any():  # error path only: the refused requests' other rows, for "first failing row"
             unsampled = torch.from_numpy(np.flatnonzero(~sampled)).to(logits.device)
             row_max[~sampled] = logits[unsampled].amax(dim=-1).float().cpu().numpy()
@@ -93,16 +94,7 @@ class BatchSampler:
     def sample(self, logits: torch.Tensor, params: RowParams) -> SamplingResult:
         """Sample already-validated rows (used by every model that drives the sampler)."""
         fresh = self._entropy.integers(0, 2**64, logits.shape[0], dtype=np.uint64, endpoint=False)
-        seed = np.where(params.has_seed, params.seed, fresh).view(np.int64)
-        batch = SamplingBatch(
-            logits=logits.to(self.device),
-            temperature=params.temperature,
-            top_k=params.top_k,
-            top_p=params.top_p,
-            min_p=params.min_p,
-            seed=seed,
-            want_mask=params.return_sampling_mask,
-        )
+        batch = SamplingBatch(logits.to(self.device), params.with_seeds(fresh))
         return self.backend.sample(batch, self.policy.mask_width)
 
 

@@ -2,8 +2,8 @@
 one top-k selection and two kernels, with no device-to-host synchronisation.
 
 Per call: one host-to-device copy of the packed parameters (skipped when they already live on the
-logits' device), `torch.topk` of F = candidate_count(k_max, V) candidates, one `torch.empty` for the
-packed output, then
+logits' device), `torch.topk` of F = selection.candidate_count(k_max, V) candidates, one
+`torch.empty` for the packed output, then
 
 * kernel A (`_row_stats_kernel`, one program per row): one pass over the row for row_max with
   `amax`'s semantics (NaN if any NaN, +inf if any +inf, -inf if all -inf) and
@@ -13,13 +13,15 @@ packed output, then
   the lowest tied ids, ascending);
 * kernel B (`_select_kernel`, one program per row): the candidates ranked by the total order
   (logit desc, lower id first) with one sort of a composite int64 key, then the prefix rules of
-  `sampler._sample_ranked` (top_k, -inf, top_p, min_p), a Gumbel-max draw whose noise is
+  the epilogues (top_k, -inf, top_p, min_p), a Gumbel-max draw whose noise is
   `rng.gumbel(rng.seed_state(seed), id)` recomputed in the kernel with the same wrapping int64
   arithmetic, and the packed outputs.
 
 Everything is fp32 (no float64 on this path); bf16/fp16 logits are ranked by the values as sent.
-Under `TRITON_INTERPRET=1` (set before this module is imported) the kernels run on CPU tensors.
-The module imports without triton: `AVAILABLE` is then False and `sample_packed` raises.
+The kernels address the packed parameters and outputs through the column constants below, passed
+to them as `tl.constexpr` arguments. Under `TRITON_INTERPRET=1` (set before this module is
+imported) the kernels run on CPU tensors. The module imports without triton: `AVAILABLE` is then
+False and `sample_packed` raises.
 """
 
 from __future__ import annotations
@@ -27,7 +29,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from . import rng
+from . import outputs, rng
+from .params import RowParams
+from .results import ROW_MAX, HostResult
+from .selection import candidate_count
 
 try:
     import triton
@@ -40,8 +45,8 @@ except ImportError:  # the plain-torch sampler serves every row then
     AVAILABLE = False
 
 # The packed output: int32 [R, PACKED_COLUMNS + 2 W] (then the W mask ids and their W log-probs).
-# Floats travel as their float32 bit patterns, so
-# one int32 tensor (one device-to-host copy) carries every per-row output.
+# Floats travel as their float32 bit patterns, so one int32 tensor (one device-to-host copy)
+# carries every per-row output.
 PACKED_COLUMNS = 6
 COL_TOKEN_ID, COL_LOGPROB, COL_MASK_LEN, COL_MASK_LOGPROB, COL_ROW_MAX, COL_LOG_Z = range(PACKED_COLUMNS)
 
@@ -57,42 +62,21 @@ _MIN_BLOCK = 16  # smallest block kernel B sorts (tl.arange and tl.sort want a f
 LAUNCHES = 0
 
 
-def pack_params(temperature, top_k, top_p, min_p, seed, want_mask, vocab: int) -> np.ndarray:
-    """Per-row parameters as the kernels read them: int64 [R, 6], built on the host with numpy.
+def pack_params(params: RowParams, k_eff: np.ndarray) -> np.ndarray:
+    """Per-row parameters as the kernels read them: int64 [R, PARAM_COLUMNS], built on the host.
 
-    Applies the greedy convention (temperature 0 -> top_k 1 at temperature 1) and stores the
-    effective top_k, min(top_k, vocab) with -1 meaning the whole vocabulary. Floats are stored as
-    their float32 bit patterns; `seed` holds the int64 bit patterns of the uint64 seeds (a uint64
-    array is reinterpreted). Scalars broadcast over the rows, whose count `temperature` sets.
+    `params` are the rows' as the sampler applies them (greedy applied: `RowPlan.params`) and
+    `k_eff` their effective top_k (`RowPlan.k_eff`). Floats are stored as their float32 bit
+    patterns and seeds as the int64 bit patterns of the uint64 seeds.
     """
-    temperature = np.atleast_1d(np.asarray(temperature, dtype=np.float32))
-    rows = temperature.shape[0]
-
-    def column(value, dtype):
-        return np.broadcast_to(np.asarray(value).astype(dtype, copy=False), (rows,))
-
-    seed = np.asarray(seed)
-    seed = seed.view(np.int64) if seed.dtype == np.uint64 else seed.astype(np.int64)
-    greedy = temperature == 0
-    top_k = np.where(greedy, 1, column(top_k, np.int64))
-    params = np.empty((rows, PARAM_COLUMNS), dtype=np.int64)
-    params[:, PARAM_TEMPERATURE] = np.where(greedy, np.float32(1), temperature).astype(np.float32).view(np.int32)
-    params[:, PARAM_K_EFF] = np.where(top_k == -1, vocab, np.minimum(top_k, vocab))
-    params[:, PARAM_TOP_P] = np.ascontiguousarray(column(top_p, np.float32)).view(np.int32)
-    params[:, PARAM_MIN_P] = np.ascontiguousarray(column(min_p, np.float32)).view(np.int32)
-    params[:, PARAM_SEED] = np.broadcast_to(seed, (rows,))
-    params[:, PARAM_WANT_MASK] = column(want_mask, bool)
-    return params
-
-
-def candidate_count(k_max: int, vocab: int) -> int:
-    """Candidates `torch.topk` fetches for a largest top_k of k_max: k + min(V - k, 16 + k // 4).
-
-    The margin past k (as `sampler.ranked_candidates` fetches) lets a run of equal logits at the
-    k-th place usually end inside the fetched set; kernel A repairs the rows where it does not.
-    """
-    k = min(k_max, vocab)
-    return k + min(vocab - k, 16 + k // 4)
+    packed = np.empty((params.rows, PARAM_COLUMNS), dtype=np.int64)
+    packed[:, PARAM_TEMPERATURE] = np.ascontiguousarray(params.temperature, np.float32).view(np.int32)
+    packed[:, PARAM_K_EFF] = k_eff
+    packed[:, PARAM_TOP_P] = np.ascontiguousarray(params.top_p, np.float32).view(np.int32)
+    packed[:, PARAM_MIN_P] = np.ascontiguousarray(params.min_p, np.float32).view(np.int32)
+    packed[:, PARAM_SEED] = params.seed.view(np.int64)
+    packed[:, PARAM_WANT_MASK] = params.return_sampling_mask
+    return packed
 
 
 def _next_power_of_two(value: int) -> int:
@@ -109,11 +93,11 @@ def _launch(kernel, grid, *args, **kwargs) -> None:
 def sample_packed(logits: torch.Tensor, params: torch.Tensor, k_max: int, mask_width: int) -> torch.Tensor:
     """Sample every row of `logits` [R, V] (float32, bfloat16 or float16) on its own device.
 
-    `params` is `pack_params`' int64 [R, 6] as a host tensor (pin it for a truly asynchronous
-    copy), `k_max` the largest effective top_k in it (1..1024), `mask_width` the mask width W.
-    Returns int32 [R, 6 + 2W] on the logits' device: token id, logprob, mask_len, mask_logprob,
-    row_max, log_z (floats as float32 bits), the mask ids padded with -1, then each mask id's
-    renormalised log-probability (-inf padded; see `unpack`).
+    `params` is `pack_params`' int64 [R, PARAM_COLUMNS] as a host tensor (pin it for a truly
+    asynchronous copy), `k_max` the largest effective top_k in it (1..1024), `mask_width` the mask
+    width W. Returns int32 [R, PACKED_COLUMNS + 2W] on the logits' device: the COL_* columns (floats
+    as float32 bits), the mask ids padded with -1, then each mask id's renormalised log-probability
+    (-inf padded; see `unpack`).
     No device-to-host synchronisation; at most 3 torch ops and 2 kernel launches.
     """
     if not AVAILABLE:
@@ -139,7 +123,7 @@ def sample_packed(logits: torch.Tensor, params: torch.Tensor, k_max: int, mask_w
     params = params.contiguous()
     fetched = candidate_count(k_max, vocab)
     values, ids = torch.topk(logits, fetched, dim=-1, largest=True, sorted=True)
-    # Columns 4 and 5 double as kernel A's output (row_max, log_z): no other allocation.
+    # Columns COL_ROW_MAX and COL_LOG_Z double as kernel A's output: no other allocation.
     packed = torch.empty(rows, PACKED_COLUMNS + 2 * mask_width, dtype=torch.int32, device=device)
     if rows == 0:
         return packed
@@ -159,6 +143,11 @@ def sample_packed(logits: torch.Tensor, params: torch.Tensor, k_max: int, mask_w
         packed.stride(0),
         BLOCK_V=block_v,
         BLOCK_F=block_f,
+        PARAM_COLUMNS=PARAM_COLUMNS,
+        PARAM_TEMPERATURE=PARAM_TEMPERATURE,
+        PARAM_K_EFF=PARAM_K_EFF,
+        COL_ROW_MAX=COL_ROW_MAX,
+        COL_LOG_Z=COL_LOG_Z,
         num_warps=8,
         enable_fp_fusion=False,
     )
@@ -175,6 +164,20 @@ def sample_packed(logits: torch.Tensor, params: torch.Tensor, k_max: int, mask_w
         BLOCK_F=block_f,
         LOG_F=block_f.bit_length() - 1,
         BLOCK_W=max(_MIN_BLOCK, _next_power_of_two(mask_width)),
+        PARAM_COLUMNS=PARAM_COLUMNS,
+        PARAM_TEMPERATURE=PARAM_TEMPERATURE,
+        PARAM_K_EFF=PARAM_K_EFF,
+        PARAM_TOP_P=PARAM_TOP_P,
+        PARAM_MIN_P=PARAM_MIN_P,
+        PARAM_SEED=PARAM_SEED,
+        PARAM_WANT_MASK=PARAM_WANT_MASK,
+        PACKED_COLUMNS=PACKED_COLUMNS,
+        COL_TOKEN_ID=COL_TOKEN_ID,
+        COL_LOGPROB=COL_LOGPROB,
+        COL_MASK_LEN=COL_MASK_LEN,
+        COL_MASK_LOGPROB=COL_MASK_LOGPROB,
+        COL_ROW_MAX=COL_ROW_MAX,
+        COL_LOG_Z=COL_LOG_Z,
         num_warps=8 if block_f >= 1024 else 4,
         enable_fp_fusion=False,
     )
@@ -182,7 +185,7 @@ def sample_packed(logits: torch.Tensor, params: torch.Tensor, k_max: int, mask_w
 
 
 def unpack(packed: np.ndarray) -> dict[str, np.ndarray]:
-    """The packed int32 [R, 6 + 2W] output (on the host) as named per-row arrays."""
+    """The packed int32 [R, PACKED_COLUMNS + 2W] output (on the host) as per-row arrays by field name."""
     packed = np.ascontiguousarray(packed, dtype=np.int32)
     if packed.ndim != 2 or packed.shape[1] < PACKED_COLUMNS or (packed.shape[1] - PACKED_COLUMNS) % 2:
         raise ValueError(f"packed must be int32 [rows, {PACKED_COLUMNS} + 2 W], got {packed.shape}")
@@ -192,14 +195,28 @@ def unpack(packed: np.ndarray) -> dict[str, np.ndarray]:
         return np.ascontiguousarray(packed[:, column]).view(np.float32)
 
     return {
-        "output_ids": packed[:, COL_TOKEN_ID].astype(np.int64),
-        "output_logprobs": as_float(COL_LOGPROB),
-        "sampling_mask_len": packed[:, COL_MASK_LEN].copy(),
-        "sampling_logprobs": as_float(COL_MASK_LOGPROB),
-        "row_max": as_float(COL_ROW_MAX),
-        "sampling_mask": packed[:, PACKED_COLUMNS : PACKED_COLUMNS + width].copy(),
-        "sampling_mask_logprobs": packed[:, PACKED_COLUMNS + width :].copy().view(np.float32),
+        outputs.OUTPUT_IDS.name: packed[:, COL_TOKEN_ID].astype(np.int64),
+        outputs.OUTPUT_LOGPROBS.name: as_float(COL_LOGPROB),
+        outputs.SAMPLING_MASK_LEN.name: packed[:, COL_MASK_LEN].copy(),
+        outputs.SAMPLING_LOGPROBS.name: as_float(COL_MASK_LOGPROB),
+        ROW_MAX: as_float(COL_ROW_MAX),
+        outputs.SAMPLING_MASK.name: packed[:, PACKED_COLUMNS : PACKED_COLUMNS + width].copy(),
+        outputs.SAMPLING_MASK_LOGPROBS.name: packed[:, PACKED_COLUMNS + width :].copy().view(np.float32),
     }
+
+
+class PackedResult(HostResult):
+    """The fused path's result: the packed int32 device tensor of `sample_packed`, copied to the
+    host and unpacked once, by the first `host()` (or field read)."""
+
+    def __init__(self, packed: torch.Tensor):
+        self.packed = packed
+        self.arrays = None
+
+    def host(self) -> dict[str, np.ndarray]:
+        if self.arrays is None:
+            self.arrays = unpack(self.packed.cpu().numpy())
+        return self.arrays
 
 
 def debug_noise(seeds: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -315,11 +332,17 @@ if AVAILABLE:
         out_row_stride,
         BLOCK_V: tl.constexpr,
         BLOCK_F: tl.constexpr,
+        PARAM_COLUMNS: tl.constexpr,
+        PARAM_TEMPERATURE: tl.constexpr,
+        PARAM_K_EFF: tl.constexpr,
+        COL_ROW_MAX: tl.constexpr,
+        COL_LOG_Z: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
-        params_row = params_ptr + row * 6
-        temperature = tl.load(params_row + 0).to(tl.int32).to(tl.float32, bitcast=True)
-        k_eff = tl.maximum(tl.minimum(tl.load(params_row + 1), fetched), 1)  # never read out of bounds
+        k_eff = tl.load(params_ptr + row * PARAM_COLUMNS + PARAM_K_EFF)
+        k_eff = tl.maximum(tl.minimum(k_eff, fetched), 1)  # never read out of bounds
+        temperature = tl.load(params_ptr + row * PARAM_COLUMNS + PARAM_TEMPERATURE)
+        temperature = temperature.to(tl.int32).to(tl.float32, bitcast=True)
         row_logits = logits_ptr + row * logits_row_stride
         row_values = values_ptr + row * fetched
         lanes = tl.arange(0, BLOCK_V)
@@ -342,8 +365,8 @@ if AVAILABLE:
         row_max = tl.reduce(best, 0, _max_combine)
         row_max = tl.where(tl.reduce(nan_seen, 0, _add_combine) > 0, float("nan"), row_max)
         out_row = out_ptr + row * out_row_stride
-        tl.store(out_row + 4, row_max.to(tl.int32, bitcast=True))
-        tl.store(out_row + 5, tl.log(tl.reduce(total, 0, _add_combine)).to(tl.int32, bitcast=True))
+        tl.store(out_row + COL_ROW_MAX, row_max.to(tl.int32, bitcast=True))
+        tl.store(out_row + COL_LOG_Z, tl.log(tl.reduce(total, 0, _add_combine)).to(tl.int32, bitcast=True))
 
         # Boundary tie repair: the value at place k_eff - 1 equals the last fetched one, so a run of
         # equal logits may reach past the fetched set and topk chose arbitrary members of it.
@@ -378,18 +401,32 @@ if AVAILABLE:
         BLOCK_F: tl.constexpr,
         LOG_F: tl.constexpr,
         BLOCK_W: tl.constexpr,
+        PARAM_COLUMNS: tl.constexpr,
+        PARAM_TEMPERATURE: tl.constexpr,
+        PARAM_K_EFF: tl.constexpr,
+        PARAM_TOP_P: tl.constexpr,
+        PARAM_MIN_P: tl.constexpr,
+        PARAM_SEED: tl.constexpr,
+        PARAM_WANT_MASK: tl.constexpr,
+        PACKED_COLUMNS: tl.constexpr,
+        COL_TOKEN_ID: tl.constexpr,
+        COL_LOGPROB: tl.constexpr,
+        COL_MASK_LEN: tl.constexpr,
+        COL_MASK_LOGPROB: tl.constexpr,
+        COL_ROW_MAX: tl.constexpr,
+        COL_LOG_Z: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
-        params_row = params_ptr + row * 6
-        temperature = tl.load(params_row + 0).to(tl.int32).to(tl.float32, bitcast=True)
-        k_eff = tl.minimum(tl.load(params_row + 1), fetched)
-        top_p = tl.load(params_row + 2).to(tl.int32).to(tl.float32, bitcast=True)
-        min_p = tl.load(params_row + 3).to(tl.int32).to(tl.float32, bitcast=True)
-        state = _mix64(tl.load(params_row + 4) ^ _GOLDEN_GAMMA)  # rng.seed_state
-        want = tl.load(params_row + 5) != 0
+        params_row = params_ptr + row * PARAM_COLUMNS
+        temperature = tl.load(params_row + PARAM_TEMPERATURE).to(tl.int32).to(tl.float32, bitcast=True)
+        k_eff = tl.minimum(tl.load(params_row + PARAM_K_EFF), fetched)
+        top_p = tl.load(params_row + PARAM_TOP_P).to(tl.int32).to(tl.float32, bitcast=True)
+        min_p = tl.load(params_row + PARAM_MIN_P).to(tl.int32).to(tl.float32, bitcast=True)
+        state = _mix64(tl.load(params_row + PARAM_SEED) ^ _GOLDEN_GAMMA)  # rng.seed_state
+        want = tl.load(params_row + PARAM_WANT_MASK) != 0
         out_row = out_ptr + row * out_row_stride
-        row_max = tl.load(out_row + 4).to(tl.float32, bitcast=True)
-        log_z = tl.load(out_row + 5).to(tl.float32, bitcast=True)
+        row_max = tl.load(out_row + COL_ROW_MAX).to(tl.float32, bitcast=True)
+        log_z = tl.load(out_row + COL_LOG_Z).to(tl.float32, bitcast=True)
 
         # Rank by (logit desc, id asc) with one ascending sort of a composite key: the high 32 bits
         # are the value's bits made order-preserving as a signed int, then inverted (descending),
@@ -408,7 +445,7 @@ if AVAILABLE:
         values = (ordered ^ ((ordered >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
         values = tl.where(in_set, values, float("-inf"))
 
-        # The prefix rules of sampler._sample_ranked, in fp32.
+        # The epilogues' prefix rules, in fp32.
         # IEEE division (Triton's `/` is approximate on NVIDIA GPUs): the scores match torch's float32.
         scaled = tl.math.div_rn(values - row_max, temperature)
         logp = scaled - log_z
@@ -434,11 +471,11 @@ if AVAILABLE:
         mask_logprob = tl.where(want, token_scaled - tl.log(support_mass), 0.0)
         mask_len = tl.where(want, tl.minimum(support_len, mask_width), 0)
 
-        tl.store(out_row + 0, token_id.to(tl.int32))
-        tl.store(out_row + 1, (token_scaled - log_z).to(tl.int32, bitcast=True))
-        tl.store(out_row + 2, mask_len.to(tl.int32))
-        tl.store(out_row + 3, mask_logprob.to(tl.int32, bitcast=True))
-        mask_row = out_row + 6
+        tl.store(out_row + COL_TOKEN_ID, token_id.to(tl.int32))
+        tl.store(out_row + COL_LOGPROB, (token_scaled - log_z).to(tl.int32, bitcast=True))
+        tl.store(out_row + COL_MASK_LEN, mask_len.to(tl.int32))
+        tl.store(out_row + COL_MASK_LOGPROB, mask_logprob.to(tl.int32, bitcast=True))
+        mask_row = out_row + PACKED_COLUMNS
         tl.store(mask_row + rank, tl.where(rank < mask_len, ids, -1).to(tl.int32), mask=rank < mask_width)
         # W may exceed the candidate block: the columns past it are padding.
         columns = tl.arange(0, BLOCK_W)

@@ -1,8 +1,9 @@
-"""Per-row sampling parameters: their wire names, dtypes and defaults (one source of truth)."""
+"""Per-row sampling parameters: their wire names, dtypes and defaults, and the conventions that
+turn them into what the sampler applies (one source of truth for each)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -72,3 +73,24 @@ class RowParams:
         """The subset of rows selected by an index or boolean array."""
         fields = self.__dataclass_fields__
         return RowParams(**{f: getattr(self, f)[rows] for f in fields})
+
+    def with_seeds(self, fresh: np.ndarray) -> RowParams:
+        """These rows, every one seeded: its own seed where it carried one, else `fresh` (uint64 [rows])."""
+        return replace(self, seed=np.where(self.has_seed, self.seed, fresh), has_seed=np.ones(self.rows, np.bool_))
+
+    def greedy_applied(self) -> RowParams:
+        """These rows as the sampler reads them: a greedy row (temperature 0) samples with top_k 1 at
+        temperature 1, so its log-probabilities are those of temperature 1 (SGLang's convention)."""
+        greedy = self.temperature == 0
+        if not greedy.any():
+            return self
+        return replace(
+            self, temperature=np.where(greedy, np.float32(1), self.temperature), top_k=np.where(greedy, 1, self.top_k)
+        )
+
+
+def effective_top_k(params: RowParams, vocab_size: int) -> np.ndarray:
+    """The most ids each row's support can hold (int64): its top_k once greedy is applied (1 for a
+    greedy row), at most V, and V for top_k -1."""
+    top_k = params.greedy_applied().top_k
+    return np.where(top_k == TOP_K_ALL, vocab_size, np.minimum(top_k, vocab_size)).astype(np.int64, copy=False)

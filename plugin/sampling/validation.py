@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .params import TOP_K_ALL, RowParams
+from .params import TOP_K_ALL, RowParams, effective_top_k
 
 UNBOUNDED_MASK_MESSAGE = (
     "return_sampling_mask requires finite top_k; top_p-only sampling is valid but can return "
@@ -59,13 +59,6 @@ class MaskPolicy:
         return self.speculative_algorithm.strip().lower() not in ("", "none")
 
 
-def effective_top_k(params: RowParams, vocab_size: int) -> np.ndarray:
-    """Largest support each row can have: 1 for greedy, else min(top_k, V) (V when top_k is -1)."""
-    top_k = params.top_k.astype(np.int64)
-    bounded = np.where(top_k == TOP_K_ALL, vocab_size, np.minimum(top_k, vocab_size))
-    return np.where(params.temperature == 0, 1, bounded)
-
-
 def check_scalar_ranges(params: RowParams) -> np.ndarray:
     """Per-row Rejection (or None) for parameters outside their documented ranges."""
     t, k, p, mp = params.temperature, params.top_k, params.top_p, params.min_p
@@ -84,13 +77,12 @@ def check_scalar_ranges(params: RowParams) -> np.ndarray:
 
 
 def check_mask_admission(params: RowParams, vocab_size: int, policy: MaskPolicy) -> np.ndarray:
-    """Per-row Rejection (or None) for mask requests this deployment must refuse (SGLang #35205)."""
+    """Per-row Rejection (or None) for mask requests this deployment must refuse."""
     wants = params.return_sampling_mask.astype(bool)
-    greedy = params.temperature == 0
-    k_eff = effective_top_k(params, vocab_size)
+    applied = params.greedy_applied()  # greedy rows sample with top_k 1: bounded whatever top_k says
+    k_eff = effective_top_k(applied, vocab_size)
     rules = [
-        # Greedy rows have a one-token support, so they are bounded whatever top_k says.
-        ("mask_unbounded", wants & ~greedy & (params.top_k == TOP_K_ALL), lambda i: UNBOUNDED_MASK_MESSAGE),
+        ("mask_unbounded", wants & (applied.top_k == TOP_K_ALL), lambda i: UNBOUNDED_MASK_MESSAGE),
         (
             "mask_over_width",
             wants & (k_eff > policy.mask_width),

@@ -1,0 +1,72 @@
+"""Normalisers: each row's sum of exp((logits - max) / T), and the per-thread host workspace."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import torch
+
+_WORKSPACE = threading.local()
+
+
+def workspace(slot: str, shape: tuple[int, int]) -> torch.Tensor:
+    """An uninitialised host float32 tensor of `shape` from a per-thread buffer reused from call to
+    call (valid until the next call with the same `slot`).
+
+    Row blocks are several MiB, and allocators hand blocks that size back to the OS when freed: a
+    fresh one per call would pay its page faults on every call, more than the work done in it.
+    """
+    buffers = _WORKSPACE.__dict__.setdefault("buffers", {})
+    numel = shape[0] * shape[1]
+    buffer = buffers.get(slot)
+    if buffer is None or buffer.numel() < numel:
+        buffer = buffers[slot] = torch.empty(numel, dtype=torch.float32)
+    return buffer[:numel].view(shape)
+
+
+# Logits per scratch block in the CPU normaliser: a few MiB stays in cache and under the
+# allocator's mmap threshold.
+_NORMALISER_BLOCK_ELEMENTS = 1 << 20
+_LOG2_E = 1.4426950408889634
+
+
+def log_normaliser(logits: torch.Tensor, row_max: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """log sum exp((logits - max) / T) per row in float64, in one pass on the logits' device (the
+    GPU path, where memory traffic is not the cost)."""
+    scratch = logits - row_max.float().unsqueeze(1)  # bf16 / fp16 logits: the exp-sum runs in float32
+    scratch.div_(temperature.unsqueeze(1)).exp_()
+    return scratch.sum(dim=-1).to(torch.float64).log()
+
+
+def normaliser_cpu(logits: torch.Tensor, row_max: np.ndarray, temperature: np.ndarray) -> np.ndarray:
+    """sum exp((logits - max) / T) per row, as float32 numpy (the epilogue widens it to float64), in
+    one pass over cache-sized row blocks. row_max float32 [rows] (each row's largest logit),
+    temperature float32 [rows].
+
+    exp((x - max) / T) is computed as exp2((x - max) * (log2(e) / T)), torch's cheaper float32
+    exponential on the CPU. The subtraction comes first, so the largest terms stay exact.
+    """
+    rows, vocab = logits.shape
+    shift = torch.from_numpy(row_max[:, None])
+    scale = torch.from_numpy((_LOG2_E / temperature)[:, None])  # float32 (a Python float does not widen it)
+    block = max(1, min(rows, _NORMALISER_BLOCK_ELEMENTS // max(vocab, 1)))
+    scratch = workspace("normaliser", (block, vocab))
+    if block == rows:  # one block: no slicing (at B=1 every torch call's dispatch shows)
+        return _exp_sum(logits, shift, scale, scratch).numpy()
+    sums = torch.empty(rows, dtype=torch.float32)
+    for start in range(0, rows, block):  # a loop over memory blocks, not over requests
+        stop = min(rows, start + block)
+        sums[start:stop] = _exp_sum(logits[start:stop], shift[start:stop], scale[start:stop], scratch[: stop - start])
+    return sums.numpy()
+
+
+def _exp_sum(logits: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    """sum exp2((logits - shift) * scale) per row, through `scratch` (four calls, five for bf16 / fp16;
+    one small allocation)."""
+    if logits.dtype == torch.float32:
+        torch.sub(logits, shift, out=scratch)
+    else:  # bf16 / fp16: converted into scratch first (a mixed-dtype sub would allocate a float32 copy)
+        scratch.copy_(logits).sub_(shift)
+    scratch.mul_(scale).exp2_()
+    return scratch.sum(dim=-1)
