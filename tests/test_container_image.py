@@ -294,7 +294,7 @@ def test_deploy_doc_table_matches_the_lines():
     """docs/deploy.md's table of lines says what the Dockerfile says (Triton, Python, torch)."""
     text = (REPO_ROOT / "docs" / "deploy.md").read_text()
     rows = {
-        cells[0].strip("` "): cells
+        cells[0].split("`")[1]: cells
         for cells in (
             [cell.strip() for cell in row.strip().strip("|").split("|")]
             for row in text.splitlines()
