@@ -12,6 +12,9 @@
 #   4. served: only where nvidia-pytriton is importable (its 52.8 MiB wheel does not fit the 64 MiB
 #      a device run carries): tritonserver on the KIND_GPU test repository, client_tests/ against it.
 #      Each step is bounded so that the whole stays within the deadline; a step out of time is skipped.
+# summary.json names the image line this run stands for (the docker/Dockerfile line whose Python
+# this interpreter is, with the line's pins beside this machine's versions) and the tritonserver
+# the served step ran, if any.
 # Logs, JUnit XML and summary.json go to $OUT when set (the device tool brings it back), else to
 # .gpu-check/. Without a CUDA device the CUDA-only steps say they are skipped and the unit tests run
 # on the CPU, which is how tests/test_gpu_check.py checks this script.
@@ -145,6 +148,41 @@ else
 fi
 export PYTHONPATH="$site:$shim:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export SAMPLER_TEST_DEVICE="$device"
+
+# The image line this run stands for: docker/Dockerfile's line with this Python (the device's 3.12
+# is the current line's), its pins beside the versions here (the wheels above included).
+"$python" - "$out" "$wheels" <<'EOF' || say "could not read docker/Dockerfile's lines"
+import importlib.metadata
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, "docker")
+import image_lines
+
+out, wheels = Path(sys.argv[1]), Path(sys.argv[2])
+environment = json.loads((out / "environment.json").read_text())
+python = ".".join(environment["python"].split(".")[:2])
+_, lines = image_lines.read()
+line = next((line for line in lines.values() if line.python == python), None)
+here = {"python": environment["python"]}
+for package in ("torch", "transformers", "numpy"):
+    try:
+        here[package] = importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        here[package] = None
+wheels_line = (wheels / "LINE").read_text().strip() if (wheels / "LINE").is_file() else None
+record = {"name": line.name if line else None, "image": line.as_dict() if line else None, "here": here,
+          "wheels_for": wheels_line}
+(out / "line.json").write_text(json.dumps(record, indent=1) + "\n")
+if line:
+    pins = ", ".join(f"{p} {here[p]} here / {getattr(line, p)} in the image" for p in ("torch", "transformers", "numpy"))
+    print(f"[gpu-check] line {line.name}: Python {python} as docker/Dockerfile's {line.name} line "
+          f"({line.base}, Triton {line.triton}); {pins}")
+else:
+    print(f"[gpu-check] line none: no docker/Dockerfile line has Python {python} "
+          f"({', '.join(f'{l.name} {l.python}' for l in lines.values())})")
+EOF
 
 # 2. The unit suite, the CUDA cases first (the sampler's reference tests parametrised on cuda, and
 #    tests/test_gpu_path.py), the rest after the benchmark. Never here: what checks this host rather
@@ -280,6 +318,7 @@ EOF
 import os
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 from client_tests.server import build_external_repository
@@ -289,6 +328,8 @@ out, device, work, *client_args = sys.argv[1:]
 out, repository = Path(out), Path(work) / "models"
 flags = build_external_repository(repository, gpu=device == "cuda")
 with TritonServer(repository, extra_args=flags, log_path=out / "tritonserver.log") as server:
+    with urllib.request.urlopen(f"http://{server.http_url}/v2", timeout=10) as answer:  # the server's own metadata
+        (out / "tritonserver.json").write_text(answer.read().decode())
     env = {**os.environ, "TRITON_EXTERNAL_HTTP_URL": server.http_url, "TRITON_EXTERNAL_GRPC_URL": server.grpc_url,
            "TRITON_EXTERNAL_METRICS_URL": server.metrics_url, "TRITON_EXTERNAL_LOG": str(out / "tritonserver.log"),
            "TRITON_EXTERNAL_MODEL_CONTROL": "explicit"}
@@ -328,9 +369,13 @@ steps = [dict(zip(("step", "status", "seconds", "detail"), line.split("\t", 3)))
          for line in (out / "steps.tsv").read_text().splitlines()]
 for step in steps:
     step["seconds"] = int(step["seconds"])
-summary = {"mode": "quick" if sys.argv[2] == "true" else "full",
+line = json.loads((out / "line.json").read_text()) if (out / "line.json").is_file() else {"name": None}
+server = json.loads((out / "tritonserver.json").read_text()) if (out / "tritonserver.json").is_file() else None
+line["tritonserver"] = server.get("version") if server else None  # None: no server ran
+summary = {"mode": "quick" if sys.argv[2] == "true" else "full", "line": line,
            "environment": json.loads((out / "environment.json").read_text()), "steps": steps}
 (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-print("[gpu-check] summary:", " | ".join(f"{s['step']} {s['status']}" for s in steps), f"-> {out}/summary.json")
+print(f"[gpu-check] summary (line {line['name'] or 'none'}, tritonserver {line['tritonserver'] or 'none'}):",
+      " | ".join(f"{s['step']} {s['status']}" for s in steps), f"-> {out}/summary.json")
 EOF
 ! "$failed"

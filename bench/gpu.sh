@@ -45,6 +45,9 @@ plot=(--plot "${output%.json}_ratios.png")
 "$python" -c "import matplotlib" 2>/dev/null || plot=(--no-plot)
 "$python" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'on', torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'cpu')"
 "$python" -c "import triton; print('triton', triton.__version__)" 2>/dev/null || echo "triton: not importable (ours runs the plain torch path)"
+# The docker/Dockerfile line with this Python (the device's 3.12: current), so a result names its line.
+py="$("$python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
+echo "image line: $("$python" docker/image_lines.py --python "$py" --get name || echo "none (no docker/Dockerfile line has Python $py)")"
 # 280 s: the run's own budget is about 2-3 minutes; the JSON holds every finished case if it is cut.
 timeout 280 "$python" -m bench.run --device "$device" --grid gpu "${size[@]}" --skip-served \
   --output "$output" "${plot[@]}" "$@"

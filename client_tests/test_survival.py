@@ -355,8 +355,10 @@ def _kill_with_json(served: Supervised, body: bytes, attack: str) -> None:
     status, text = request(
         served.ports["http"], "POST", "/v2/models/sampler/infer", body, {"Content-Type": "application/json"}
     )
-    # Triton 2.51 dies without answering; an answer means upstream changed: revisit the test.
-    assert status is None, (status, text[:200])
+    # Triton 2.51 dies without answering, and the supervisor restarts it; newer servers refuse the
+    # body with a clean 400 (shape checks since 2.68, iterative JSON parsing since 2.69) and keep
+    # running. Any other answer means upstream changed: revisit the test.
+    assert status is None or (status == 400 and '"error"' in text), (status, text[:200])
     assert_recovers(served, lambda: sampler_answers(served), attack)
     assert served.process.poll() is None, "the launcher itself died"
     assert generate_answers(served)[0], "generate did not come back with the restarted server"

@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # Build the image, serve the client tests' model repository on the GPUs inside the container and
 # run every test of client_tests/ from this host against it. The few that need a local server of
-# their own are skipped, each with its reason, and pytest ends with a summary of what ran where.
+# their own are skipped, each with its reason, and pytest ends with a summary of what ran where;
+# the last line names the image line and the Triton that served them.
 # Needs Docker with the NVIDIA container toolkit.
 #   docker/run-gpu-tests.sh [extra pytest arguments]
+#   IMAGE_LINE=2.51 docker/run-gpu-tests.sh      # the NGC 24.10 line (default: current, NGC 26.09)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-IMAGE="${IMAGE:-triton-sampling-mask:gpu-tests}"
+IMAGE_LINE="${IMAGE_LINE:-$(python3 docker/image_lines.py --default)}"
+IMAGE="${IMAGE:-triton-sampling-mask:gpu-tests-$IMAGE_LINE}"
 HTTP_PORT="${HTTP_PORT:-18000}"
 GRPC_PORT="${GRPC_PORT:-18001}"
 METRICS_PORT="${METRICS_PORT:-18002}"
@@ -15,7 +18,7 @@ READY_TIMEOUT_S="${READY_TIMEOUT_S:-300}"
 SERVER_LOG="${SERVER_LOG:-${TMPDIR:-/tmp}/tritonserver-gpu-tests.log}"
 
 make setup
-docker build -f docker/Dockerfile -t "$IMAGE" .
+docker build -f docker/Dockerfile --build-arg "LINE=$IMAGE_LINE" -t "$IMAGE" .
 
 workdir="$(mktemp -d)"
 container=""
@@ -40,10 +43,12 @@ flags="$(.venv/bin/python -m client_tests.server "$workdir/models" --gpu)"
 mapfile -t server_flags <<<"$flags"
 
 # --ipc=host: the client's system shared-memory regions must be visible to the server (and the
-# Python backend's /dev/shm regions then use the host's). serve.sh adds the shm and CUDA-pool sizes.
+# Python backend's /dev/shm regions then use the host's). The regions the tests create are this
+# user's, mode 0600, so the server runs as this user too (--user; the image runs as any uid).
+# serve.sh adds the shm and CUDA-pool sizes.
 # The container locks its admin APIs with this key; the tests that load and unload models send it.
 ADMIN_KEY="$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')"
-container="$(docker run -d --gpus all --ipc=host -e "TRITON_ADMIN_KEY=$ADMIN_KEY" \
+container="$(docker run -d --gpus all --ipc=host --user "$(id -u):$(id -g)" -e "TRITON_ADMIN_KEY=$ADMIN_KEY" \
     -p "$HTTP_PORT:8000" -p "$GRPC_PORT:8001" -p "$METRICS_PORT:8002" \
     -v "$workdir/models:/models:ro" "$IMAGE" bash /opt/triton-sampling-mask/serve.sh "${server_flags[@]}")"
 # Some tests read the server's log (test_reload, test_generate): stream it to a file as it grows.
@@ -60,12 +65,18 @@ until curl -fsS "http://127.0.0.1:$HTTP_PORT/v2/health/ready" >/dev/null 2>&1; d
     sleep 2
 done
 
-echo "client_tests/ against container ${container:0:12} ($IMAGE), serving on:"
+# The line as the image itself states it (docker/Dockerfile's SAMPLER_*, NGC's own versions).
+# shellcheck disable=SC2016  # expanded inside the container
+line="$(docker exec "$container" sh -c 'echo "line $SAMPLER_LINE: Triton $TRITON_SERVER_VERSION (NGC $NVIDIA_TRITON_SERVER_VERSION), Python $SAMPLER_PYTHON, torch $SAMPLER_TORCH"')"
+echo "client_tests/ against container ${container:0:12} ($IMAGE, $line), serving on:"
 docker exec "$container" nvidia-smi -L || true
+rc=0
 TRITON_EXTERNAL_HTTP_URL="127.0.0.1:$HTTP_PORT" \
 TRITON_EXTERNAL_GRPC_URL="127.0.0.1:$GRPC_PORT" \
 TRITON_EXTERNAL_METRICS_URL="http://127.0.0.1:$METRICS_PORT/metrics" \
 TRITON_EXTERNAL_LOG="$SERVER_LOG" \
 TRITON_EXTERNAL_MODEL_CONTROL=explicit \
 TRITON_EXTERNAL_ADMIN_KEY="$ADMIN_KEY" \
-    .venv/bin/python -m pytest client_tests "$@"
+    .venv/bin/python -m pytest client_tests "$@" || rc=$?
+echo "run-gpu-tests: client_tests/ exit $rc on $IMAGE, $line"
+[ "$rc" = 0 ] || exit "$rc"

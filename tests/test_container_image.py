@@ -1,25 +1,28 @@
-"""The GPU image can be built, checked without Docker: docker/Dockerfile's `pip install` resolves for
-the image's Python and platform (its ARGs), the package parses with that Python's grammar, and the
-image's server flags hold the largest request the README promises.
+"""The GPU image can be built, checked without Docker, for each image line of docker/Dockerfile
+(docker/image_lines.py reads them from its `line-<name>` stages): the Dockerfile's `pip install`
+resolves for that line's Python and platform, the package parses with that Python's grammar, and
+the image's server flags hold the largest request the README promises.
 
 The resolver test needs PyPI (as `docker build` does). torch's wheels on PyPI carry no separate
 metadata file (PEP 658), so a plain `pip install --dry-run` downloads the ~900 MB torch wheel to
 read its dependencies; `--use-feature=fast-deps` makes pip read just the wheel's METADATA member
-through HTTP range requests instead, so the whole check fetches a few MB.
+through HTTP range requests instead, so the whole check fetches a few MB per line.
 """
 
 from __future__ import annotations
 
 import ast
+import importlib.util
 import json
 import os
 import re
 import shlex
 import subprocess
 import sys
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import pytest
+import yaml
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
@@ -32,27 +35,35 @@ PIP_TIMEOUT_S = 300
 HARMLESS_PIP_FLAGS = {"--no-cache-dir", "--upgrade", "-U", "--quiet", "-q", "--progress-bar=off"}
 
 
-def dockerfile_args(text: str) -> dict[str, str]:
-    """Every `ARG NAME=default` of the Dockerfile (before and after FROM)."""
-    return dict(re.findall(r"^ARG\s+(\w+)=(\S+)\s*$", text, flags=re.MULTILINE))
+def _image_lines_module():
+    spec = importlib.util.spec_from_file_location("image_lines", REPO_ROOT / "docker" / "image_lines.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("image_lines", module)  # dataclasses resolve the module by name
+    spec.loader.exec_module(module)
+    return module
 
 
-def image_target(text: str) -> tuple[str, str]:
-    """(IMAGE_PYTHON, IMAGE_PLATFORM) from the Dockerfile's ARGs."""
-    args = dockerfile_args(text)
-    missing = {"IMAGE_PYTHON", "IMAGE_PLATFORM"} - args.keys()
-    assert not missing, (
-        f"docker/Dockerfile declares no ARG {sorted(missing)}: the image's Python and platform live there"
-    )
-    assert re.fullmatch(r"3\.\d+", args["IMAGE_PYTHON"]), args["IMAGE_PYTHON"]
-    assert re.fullmatch(r"manylinux_2_\d+_(x86_64|aarch64)", args["IMAGE_PLATFORM"]), args["IMAGE_PLATFORM"]
-    return args["IMAGE_PYTHON"], args["IMAGE_PLATFORM"]
+image_lines = _image_lines_module()
+DEFAULT_LINE, LINES = image_lines.read(DOCKERFILE)
+
+
+def line_target(line) -> tuple[str, str]:
+    """(Python, platform) of an image line, checked for form."""
+    assert re.fullmatch(r"3\.\d+", line.python), line.python
+    assert re.fullmatch(r"manylinux_2_\d+_(x86_64|aarch64)", line.platform), line.platform
+    return line.python, line.platform
+
+
+def final_stage(text: str) -> list:
+    """The instructions after the last FROM: the image every line builds."""
+    found = image_lines.instructions(text)
+    last_from = max(index for index, instruction in enumerate(found) if instruction.keyword == "FROM")
+    return found[last_from + 1 :]
 
 
 def run_commands(text: str) -> list[str]:
-    """The shell commands of every RUN, continuation lines joined."""
-    joined = re.sub(r"\\\n", " ", text)
-    return [line.split(None, 1)[1] for line in joined.splitlines() if line.startswith("RUN ")]
+    """The shell commands of the final stage's RUNs (a here-document's body appended)."""
+    return [i.arguments + ("\n" + i.heredoc if i.heredoc else "") for i in final_stage(text) if i.keyword == "RUN"]
 
 
 def shell_commands(command: str) -> list[list[str]]:
@@ -69,20 +80,44 @@ def shell_commands(command: str) -> list[list[str]]:
     return [words for words in commands if words]
 
 
-def pip_install_targets(text: str) -> list[str]:
-    """What the Dockerfile's `pip install` commands install, ARGs substituted, `.` as the repository."""
-    args = dockerfile_args(text)
-    substitute = lambda word: re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: args[m.group(1) or m.group(2)], word)  # noqa: E731
-    targets = []
-    for words in (words for command in run_commands(text) for words in shell_commands(command)):
-        if "pip" not in words or "install" not in words:
+def copied_to(text: str, source: str) -> PurePosixPath:
+    """Where the final stage's COPY puts `source`, relative to its WORKDIR."""
+    workdir = PurePosixPath("/")
+    for instruction in final_stage(text):
+        if instruction.keyword == "WORKDIR":
+            workdir = workdir / instruction.arguments
+        elif instruction.keyword == "COPY":
+            *sources, dest = [word for word in instruction.arguments.split() if not word.startswith("--")]
+            if source in sources:
+                return workdir / dest
+    raise AssertionError(f"docker/Dockerfile copies no {source}")
+
+
+def pip_install_targets(text: str, line) -> list[str]:
+    """What the Dockerfile's `pip install` installs on `line`: its ENV substituted, the folder the
+    project was copied to taken as the repository."""
+    project_dir = copied_to(text, "pyproject.toml")
+    substitute = lambda word: re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: line.env[m.group(1) or m.group(2)], word)  # noqa: E731
+    targets, workdir = [], PurePosixPath("/")
+    for instruction in final_stage(text):
+        if instruction.keyword == "WORKDIR":
+            workdir = workdir / instruction.arguments
+        if instruction.keyword != "RUN":
             continue
-        for word in words[words.index("install") + 1 :]:
-            if word.startswith("-"):
-                assert word in HARMLESS_PIP_FLAGS, f"pip option {word!r} in docker/Dockerfile: teach this test about it"
+        for words in shell_commands(instruction.arguments):
+            if "pip" not in words or "install" not in words:
                 continue
-            word = substitute(word)
-            targets.append(str(REPO_ROOT) if word == "." else word)
+            for word in words[words.index("install") + 1 :]:
+                if word.startswith("-"):
+                    assert word in HARMLESS_PIP_FLAGS, (
+                        f"pip option {word!r} in docker/Dockerfile: teach this test about it"
+                    )
+                    continue
+                word = substitute(word)
+                if word.startswith((".", "/")):
+                    assert workdir / word == project_dir, f"pip installs {word}, pyproject.toml is in {project_dir}"
+                    word = str(REPO_ROOT)
+                targets.append(word)
     assert targets, "docker/Dockerfile installs nothing with pip"
     return targets
 
@@ -180,10 +215,11 @@ def unmet_requirements(report: dict, environment: dict[str, str]) -> list[str]:
     return list(missing)
 
 
-def test_dockerfile_pins_install_on_the_image_python_and_platform(tmp_path):
-    text = DOCKERFILE.read_text()
-    python, platform = image_target(text)
-    targets = pip_install_targets(text)
+@pytest.mark.parametrize("line_name", list(LINES))
+def test_dockerfile_pins_install_on_the_line_python_and_platform(line_name, tmp_path):
+    text, line = DOCKERFILE.read_text(), LINES[line_name]
+    python, platform = line_target(line)
+    targets = pip_install_targets(text, line)
     environment = target_environment(python, platform)
     for attempt in range(4):
         report = pip_resolve(targets, python, platform, tmp_path / f"report{attempt}.json")
@@ -200,18 +236,76 @@ def test_dockerfile_pins_install_on_the_image_python_and_platform(tmp_path):
         requires_python = metadata.get("requires_python")
         if requires_python:
             assert Version(f"{python}.0") in SpecifierSet(requires_python), (name, requires_python)
-    args = dockerfile_args(text)
-    for name, arg in (("torch", "TORCH_VERSION"), ("transformers", "TRANSFORMERS_VERSION"), ("numpy", "NUMPY_VERSION")):
-        assert resolved[name]["version"] == args[arg], (name, resolved[name]["version"], args[arg])
+    for name in ("torch", "transformers", "numpy"):
+        assert resolved[name]["version"] == getattr(line, name), (line_name, name, resolved[name]["version"])
 
 
-def test_the_image_checks_its_own_python_and_platform():
-    """The build fails early if IMAGE_PYTHON / IMAGE_PLATFORM stop describing the base image."""
+def test_the_lines_and_the_default():
+    """`current` is the default line (compose and the chart build and run it); each line's stage
+    names its base image by a fixed tag, and the default line is the newest Triton."""
+    assert DEFAULT_LINE == "current"
+    assert set(LINES) == {"current", "2.51"}
+    for line in LINES.values():
+        assert re.fullmatch(r"nvcr\.io/nvidia/tritonserver:\d\d\.\d\d-py3", line.base), line.base
+        assert re.fullmatch(r"\d+\.\d+\.\d+", line.triton), line.triton
+    assert LINES["2.51"].triton.startswith("2.51.")
+    newest = max(LINES.values(), key=lambda line: Version(line.triton))
+    assert newest.name == DEFAULT_LINE
+
+
+def test_the_image_checks_its_own_line():
+    """The build fails early if a line's Python, platform or Triton stop describing its base image."""
     text = DOCKERFILE.read_text()
-    image_target(text)
     first = run_commands(text)[0]
-    assert "${IMAGE_PYTHON}" in first and "${IMAGE_PLATFORM}" in first and "assert" in first, first
-    assert text.index("ARG BASE_IMAGE=") < text.index("FROM ${BASE_IMAGE}")
+    for key in ("SAMPLER_PYTHON", "SAMPLER_PLATFORM", "SAMPLER_TRITON", "TRITON_SERVER_VERSION"):
+        assert key in first, key
+    assert "assert" in first
+    found = image_lines.instructions(text)
+    froms = [i.arguments for i in found if i.keyword == "FROM"]
+    assert froms[-1] == "line-${LINE}", froms
+    assert [i.arguments for i in found if i.keyword == "ARG"] == [f"LINE={DEFAULT_LINE}"]
+
+
+def test_the_image_runs_unprivileged_with_a_healthcheck():
+    stage = final_stage(DOCKERFILE.read_text())
+    users = [i.arguments for i in stage if i.keyword == "USER"]
+    assert users and users[-1] == "1000:1000", users
+    assert [i.keyword for i in stage][-3:] == ["EXPOSE", "HEALTHCHECK", "CMD"]
+    (healthcheck,) = [i.arguments for i in stage if i.keyword == "HEALTHCHECK"]
+    assert "http://localhost:8003/ready" in healthcheck
+    env = {k: v for i in stage if i.keyword == "ENV" for k, v in image_lines.env_pairs(i.arguments).items()}
+    for name in ("HOME", "XDG_CACHE_HOME", "TRITON_CACHE_DIR"):
+        assert env[name].startswith("/tmp"), name
+    for command in run_commands(DOCKERFILE.read_text()):
+        assert "apt-get" not in command, "the image installs nothing with apt (NGC ships jemalloc and curl)"
+        if "pip" in command and "install" in command:
+            assert "--no-cache-dir" in command, command
+
+
+def test_compose_builds_the_default_line():
+    compose = yaml.safe_load((REPO_ROOT / "docker" / "compose.yaml").read_text())
+    service = compose["services"]["sampler"]
+    line = re.fullmatch(r"\$\{(\w+):-([\w.]+)\}", service["build"]["args"]["LINE"])
+    assert line and line.group(2) == DEFAULT_LINE, service["build"]["args"]
+    assert service["image"].endswith(f"${{{line.group(1)}:-{DEFAULT_LINE}}}"), service["image"]
+
+
+def test_deploy_doc_table_matches_the_lines():
+    """docs/deploy.md's table of lines says what the Dockerfile says (Triton, Python, torch)."""
+    text = (REPO_ROOT / "docs" / "deploy.md").read_text()
+    rows = {
+        cells[0].split("`")[1]: cells
+        for cells in (
+            [cell.strip() for cell in row.strip().strip("|").split("|")]
+            for row in text.splitlines()
+            if row.startswith("| `")
+        )
+    }
+    for name, line in LINES.items():
+        assert name in rows, f"docs/deploy.md has no row for line {name}"
+        row = " | ".join(rows[name])
+        for value in (line.triton, line.python, line.torch, line.base.rsplit(":", 1)[1]):
+            assert value in row, (name, value, row)
 
 
 def package_sources() -> list[Path]:
@@ -219,8 +313,11 @@ def package_sources() -> list[Path]:
     return sorted(REPO_ROOT.glob("plugin/**/*.py")) + sorted(REPO_ROOT.glob("model_repository/*/*/*.py"))
 
 
-def test_package_parses_with_the_image_python():
-    python, _ = image_target(DOCKERFILE.read_text())
+@pytest.mark.parametrize("line_name", list(LINES))
+def test_package_parses_with_the_line_python(line_name):
+    """The grammar of the line's Python (ast's feature_version: this interpreter's grammar when the
+    line's Python is newer, which accepts everything the older grammars do)."""
+    python, _ = line_target(LINES[line_name])
     version = tuple(int(part) for part in python.split("."))
     sources = package_sources()
     assert len(sources) > 10, sources

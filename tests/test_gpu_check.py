@@ -84,3 +84,20 @@ def test_quick_check_runs_on_cpu_and_skips_the_cuda_steps(tmp_path):
     assert steps["bench"]["status"] == "skipped" and steps["bench"]["detail"].startswith("CUDA-only")
     assert steps["served"]["status"] == "skipped"
     assert (out / "unit.xml").is_file() and (out / "environment.json").is_file()
+
+    # The line it stands for: docker/Dockerfile's line with this Python (none for a Python no line
+    # has), its pins beside this machine's versions; no tritonserver ran.
+    python = f"{sys.version_info.major}.{sys.version_info.minor}"
+    expected = subprocess.run(
+        [sys.executable, "docker/image_lines.py", "--python", python], cwd=REPO_ROOT, capture_output=True, text=True
+    )
+    expected = json.loads(expected.stdout)
+    line = summary["line"]
+    assert line["image"] == expected and line["name"] == (expected["name"] if expected else None)
+    assert line["here"]["python"].startswith(python + ".") and line["here"]["numpy"]
+    assert line["tritonserver"] is None
+    assert f"summary (line {line['name'] or 'none'}, tritonserver none)" in done.stdout
+    if expected is None:
+        assert f"line none: no docker/Dockerfile line has Python {python}" in done.stdout
+    else:
+        assert f"line {expected['name']}: Python {python}" in done.stdout

@@ -121,6 +121,18 @@ def test_chart_version_and_image_tag_follow_the_package():
     assert container(render())["image"] == f"triton-sampling-mask:{version}"
     digest = HARDENED["image"]["digest"]
     assert container(render({"image": {"digest": digest}}))["image"] == f"triton-sampling-mask@{digest}"
+    # The 2.51 line's image, tagged as values.yaml and the chart's README suggest.
+    tag = f"{version}-triton2.51"
+    assert container(render({"image": {"tag": tag}}))["image"] == f"triton-sampling-mask:{tag}"
+    assert f"image.tag={tag}" in (CHART / "README.md").read_text()
+
+
+def test_pods_run_as_the_images_user():
+    """The chart's default uid/gid is the Dockerfile's USER, so the pod runs the image as built."""
+    dockerfile = (REPO_ROOT / "docker" / "Dockerfile").read_text()
+    user = re.findall(r"^USER\s+(\d+):(\d+)\s*$", dockerfile, flags=re.MULTILINE)[-1]
+    context = pod_spec(render())["securityContext"]
+    assert (str(context["runAsUser"]), str(context["runAsGroup"])) == user
 
 
 def test_default_objects_all_in_the_release_namespace():

@@ -36,12 +36,27 @@ def test_shell_scripts_pass_shellcheck(script):
     run([tool("shellcheck"), str(script)])
 
 
-def test_dockerfile_copies_only_files_that_exist():
+def copy_sources() -> list[str]:
+    """The sources of every COPY in docker/Dockerfile (flags such as --chmod left out)."""
     lines = (REPO_ROOT / "docker" / "Dockerfile").read_text().splitlines()
-    sources = [part for line in lines if line.startswith("COPY ") for part in line.split()[1:-1]]
+    words = [line.split()[1:] for line in lines if line.startswith("COPY ")]
+    return [word for copy in words for word in [w for w in copy if not w.startswith("--")][:-1]]
+
+
+def test_dockerfile_copies_only_files_that_exist():
+    sources = copy_sources()
     assert sources, "the Dockerfile copies nothing"
     for source in sources:
         assert (REPO_ROOT / source).exists(), source
+
+
+def test_build_context_holds_exactly_what_the_dockerfile_copies():
+    """docker/Dockerfile.dockerignore excludes everything (`*`), then lets in each COPY source."""
+    ignore = REPO_ROOT / "docker" / "Dockerfile.dockerignore"
+    patterns = [line.strip() for line in ignore.read_text().splitlines() if line.strip() and not line.startswith("#")]
+    assert patterns[0] == "*", patterns
+    allowed = {pattern[1:].rstrip("/") for pattern in patterns if pattern.startswith("!")}
+    assert allowed == {source.rstrip("/") for source in copy_sources()}, (allowed, copy_sources())
 
 
 def test_compose_reserves_gpus_and_shared_memory():
