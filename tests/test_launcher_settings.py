@@ -3,9 +3,11 @@ and the environment its stubs inherit."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from triton_sampling_mask.ops import allocator, server_process
+from triton_sampling_mask.ops import allocator, server_process, settings
 
 
 def test_resource_args_default_the_pool_and_the_http_threads(monkeypatch):
@@ -63,3 +65,37 @@ def test_jemalloc_gets_its_purge_options_unless_the_user_set_them(monkeypatch):
     assert env["LD_PRELOAD"] == library and "background_thread:true" in env["MALLOC_CONF"]
     assert allocator.with_allocator({"MALLOC_CONF": "narenas:2"}, "jemalloc")["MALLOC_CONF"] == "narenas:2"
     assert "LD_PRELOAD" not in allocator.with_allocator({}, "system")
+
+
+def fake_server(tmp_path: Path, *options: str) -> str:
+    """An executable that answers --help as tritonserver does (usage on stderr, exit 1)."""
+    script = tmp_path / "tritonserver"
+    usage = "\\n".join(f"  {option} <integer>" for option in ("--http-port", *options))
+    script.write_text(f"#!/bin/sh\nprintf 'Usage: tritonserver [options]\\n{usage}\\n' >&2\nexit 1\n")
+    script.chmod(0o755)
+    return str(script)
+
+
+def test_the_2_51_server_gets_no_flag_it_does_not_know():
+    """The nvidia-pytriton wheel's 2.51 lists neither flag; it refuses unknown ones at start."""
+    binary = str(server_process.pytriton_root() / "tritonserver" / "bin" / "tritonserver")
+    known = server_process.server_flags(binary)
+    assert {"--http-restricted-api", "--exit-timeout-secs", "--model-control-mode"} <= known, sorted(known)
+    assert not {"--http-max-input-size", "--allow-client-shm"} & known
+    assert server_process.compatibility_args(binary) == []
+
+
+def test_a_newer_server_holds_the_largest_request_and_allows_client_shm(tmp_path):
+    binary = fake_server(tmp_path, "--http-max-input-size", "--allow-client-shm")
+    assert server_process.compatibility_args(binary) == [
+        f"--http-max-input-size={server_process.HTTP_MAX_INPUT_BYTES}",
+        "--allow-client-shm=true",
+    ]
+    given = ["--http-max-input-size=1024", "--allow-client-shm=false"]
+    assert server_process.compatibility_args(binary, given) == []  # the caller's flags win
+    assert server_process.HTTP_MAX_INPUT_BYTES > settings.LARGEST_REQUEST_BYTES + 2**20  # a binary header fits too
+    assert server_process.server_flags(str(tmp_path / "missing")) == frozenset()
+
+
+def test_a_server_that_lists_only_old_flags_gets_none(tmp_path):
+    assert server_process.compatibility_args(fake_server(tmp_path, "--grpc-port")) == []

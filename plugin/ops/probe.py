@@ -29,8 +29,12 @@ DEFAULT_TIMEOUT_S = 5.0
 # Greedy over these logits must pick id 7: a wrong id means the model answers but computes wrong.
 PROBE_LOGITS = [0.0, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 8.0]
 PROBE_PROMPT = [1, 2, 3]
-# Python backend r24.10's answer for every request to a model whose stub process died.
+# The Python backend's answer (r24.10 and r26.x alike) for every request to a model whose stub died.
 UNHEALTHY_STUB = "is not healthy"
+# Since Triton 2.64 GET /v2/models/<m>/ready also answers 400 once a loaded model's stub died (2.51
+# keeps answering 200). The watchdog probes only models the index lists as READY, so for a model
+# probed by readiness alone that 400 means the same: reload it.
+NOT_READY_STATUS = 400
 
 
 @dataclass
@@ -183,7 +187,8 @@ def probe_model(url: str, model: str, timeout_s: float = DEFAULT_TIMEOUT_S, conf
         return result(True, f"shed by the queue policy: {_error_text(body)}", shed=True)
     if status != 200:
         message = _error_text(body) if body else f"HTTP {status}"
-        return result(False, f"HTTP {status}: {message}", unhealthy=UNHEALTHY_STUB in message)
+        stub_dead = UNHEALTHY_STUB in message or (kind == "ready" and status == NOT_READY_STATUS)
+        return result(False, f"HTTP {status}: {message}", unhealthy=stub_dead)
     if kind == "ready":
         return result(True, "model ready (no inference: its inputs are not a sampler's or a generator's)")
     try:

@@ -9,6 +9,7 @@ of its own (`TritonServer`, for tests and benchmarks). The CLI (`ops.launcher`) 
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import re
@@ -132,10 +133,43 @@ def resource_args(extra_args: list[str] = ()) -> list[str]:
     return args
 
 
+# Newer tritonservers refuse what the models admit unless told otherwise: since 2.59 each HTTP input,
+# and the whole body, is capped at 64 MiB (the largest request is 256 MiB), and since 2.69 client
+# shared memory is off (the admin key still locks those APIs). The flags go only to a server that
+# lists them: the nvidia-pytriton wheel's 2.51 refuses to start on an unknown flag.
+HTTP_MAX_INPUT_BYTES = 2 * settings.LARGEST_REQUEST_BYTES
+
+
+@functools.cache
+def server_flags(binary: str) -> frozenset[str]:
+    """The long options `binary --help` lists (tritonserver prints its usage and exits 1); empty
+    when it cannot run."""
+    try:
+        done = subprocess.run(
+            [binary, "--help"], capture_output=True, text=True, env=server_environment(), timeout=30, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return frozenset()
+    return frozenset(re.findall(r"^\s+(--[a-z0-9-]+)", done.stdout + done.stderr, flags=re.MULTILINE))
+
+
+def compatibility_args(binary: str, extra_args: list[str] = ()) -> list[str]:
+    """The flags a newer `binary` needs to hold the largest request and serve client shared
+    memory, where it lists them and `extra_args` does not set them."""
+    given = {arg.split("=", 1)[0] for arg in extra_args}
+    known = server_flags(binary)
+    args = []
+    if "--http-max-input-size" in known and "--http-max-input-size" not in given:
+        args.append(f"--http-max-input-size={HTTP_MAX_INPUT_BYTES}")
+    if "--allow-client-shm" in known and "--allow-client-shm" not in given:
+        args.append("--allow-client-shm=true")
+    return args
+
+
 def server_command(model_repository: Path, ports: dict[str, int], extra_args: list[str] = ()) -> list[str]:
     """The tritonserver command line for a repository and ports: the nvidia-pytriton wheel's server
     with the backends prepared for this Python, or else the Triton image's own with its backends;
-    `resource_args` first, then `extra_args`."""
+    `resource_args` and `compatibility_args` first, then `extra_args`."""
     if has_pytriton():
         binary = [
             str(pytriton_root() / "tritonserver" / "bin" / "tritonserver"),
@@ -151,6 +185,7 @@ def server_command(model_repository: Path, ports: dict[str, int], extra_args: li
         f"--grpc-port={ports['grpc']}",
         f"--metrics-port={ports['metrics']}",
         *resource_args(extra_args),
+        *compatibility_args(binary[0], extra_args),
         *extra_args,
     ]
 

@@ -6,8 +6,9 @@ What it answers, with Triton 2.51 / Python backend r24.10:
 - One request can kill a model's Python stub (a declared shape whose byte size wraps around
   passes Triton's checks; the stub aborts before `execute`). The backend never restarts the
   stub: every later request gets 500 "Stub process '<m>_0_0' is not healthy" while
-  /v2/health/ready stays 200. The watchdog sends each loaded model a tiny real inference every
-  `watchdog_interval_s` (`ops.probe`) and reloads the model (unload + load through the
+  /v2/health/ready stays 200 (in 2.51; from 2.64 the model's readiness and from 2.68 the server's
+  turn false, and still nothing restarts the stub). The watchdog sends each loaded model a tiny
+  real inference every `watchdog_interval_s` (`ops.probe`) and reloads the model (unload + load through the
   model-repository API, explicit model-control mode) when the answer says the stub is dead, or
   when a sampler-like model times out twice in a row without finishing any request in between
   (its statistics did not move). A decoupled generator is never reloaded for a timeout: it runs
