@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.step_latency import closed_loop_ms, latency_summary, make_step_logits
+from bench.step_latency import closed_loop, latency_summary, make_step_logits
 
 CALLS = 2000
 VOCAB = 151936
@@ -20,7 +20,7 @@ STALL_MS = 450.0
 
 @pytest.mark.parametrize("threads", [1, 8])
 def test_no_step_call_waits_on_the_batcher(triton_server, threads):
-    ms = closed_loop_ms(triton_server.grpc_url, make_step_logits(8, 1, VOCAB), CALLS, threads)
+    ms = closed_loop(triton_server.grpc_url, make_step_logits(8, 1, VOCAB), CALLS, threads).latencies_ms
     summary = latency_summary(ms)
     stalled = int((ms >= STALL_MS).sum())
     print(
