@@ -16,7 +16,7 @@ server of its own.
 The client is Python's tritonclient at every point: perf_analyzer 2.51's only per-request record,
 its profile export, writes each request's input tensors as JSON numbers (gigabytes of logits
 without shared memory) and, with shared memory, reads them from unset buffers, whose garbage
-(NaN among it) leaves the file empty or cut short on most runs of a few hundred requests; its CSV
+(NaN among it) leaves the file empty on most runs of a few hundred requests; its CSV
 has no p99.9, no max and no count of slow calls.
 """
 
