@@ -21,7 +21,13 @@ TARGETS = {
     "more before execute; BF16 arrives through DLPack without that copy)",
     "g": "masks on with per-support log-probs requested <= 1.10x without, in-process (the sampler computes "
     "them either way: the ratio is what asking for them costs)",
+    # On the step-latency table (bench/step_latency.py).
+    "h": "step latency: no call over 200 ms in any point (B=1 and B=8 rows per call, gRPC with and without "
+    "system shared memory, each concurrency)",
+    "i": "step latency: p99 <= 3x p50 in every point",
 }
+# p99 / p50 of a step-latency point may be at most this (target i).
+STEP_TAIL_RATIO = 3.0
 # The floor targets: (B, V, top_k) of the case, and the largest ours/floor (masks on) that meets it.
 FLOOR_TARGETS = {"b1": ((1, 151936, 512), 1.5), "b2": ((1, 32000, 512), 2.0), "b3": ((64, 151936, 512), 1.0)}
 # Where a grid lacks a floor target's case (--tiny), the stand-in takes, per dimension, the grid's
@@ -106,13 +112,40 @@ def call_verdicts(call: dict) -> dict:
     }
 
 
+def _step_name(point: dict) -> str:
+    return f"B={point['rows']} {point['path']} c={point['concurrency']}"
+
+
+def step_verdicts(step: dict) -> dict:
+    """Targets (h) and (i) on the step-latency table: the worst point of each."""
+    points = step["points"]
+    slowest = max(points, key=lambda p: p["over_slow"])
+    tail = max(points, key=lambda p: p["p99_ms"] / p["p50_ms"])
+    return {
+        "h": {
+            "target": TARGETS["h"],
+            "case": f"{_step_name(slowest)}, {slowest['calls']} calls; {sum(p['over_slow'] for p in points)} in all",
+            "value": slowest["over_slow"],
+            "threshold": 0,
+            "met": slowest["over_slow"] == 0,
+        },
+        "i": {
+            "target": TARGETS["i"],
+            "case": _step_name(tail),
+            "value": tail["p99_ms"] / tail["p50_ms"],
+            "threshold": STEP_TAIL_RATIO,
+            "met": tail["p99_ms"] / tail["p50_ms"] <= STEP_TAIL_RATIO,
+        },
+    }
+
+
 def _paired_rounds(numerator: dict, denominator: dict) -> float | None:
     """The median over interleaved rounds of one point's p50 over another's (None with one round)."""
     numerators, denominators = numerator.get("round_p50_ms", []), denominator.get("round_p50_ms", [])
     return paired_median_ratio(numerators, denominators) if min(len(numerators), len(denominators)) > 1 else None
 
 
-def verdicts(kernel: list[dict], served: dict | None, call: dict | None = None) -> dict:
+def verdicts(kernel: list[dict], served: dict | None, call: dict | None = None, step: dict | None = None) -> dict:
     """Each target as measured: the value at its case (ratio of medians), the median of per-round
     ratios and the best-of-rounds ratio where the timing gives them, and pass/fail (on the value)."""
     head = headline_case(kernel)
@@ -145,6 +178,8 @@ def verdicts(kernel: list[dict], served: dict | None, call: dict | None = None) 
         }
     if call:
         out.update(call_verdicts(call))
+    if step:
+        out.update(step_verdicts(step))
     return out
 
 
@@ -232,6 +267,8 @@ def print_tables(results: dict) -> None:
             )
     if results.get("served_call"):
         print_call_table(results["served_call"])
+    if results.get("step_latency"):
+        print_step_table(results["step_latency"])
     print("\nTargets")
     for key, v in results["targets"].items():
         best = f", best-of-rounds {v['best_of_rounds']:.3f}" if "best_of_rounds" in v else ""
@@ -327,6 +364,62 @@ def print_call_table(call: dict) -> None:
     print(" ".join(f"{h:>{w}}" for h, w in zip(_CALL_HEADER, widths)))
     for cells in _call_rows(call):
         print(" ".join(f"{c:>{w}}" for c, w in zip(cells, widths)))
+
+
+def _step_title(step: dict) -> str:
+    return (
+        f"Step latency: {step['calls_per_point']} closed-loop calls per point, each of B rows of V={step['vocab']} "
+        f"FP32 logits ({step['params']}, outputs {', '.join(step['outputs'])}), split over `conc` Python clients; "
+        f"ms per call; > {step['slow_ms']:.0f} = calls over {step['slow_ms']:.0f} ms; queue = the server's mean "
+        f"queue ms per request"
+    )
+
+
+_STEP_HEADER = ["B", "path", "conc", "calls", "p50", "p99", "p99.9", "max", "over", "rows/s", "queue"]
+
+
+def _step_header(step: dict) -> list[str]:
+    return [f"> {step['slow_ms']:.0f}" if h == "over" else h for h in _STEP_HEADER]
+
+
+def _step_rows(step: dict) -> list[list[str]]:
+    return [
+        [
+            str(p["rows"]),
+            p["path"],
+            str(p["concurrency"]),
+            str(p["calls"]),
+            f"{p['p50_ms']:.2f}",
+            f"{p['p99_ms']:.2f}",
+            f"{p['p999_ms']:.1f}",
+            f"{p['max_ms']:.1f}",
+            str(p["over_slow"]),
+            f"{p['rows_per_s']:.0f}",
+            f"{p['server']['queue_ms']:.2f}",
+        ]
+        for p in step["points"]
+    ]
+
+
+def _itl_line(itl: dict, slow_ms: float) -> str:
+    return (
+        f"generate, {itl['streams']} streams x {itl['requests_per_stream']} streaming requests of "
+        f"{itl['max_new_tokens']} tokens: inter-token gap p50 {itl['p50_ms']:.1f} ms, p99 {itl['p99_ms']:.1f} ms, "
+        f"p99.9 {itl['p999_ms']:.1f} ms, max {itl['max_ms']:.1f} ms, {itl['over_slow']} of {itl['calls']} gaps over "
+        f"{slow_ms:.0f} ms; TTFT p50 {itl['ttft_p50_ms']:.0f} ms, p99 {itl['ttft_p99_ms']:.0f} ms; "
+        f"{itl['tokens_per_s']:.0f} tokens/s"
+    )
+
+
+def print_step_table(step: dict) -> None:
+    """The step-latency table (and generate's inter-token gaps) on stdout."""
+    print(f"\n{_step_title(step)}")
+    widths = [3, 9, 5, 6, 8, 8, 8, 8, 6, 7, 7]
+    print(" ".join(f"{h:>{w}}" for h, w in zip(_step_header(step), widths)))
+    for cells in _step_rows(step):
+        print(" ".join(f"{c:>{w}}" for c, w in zip(cells, widths)))
+    if step.get("itl"):
+        print(_itl_line(step["itl"], step["slow_ms"]))
 
 
 # Timed functions of the gpu grid beyond the five of every grid, in table order, with short titles.
@@ -519,6 +612,13 @@ def markdown_summary(results: dict) -> str:
             "|" + "---|" * len(_CALL_HEADER),
         ]
         lines += ["| " + " | ".join(cells) + " |" for cells in _call_rows(call)]
+    step = results.get("step_latency")
+    if step:
+        header = _step_header(step)
+        lines += ["", _step_title(step) + ".", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        lines += ["| " + " | ".join(cells) + " |" for cells in _step_rows(step)]
+        if step.get("itl"):
+            lines += ["", _itl_line(step["itl"], step["slow_ms"]) + "."]
     lines += [
         "",
         "| target | case | measured (ratio of medians) | median of per-round ratios | best-of-rounds "

@@ -2,6 +2,7 @@
 
     python -m bench.run [--device cpu|cuda] [--grid cpu|gpu] [--tiny] [--skip-served] [--skip-top-p]
                         [--skip-served-call] [--call-requests N] [--no-perf-analyzer]
+                        [--skip-step-latency] [--step-calls N] [--skip-itl]
                         [--output PATH] [--plot PATH] [--no-plot] [--flashinfer-timeout S] [--note TEXT]
 
 --grid cpu (default): B {1, 8, 64} x V {32000, 151936} x top_k {50, 512}, ~3 s per case; writes
@@ -10,9 +11,11 @@ bench/results/latest.json. --grid gpu: B {1, 8, 64, 256} x V {32000, 151936, 262
 FlashInfer where it imports); writes bench/results/gpu.json. Both add the top-p case without a
 mask. The served part (cpu device only) times B=1 rows at concurrency 1/4/16 and one call of
 B=64 x V=151936 over gRPC, HTTP and system shared memory, FP32 and BF16 logits (bench/served_call.py),
-with perf_analyzer as the client where it runs (bench/perf_analyzer.py). --tiny shrinks it all to
-seconds. The JSON is rewritten after every case ("complete": false until the end), so a run cut
-short keeps what finished.
+with perf_analyzer as the client where it runs (bench/perf_analyzer.py), then the step latency on
+the same server (bench/step_latency.py: 10,000 calls per point of B=1 and B=8 rows at concurrency
+1/8/16, gRPC with and without shared memory, every call timed; generate's inter-token gaps at 32
+streams). --tiny shrinks it all to seconds. The JSON is rewritten after every case ("complete":
+false until the end), so a run cut short keeps what finished.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from . import kernel, report
+from . import kernel, report, step_latency
 from .baseline import flashinfer_sampler
 from .common import RESULTS_DIR, interleaved_medians, machine_facts, mask_width
 
@@ -60,6 +63,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--no-perf-analyzer", action="store_true", help="the Python load generator even where perf_analyzer runs"
     )
+    parser.add_argument("--skip-step-latency", action="store_true", help="no step-latency table (nor generate's gaps)")
+    parser.add_argument(
+        "--step-calls", type=int, default=None, help="calls per step-latency point (default 10,000; 40 with --tiny)"
+    )
+    parser.add_argument("--skip-itl", action="store_true", help="no generate inter-token gaps in the step latency")
     parser.add_argument("--output", type=Path, default=None, help="JSON path (default by grid, in bench/results/)")
     parser.add_argument("--plot", type=Path, default=None, help="PNG path (default by grid, in bench/results/)")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG (no matplotlib needed)")
@@ -119,7 +127,7 @@ def main(argv: list[str] | None = None) -> dict:
             f"  top-p B={rows} V={vocab}: " + ", ".join(f"{n} {ms:.2f} ms" for n, ms in results["top_p"]["ms"].items())
         )
         report.write_json(results, output)
-    served = served_call = None
+    served = served_call = step = None
     if not args.skip_served and device.type == "cpu":
         from .served import run_served_benchmark
 
@@ -129,19 +137,32 @@ def main(argv: list[str] | None = None) -> dict:
             "call_requests": args.call_requests,
             "use_perf_analyzer": not args.no_perf_analyzer,
             "progress": progress,
+            "on_server": None
+            if args.skip_step_latency
+            else functools.partial(
+                _step_latency,
+                size=step_latency.SIZES["tiny" if args.tiny else "full"],
+                calls=args.step_calls,
+                itl=not args.skip_itl,
+                progress=progress,
+            ),
         }
         if args.tiny:
             # 0.8 s per point: one stalled request (~0.5 s stalls were seen with the machine loaded)
             # must not leave a point with no request recorded, which served.py cannot summarise.
-            served, served_call = run_served_benchmark(width, 1000, (1, 2), duration_s=0.8, warmup_s=0.1, **options)
+            served, served_call, step = run_served_benchmark(
+                width, 1000, (1, 2), duration_s=0.8, warmup_s=0.1, **options
+            )
         else:
-            served, served_call = run_served_benchmark(
+            served, served_call, step = run_served_benchmark(
                 width, 151936, (1, 4, 16), duration_s=args.served_seconds, warmup_s=0.5, **options
             )
         results["served"] = served
         if served_call is not None:
             results["served_call"] = served_call
-    results["targets"] = report.verdicts(results["kernel"], served, served_call)
+        if step is not None:
+            results["step_latency"] = step
+    results["targets"] = report.verdicts(results["kernel"], served, served_call, step)
     results["machine"]["load_average_1m_after"] = machine_facts()["load_average_1m"]
     results["wall_s"] = time.perf_counter() - started
     results["complete"] = True
@@ -152,6 +173,12 @@ def main(argv: list[str] | None = None) -> dict:
         report.plot(results, plot_path)
     print(f"\nwrote {output}{'' if args.no_plot else ' and ' + str(plot_path)} in {results['wall_s']:.0f} s")
     return results
+
+
+def _step_latency(server, **options) -> dict:
+    """The step-latency table on the served benchmark's server (its on_server hook)."""
+    options.get("progress", print)("step latency (every call timed, Python client)")
+    return step_latency.run_on_server(server, **options)
 
 
 if __name__ == "__main__":

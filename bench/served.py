@@ -247,10 +247,12 @@ def run_served_benchmark(
     call_tiny: bool | None = None,
     call_requests: int | None = None,
     use_perf_analyzer: bool = True,
-) -> tuple[dict, dict | None]:
+    on_server=None,
+) -> tuple[dict, dict | None, object]:
     """In-process first (server not yet up), then every protocol x concurrency on one server, then
-    (unless `call_tiny` is None) the one-call B x V table of served_call on the same server.
-    Returns the B=1 results and the call table (None when not run)."""
+    (unless `call_tiny` is None) the one-call B x V table of served_call on the same server, then
+    `on_server(server)` (the step-latency points) there.
+    Returns the B=1 results, the call table and what `on_server` returned (None when not run)."""
     rows = make_rows(32, vocab)
     in_process = [in_process_load(rows, c, width, duration_s) for c in sorted({1, *concurrencies})]
     for entry in in_process:
@@ -260,7 +262,7 @@ def run_served_benchmark(
     progress(
         f"  load generator: {'perf_analyzer, ' + pa_status if pa else 'Python (perf_analyzer: ' + pa_status + ')'}"
     )
-    served, call = [], None
+    served, call, extra = [], None, None
     with tempfile.TemporaryDirectory(prefix="bench-models-") as tmp:
         repository = Path(tmp) / "model_repository"
         shutil.copytree(MODEL_REPOSITORY, repository, ignore=shutil.ignore_patterns("__pycache__"))
@@ -327,6 +329,8 @@ def run_served_benchmark(
                     progress,
                     statistics=served_call.model_statistics,
                 )
+            if on_server is not None:
+                extra = on_server(server)
     clients = sorted({e["client"] for e in served})
     return (
         {
@@ -339,4 +343,5 @@ def run_served_benchmark(
             "served": served,
         },
         call,
+        extra,
     )

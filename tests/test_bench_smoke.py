@@ -148,6 +148,14 @@ def test_tiny_benchmark_writes_results(tmp_path):
     assert sampled == {(path, dtype) for path in ("grpc", "http", "grpc_shm", "http_shm") for dtype in ("fp32", "bf16")}
     assert all(entry["requests"] > 0 and _positive_finite(entry["p50_ms"]) for entry in call["served"])
     assert all(_positive_finite(results["targets"][key]["value"]) for key in ("e", "f", "g"))
+    # The step-latency table: every rows x path x concurrency point timed call by call, (h) and (i)
+    # reported, and generate's inter-token gaps.
+    step = results["step_latency"]
+    points = {(p["rows"], p["path"], p["concurrency"]) for p in step["points"]}
+    assert points == {(rows, path, c) for rows in (1, 8) for path in ("grpc", "grpc_shm") for c in (1, 2)}
+    assert all(p["calls"] == step["calls_per_point"] and _positive_finite(p["max_ms"]) for p in step["points"])
+    assert step["itl"]["calls"] > 0 and _positive_finite(step["itl"]["p50_ms"])
+    assert {"h", "i"} <= set(results["targets"]) and _positive_finite(results["targets"]["i"]["value"])
     assert plot_args == ["--no-plot"] or plot.stat().st_size > 0
 
 
