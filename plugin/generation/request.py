@@ -88,8 +88,6 @@ def step_params(params: RowParams, steps: np.ndarray) -> RowParams:
     samples with `rng.step_seeds(seed, step)`, so its tokens depend on (seed, step) only."""
     if not params.has_seed.any():
         return params
-    seeds = params.seed.view(np.int64).copy()
-    for step in np.unique(steps[params.has_seed]):
-        rows = np.flatnonzero((steps == step) & params.has_seed)
-        seeds[rows] = rng.step_seeds(torch.from_numpy(seeds[rows]), int(step)).numpy()
-    return replace(params, seed=seeds.view(np.uint64))
+    seeds = params.seed.view(np.int64)
+    stepped = rng.step_seeds(torch.from_numpy(seeds), torch.from_numpy(np.asarray(steps, np.int64))).numpy()
+    return replace(params, seed=np.where(params.has_seed, stepped, seeds).view(np.uint64))

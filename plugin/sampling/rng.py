@@ -57,12 +57,15 @@ def gumbel(state: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     return -torch.log(-torch.log(uniform(state, token_ids)))
 
 
-def step_seeds(seeds: torch.Tensor, step: int) -> torch.Tensor:
+def step_seeds(seeds: torch.Tensor, step: int | torch.Tensor) -> torch.Tensor:
     """Per-step seeds (int64 bit patterns of uint64) for multi-token generation.
 
     Generation step s of a row seeded with `seed` samples with seed step_seeds(seed, s), so the
     stream depends only on (seed, s): reproducible, and independent of batching and masks.
+    `step` is one step for every row, or an int64 tensor of each row's own step.
     """
+    if isinstance(step, torch.Tensor):  # int64 products wrap modulo 2**64, as the masked int below
+        return mix64(seed_state(seeds) + (step.to(torch.int64) + 1) * STEP_GAMMA)
     return mix64(seed_state(seeds) + _signed(((step + 1) * STEP_GAMMA) & ((1 << 64) - 1)))
 
 
