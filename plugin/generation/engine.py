@@ -316,12 +316,12 @@ class ContinuousEngine:
             if not done and unusable[i, accepted[i]]:  # plain decoding would fail at this step
                 finished[i] = True
                 _quietly(sequence.handle.fail, f"the language model produced unusable logits at step {sequence.step}")
-        self.observer.generated(int(emitted.sum()))
         speculated = drafts is not None
-        if speculated:
+        if speculated:  # counted before the tokens: a reader who sees the tokens counted sees these too
             self.observer.speculated(
                 int((drafted > 0).sum()), int(drafted.sum()), int(np.minimum(accepted, emitted).sum())
             )
+        self.observer.generated(int(emitted.sum()))
         self._last = torch.from_numpy(sampled[np.arange(rows), np.maximum(emitted - 1, 0)])
         if self._history is not None:
             self._history.append(sampled, emitted)
