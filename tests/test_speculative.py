@@ -377,3 +377,27 @@ def test_requests_joining_a_speculating_batch_equal_them_alone():
     alone, _ = run(load_lm(dtype="float64"), [replace(long, stream=False), *late])
     for joined, by_itself in zip(handles, alone):
         assert_same_generation(joined, by_itself, logprob_atol=1e-5)
+
+
+def test_the_config_builds_the_drafter_and_the_load_line_says_how_it_decodes():
+    from triton_sampling_mask.serving.generate_model import build_drafter, speculation_summary
+
+    def config(**parameters):
+        return {"parameters": {key: {"string_value": value} for key, value in parameters.items()}}
+
+    assert build_drafter(config(), "generate/config.pbtxt") is None
+    assert build_drafter(config(speculative_algorithm="eagle"), "generate/config.pbtxt") is None
+    drafter = build_drafter(
+        config(
+            speculative_algorithm=" NGram ", num_speculative_tokens="6", prompt_lookup_max="4", prompt_lookup_min="1"
+        ),
+        "generate/config.pbtxt",
+    )
+    assert drafter == NgramDrafter(num_tokens=6, max_n=4, min_n=1)
+    assert build_drafter(config(speculative_algorithm="ngram"), "generate/config.pbtxt") == NgramDrafter()
+    with pytest.raises(ValueError, match=r"prompt_lookup_min.*\(config parameters in generate/config.pbtxt\)"):
+        build_drafter(config(speculative_algorithm="ngram", prompt_lookup_min="5"), "generate/config.pbtxt")
+    assert "ngram (up to 4 drafted tokens" in speculation_summary("ngram", NgramDrafter(), load_lm())
+    assert "falls back to plain decoding" in speculation_summary("ngram", NgramDrafter(), BigramLM())
+    assert "'eagle' is not drafted here" in speculation_summary("eagle", None, load_lm())
+    assert speculation_summary("none", None, load_lm()).endswith("none")
