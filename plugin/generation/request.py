@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import numpy as np
-import torch
 
 from ..sampling import rng
 from ..sampling.outputs import TOKEN_OUTPUT_NAMES, padding
@@ -88,6 +87,5 @@ def step_params(params: RowParams, steps: np.ndarray) -> RowParams:
     samples with `rng.step_seeds(seed, step)`, so its tokens depend on (seed, step) only."""
     if not params.has_seed.any():
         return params
-    seeds = params.seed.view(np.int64)
-    stepped = rng.step_seeds(torch.from_numpy(seeds), torch.from_numpy(np.asarray(steps, np.int64))).numpy()
-    return replace(params, seed=np.where(params.has_seed, stepped, seeds).view(np.uint64))
+    stepped = rng.step_seeds_numpy(params.seed, steps).view(np.uint64)
+    return replace(params, seed=np.where(params.has_seed, stepped, params.seed))
