@@ -286,13 +286,7 @@ class ContinuousEngine:
         sampled[owner, within] = arrays["output_ids"]
         unusable = np.zeros((rows, width), bool)
         unusable[owner, within] = broken
-        accepted = np.zeros(rows, np.int64)
-        if width > 1:
-            proposed = np.full((rows, width - 1), PAD, np.int64)
-            proposed[: drafts.shape[0]] = drafts[:, : width - 1]
-            # Draft i + 1 stands iff it is what position i sampled (a broken position samples nothing).
-            agree = (sampled[:, :-1] == proposed) & (proposed != PAD) & ~unusable[:, :-1]
-            accepted = np.cumprod(agree, axis=1).sum(axis=1)
+        accepted = _accepted(sampled, drafts, unusable)
         # Plain decoding would emit the accepted drafts, then the next sampled token, unless broken.
         usable = accepted + ~unusable[np.arange(rows), accepted]
         emitted = np.zeros(rows, np.int64)
@@ -394,6 +388,19 @@ class ContinuousEngine:
         with self._cv:
             waiting = len(self._waiting)
         self.observer.occupancy(len(self._rows), waiting, sum(s.cached for s in self._rows))
+
+
+def _accepted(sampled: np.ndarray, drafts: np.ndarray | None, unusable: np.ndarray) -> np.ndarray:
+    """How many of each row's drafts stand ([rows]): draft i + 1 stands iff position i sampled it
+    (a broken position samples nothing) and every draft before it stood. `sampled` and `unusable`
+    are [rows, 1 + most drafts]; `drafts` covers the first rows (the later ones drafted nothing)."""
+    rows, width = sampled.shape
+    if drafts is None or width == 1:
+        return np.zeros(rows, np.int64)
+    proposed = np.full((rows, width - 1), PAD, np.int64)
+    proposed[: drafts.shape[0]] = drafts[:, : width - 1]
+    agree = (sampled[:, :-1] == proposed) & (proposed != PAD) & ~unusable[:, :-1]
+    return np.cumprod(agree, axis=1).sum(axis=1)
 
 
 def _whole(sequence: _Sequence, finish_reason: str, width: int) -> GenerationChunk:
