@@ -311,7 +311,7 @@ class ContinuousEngine:
                 finished[i] = True
                 _quietly(sequence.handle.fail, f"the language model produced unusable logits at step {sequence.step}")
         speculated = drafts is not None
-        if speculated:  # counted before the tokens: a reader who sees the tokens counted sees these too
+        if speculated:  # before generate_tokens_total: who sees a step's tokens counted sees this too
             self.observer.speculated(
                 int((drafted > 0).sum()), int(drafted.sum()), int(np.minimum(accepted, emitted).sum())
             )
