@@ -45,7 +45,11 @@ def _place(item, external: ExternalTritonServer | None) -> str:
     if item.nodeid.startswith("client_tests/test_scale_out.py"):
         return "three local CPU servers of its own"
     if item.nodeid.startswith(
-        ("client_tests/test_generate_engine.py", "client_tests/test_load_shedding.py::test_a_burst")
+        (
+            "client_tests/test_generate_engine.py",
+            "client_tests/test_speculative.py",
+            "client_tests/test_load_shedding.py::test_a_burst",
+        )
     ):
         return "a local CPU server of its own"
     if "explicit_server" in item.fixturenames or item.nodeid.split("[")[0] in OWN_SERVER_TESTS:

@@ -62,6 +62,15 @@ def test_step_seeds_use_all_64_bits():
     assert np.unique(steps).size == steps.size
 
 
+def test_numpy_step_seeds_equal_torch_bit_for_bit_each_row_at_its_own_step():
+    draw = np.random.default_rng(1)
+    seeds = np.concatenate([[0, -1, 2**63 - 1, -(2**63)], draw.integers(-(2**63), 2**63 - 1, 60, dtype=np.int64)])
+    steps = np.concatenate([[0, 1, 511, 2**40], draw.integers(0, 100_000, 60)])
+    expected = [int(rng.step_seeds(torch.tensor([seed]), int(step))[0]) for seed, step in zip(seeds, steps)]
+    assert rng.step_seeds_numpy(seeds, steps).tolist() == expected
+    assert rng.step_seeds_numpy(seeds.view(np.uint64), steps).tolist() == expected  # uint64 seeds too
+
+
 def test_numpy_gumbel_is_minus_log_minus_log_u_bit_for_bit():
     # The CPU epilogue draws with scaled - negated_gumbel_numpy: it must be the Gumbel noise
     # -log(-log(u)) exactly, u the uniforms every device shares.

@@ -80,6 +80,11 @@ def test_speculative_and_backend_rules():
     params = rows(top_k=[4, 4], return_sampling_mask=[True, False])
     speculative = MaskPolicy(mask_width=8, width_source="w", speculative_algorithm="EAGLE")
     assert messages(params, speculative) == [SPECULATIVE_MASK_MESSAGE, None]
+    # A model that verifies its drafts exactly admits masks under those algorithms only.
+    for algorithm, refused in (("ngram", None), (" NGram ", None), ("eagle", SPECULATIVE_MASK_MESSAGE)):
+        exact = MaskPolicy(8, "w", speculative_algorithm=algorithm, exact_speculative=frozenset({"ngram"}))
+        assert messages(params, exact) == [refused, None], algorithm
+    assert messages(params, MaskPolicy(8, "w", speculative_algorithm="ngram")) == [SPECULATIVE_MASK_MESSAGE, None]
     no_support = MaskPolicy(mask_width=8, width_source="w", backend_name="ascend", backend_builds_support=False)
     assert messages(params, no_support) == [backend_mask_message("ascend"), None]
     assert backend_mask_message("ascend") == "return_sampling_mask is not supported with the ascend sampling backend."

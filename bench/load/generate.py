@@ -19,6 +19,7 @@ import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,19 +54,34 @@ class LoadStats:
         )
 
 
-def client_loop(url: str, model: str, budgets: list[int], stream: bool, client: int, stats: LoadStats, lock) -> None:
+def default_prompt(client: int, k: int) -> list[int]:
+    """The prompt of client `client`'s k-th request."""
+    return [5 + client % 50, 6 + k, 7]
+
+
+def client_loop(
+    url: str,
+    model: str,
+    budgets: list[int],
+    stream: bool,
+    client: int,
+    stats: LoadStats,
+    lock,
+    params: dict = PARAMS,
+    prompt: Callable[[int, int], list[int]] = default_prompt,
+) -> None:
     """One closed-loop client: its requests one after another on one gRPC stream."""
     ttft, itl, tokens = [], [], 0
     with GenerateStream(url, model) as connection:
         for k, budget in enumerate(budgets):
             sent = last = time.perf_counter()
             connection.send(
-                [5 + client % 50, 6 + k, 7],
+                prompt(client, k),
                 budget,
                 request_id=f"{client}-{k}",
                 stream=stream,
                 seed=client * 1000 + k,
-                **PARAMS,
+                **params,
             )
             first = True
             while True:
@@ -94,11 +110,14 @@ def client_loop(url: str, model: str, budgets: list[int], stream: bool, client: 
         stats.itl += itl
 
 
-def closed_loop(url: str, model: str, budgets: np.ndarray, stream: bool) -> LoadStats:
-    """All clients at once (budgets: [clients, requests per client]); wall time to the last answer."""
+def closed_loop(url: str, model: str, budgets: np.ndarray, stream: bool, **workload) -> LoadStats:
+    """All clients at once (budgets: [clients, requests per client]); wall time to the last answer.
+    `workload`: the clients' `params` and `prompt` (client_loop's defaults otherwise)."""
     stats, lock = LoadStats(), threading.Lock()
     threads = [
-        threading.Thread(target=client_loop, args=(url, model, [int(b) for b in row], stream, c, stats, lock))
+        threading.Thread(
+            target=client_loop, args=(url, model, [int(b) for b in row], stream, c, stats, lock), kwargs=workload
+        )
         for c, row in enumerate(budgets)
     ]
     start = time.perf_counter()

@@ -2,33 +2,45 @@
 (the only generation loop of the `generate` model).
 
 `submit` only enqueues (or refuses at once, `EngineFull`, beyond the configured bounds). Every
-step the loop admits waiting requests (prefilled together, then merged into the running decode
-batch with `CausalLM.merge`), asks each active request once whether it was cancelled, runs one
-sampler call for all active rows, hands each row's token to its request's handle and retires
-finished, cancelled or failed rows at once (their KV-cache rows are dropped), then runs one LM
-decode for the rows left. A row's step counter is its own, so a seeded request samples step s
-with `rng.step_seeds(seed, s)` whenever it joined: its tokens do not depend on its batch-mates.
+step the loop asks each active request once whether it was cancelled, runs one LM forward pass
+for the rows in flight (each row's last token, plus its drafted tokens under speculative
+decoding), prefills the admitted waiting requests together and merges them into the batch
+(`CausalLM.merge`), runs one sampler call over every row's positions, hands each row's tokens to
+its request's handle and retires finished, cancelled or failed rows at once (their KV-cache rows
+are dropped). A row's step counter is its own, and every row is seeded (an unseeded request gets
+a fresh seed at admission), so step s of a row samples with `rng.step_seeds(seed, s)` whenever it
+joined: its tokens do not depend on its batch-mates.
+
+Speculative decoding (a `drafter`, on an LM that can `decode_many` and `rollback`): the tokens a
+row drafts at step s are fed with its last token in the same forward pass; position i is
+sampled with step s + i's seed, exactly as plain decoding would sample it, and a drafted token
+is kept only if it is the token sampled before it; the first sampled token that differs (or the
+one after the last draft) is emitted too, and the rejected drafts leave the cache. Each step
+emits 1 to 1 + drafts tokens per row: the tokens, masks and log-probs of plain decoding.
 No Triton here: results go through a `RequestHandle`, counters through an `EngineObserver`.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import traceback
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Protocol
 
 import numpy as np
 import torch
 
 from ..sampling.batching import BatchSampler, outputs_to_numpy
-from ..sampling.outputs import MASK_OUTPUT_NAMES, TOKEN_OUTPUT_NAMES, UNMASKED_OUTPUT_NAMES, padding
+from ..sampling.outputs import MASK_OUTPUT_NAMES, OUTPUT_IDS, TOKEN_OUTPUT_NAMES, UNMASKED_OUTPUT_NAMES, padding
 from ..sampling.params import RowParams
 from ..sampling.validation import check_logit_rows
-from .lm import CausalLM, can_merge
+from .drafting import PAD, NgramDrafter, TokenHistory
+from .lm import CausalLM, can_merge, can_speculate
 from .request import FINISH_LENGTH, FINISH_STOP, GenerationChunk, GenerationRequest, step_params, stop_ids
 
 
@@ -75,6 +87,10 @@ class EngineObserver(Protocol):
 
     def occupancy(self, active: int, waiting: int, kv_tokens: int) -> None: ...
 
+    def speculated(self, drafts: int, drafted: int, accepted: int) -> None:
+        """One step's speculation: rows that drafted, tokens drafted, drafted tokens accepted."""
+        ...
+
 
 @dataclass
 class _Sequence:
@@ -85,7 +101,11 @@ class _Sequence:
     enqueued: float
     stops: np.ndarray
     step: int = 0
-    parts: list = field(default_factory=list)  # per step: dict of that row's outputs (non-streamed)
+    parts: list = field(default_factory=list)  # per step: dict of that step's tokens' outputs (non-streamed)
+
+    @cached_property
+    def stop_set(self) -> frozenset[int]:  # for membership tests in Python, once per emitted token
+        return frozenset(self.stops.tolist())
 
     @property
     def reserved(self) -> int:
@@ -106,17 +126,23 @@ class ContinuousEngine:
         limits: EngineLimits,
         observer: EngineObserver,
         log_error: Callable[[str], None] = print,
+        drafter: NgramDrafter | None = None,
     ):
         self.lm, self.sampler, self.limits, self.observer, self.log_error = lm, sampler, limits, observer, log_error
         self.width = sampler.policy.mask_width
         self._merges = can_merge(self.lm)
+        # An LM that cannot verify several tokens in one pass decodes one at a time.
+        self.drafter = drafter if can_speculate(self.lm) else None
+        # Unseeded requests draw their seed here at admission (all 2**64 streams reachable).
+        self._entropy = np.random.default_rng(int.from_bytes(os.urandom(16), "little"))
         self._cv = threading.Condition()
         self._waiting: deque[_Sequence] = deque()
         self._stopping = False
-        self._rows: list[_Sequence] = []  # the decode batch, aligned with _state and _logits
-        self._state = None
-        self._logits: torch.Tensor | None = None
-        self._params: RowParams | None = None
+        self._rows: list[_Sequence] = []  # the decode batch, aligned with _state, _last and _params
+        self._state = None  # the LM's cache: each row's tokens but its last
+        self._last: torch.Tensor | None = None  # int64 [rows]: each row's last token, fed next step
+        self._params: RowParams | None = None  # every row seeded
+        self._history = TokenHistory() if self.drafter else None  # what the drafter looks in
         self._reserved = 0
         self._thread = threading.Thread(target=self._run, name="generate-engine", daemon=True)
 
@@ -209,61 +235,129 @@ class ContinuousEngine:
                 sequence.handle.cancelled(0)
             else:
                 fresh.append(sequence)
+        drafts = self._draft() if self._rows else None  # [in flight, K], PAD-padded, or None
+        logits = [self._forward(drafts)] if self._rows else []
+        in_flight = len(self._rows)
         if fresh:
-            self._join(fresh)
+            logits.append(self._join(fresh))
         if not self._rows:
             return
-        steps = np.array([s.step for s in self._rows])  # each row samples at its own step
-        result = self.sampler.sample(self._logits, step_params(self._params, steps))
-        # The sampler returns each row's max with its outputs: rows whose logits the LM broke
-        # (NaN, +inf, all -inf) fail here, without a separate pass over the logits.
-        broken = ~np.equal(check_logit_rows(result.host()["row_max"]), None).astype(bool)
-        for i in np.flatnonzero(broken):
-            _quietly(
-                self._rows[i].handle.fail, f"the language model produced unusable logits at step {self._rows[i].step}"
-            )
-        arrays = outputs_to_numpy(result)
-        self.observer.generated(int((~broken).sum()))
-        tokens = result.output_ids.cpu()
-        token_list = tokens.tolist()
-        finished = broken.copy()
-        now = time.monotonic()
-        for i, sequence in enumerate(self._rows):
-            if broken[i]:
-                continue
-            if sequence.step == 0:
-                self.observer.first_token(now - sequence.enqueued)
-            sequence.step += 1
-            stopped = bool(sequence.stops.size) and token_list[i] in sequence.stops
-            done = stopped or sequence.step >= sequence.request.max_new_tokens
-            reason = (FINISH_STOP if stopped else FINISH_LENGTH) if done else ""
-            if sequence.request.stream:
-                row = {name: value[i : i + 1] for name, value in arrays.items()}
-                sequence.handle.send(GenerationChunk(row, reason), final=done)
-            else:  # copies: a view would keep the whole step's arrays alive
-                kept = TOKEN_OUTPUT_NAMES if sequence.request.params.return_sampling_mask[0] else UNMASKED_OUTPUT_NAMES
-                sequence.parts.append({name: arrays[name][i : i + 1].copy() for name in kept})
-                if done:
-                    sequence.handle.send(_whole(sequence, reason, self.width), final=True)
-            finished[i] = done
-        if finished.any():
-            tokens = tokens[torch.from_numpy(~finished)]
-            self._drop(finished)
-        if self._rows:
-            self._logits = self.lm.decode(self._state, tokens)
+        drafted = np.zeros(len(self._rows), np.int64)  # fresh rows draft nothing in their first step
+        if drafts is not None:
+            drafted[:in_flight] = (drafts != PAD).sum(axis=1)
+        self._emit(torch.cat(logits) if len(logits) > 1 else logits[0], drafts, drafted)
 
-    def _join(self, fresh: list[_Sequence]) -> None:
-        """Prefill the newcomers together and merge them into the running batch (after its rows)."""
+    def _draft(self) -> np.ndarray | None:
+        """Each in-flight row's drafted tokens (at most what its budget can still use), or None when
+        no row drafts this step."""
+        if self.drafter is None:
+            return None
+        room = np.array([s.request.max_new_tokens - s.step - 1 for s in self._rows])  # after the sure token
+        drafts = self.drafter.propose(self._history.tokens, self._history.lengths, room)
+        return drafts if (drafts != PAD).any() else None
+
+    def _forward(self, drafts: np.ndarray | None) -> torch.Tensor:
+        """One LM pass over the in-flight rows' last tokens (and drafts): the logits of every
+        position to sample, [sum over rows of 1 + drafts, V], row by row."""
+        if drafts is None:
+            return self.lm.decode(self._state, self._last)
+        tokens = torch.cat([self._last.unsqueeze(1), torch.from_numpy(np.maximum(drafts, 0))], dim=1)
+        lengths = torch.from_numpy(1 + (drafts != PAD).sum(axis=1))
+        return self.lm.decode_many(self._state, tokens, lengths)
+
+    def _emit(self, logits: torch.Tensor, drafts: np.ndarray | None, drafted: np.ndarray) -> None:
+        """Sample every position of every row in one call, keep each row's drafts up to the first
+        one plain decoding would not have drawn, send the tokens, retire finished rows and roll
+        the rejected drafts out of the cache."""
+        rows = len(self._rows)
+        positions = drafted + 1
+        owner = np.repeat(np.arange(rows), positions)  # the row of each sampled position
+        first = np.cumsum(positions) - positions
+        within = np.arange(owner.size) - first[owner]
+        steps = np.array([s.step for s in self._rows])
+        params = self._params if owner.size == rows else self._params.take(owner)
+        result = self.sampler.sample(logits, step_params(params, steps[owner] + within))
+        # The sampler returns each row's max with its outputs: positions whose logits the LM broke
+        # (NaN, +inf, all -inf) are found here, without a separate pass over the logits.
+        broken = ~np.equal(check_logit_rows(result.host()["row_max"]), None).astype(bool)
+        arrays = outputs_to_numpy(result)
+        width = int(positions.max())
+        sampled = np.full((rows, width), PAD, np.int64)
+        sampled[owner, within] = arrays["output_ids"]
+        unusable = np.zeros((rows, width), bool)
+        unusable[owner, within] = broken
+        accepted = _accepted(sampled, drafts, unusable)
+        # Plain decoding would emit the accepted drafts, then the next sampled token, unless broken.
+        usable = accepted + ~unusable[np.arange(rows), accepted]
+        emitted = np.zeros(rows, np.int64)
+        finished = np.zeros(rows, bool)
+        now = time.monotonic()
+        for i, (sequence, tokens) in enumerate(zip(self._rows, sampled.tolist())):
+            count = min(int(usable[i]), sequence.request.max_new_tokens - sequence.step)
+            # Generation ends at the first stop token, as plain decoding would: later ones are dropped.
+            stop = next((j for j in range(count) if tokens[j] in sequence.stop_set), None)
+            stopped = stop is not None
+            if stopped:
+                count = stop + 1
+            done = stopped or sequence.step + count >= sequence.request.max_new_tokens
+            if count and sequence.step == 0:
+                self.observer.first_token(now - sequence.enqueued)
+            self._send(
+                sequence, arrays, int(first[i]), count, (FINISH_STOP if stopped else FINISH_LENGTH) if done else ""
+            )
+            sequence.step += count
+            emitted[i], finished[i] = count, done
+            if not done and unusable[i, accepted[i]]:  # plain decoding would fail at this step
+                finished[i] = True
+                _quietly(sequence.handle.fail, f"the language model produced unusable logits at step {sequence.step}")
+        speculated = drafts is not None
+        if speculated:  # before generate_tokens_total: who sees a step's tokens counted sees this too
+            self.observer.speculated(
+                int((drafted > 0).sum()), int(drafted.sum()), int(np.minimum(accepted, emitted).sum())
+            )
+        self.observer.generated(int(emitted.sum()))
+        self._last = torch.from_numpy(sampled[np.arange(rows), np.maximum(emitted - 1, 0)])
+        if self._history is not None:
+            self._history.append(sampled, emitted)
+        rejected = drafted - accepted  # a continuing row emitted accepted + 1 tokens
+        self._drop(finished)
+        if speculated and self._rows:
+            self._state = self.lm.rollback(self._state, torch.from_numpy(rejected[~finished]))
+
+    def _send(self, sequence: _Sequence, arrays: dict, start: int, count: int, finish_reason: str) -> None:
+        """Hand `count` tokens (the outputs at positions start...) to the request: one response per
+        token when it streams, else kept, and sent whole with its last token."""
+        done = bool(finish_reason)
+        if sequence.request.stream:
+            for position in range(start, start + count):
+                row = {name: value[position : position + 1] for name, value in arrays.items()}
+                last = position == start + count - 1
+                sequence.handle.send(GenerationChunk(row, finish_reason if last else ""), final=done and last)
+            return
+        if count:  # copies: a view would keep the whole step's arrays alive
+            kept = TOKEN_OUTPUT_NAMES if sequence.request.params.return_sampling_mask[0] else UNMASKED_OUTPUT_NAMES
+            sequence.parts.append({name: arrays[name][start : start + count].copy() for name in kept})
+        if done:
+            sequence.handle.send(_whole(sequence, finish_reason, self.width), final=True)
+
+    def _join(self, fresh: list[_Sequence]) -> torch.Tensor:
+        """Prefill the newcomers together and merge them into the running batch (after its rows);
+        their logits for step 0. Unseeded ones get a fresh seed here."""
         logits, state = self.lm.prefill([torch.from_numpy(s.request.prompt) for s in fresh])
         params = RowParams.concatenate([s.request.params for s in fresh])
+        unseeded = ~params.has_seed
+        params.seed[unseeded] = self._entropy.integers(0, 2**64, int(unseeded.sum()), dtype=np.uint64)
+        params.has_seed[:] = True
         if self._rows:
             self._state = self.lm.merge([self._state, state])
-            self._logits = torch.cat([self._logits, logits])
             self._params = RowParams.concatenate([self._params, params])
         else:
-            self._state, self._logits, self._params = state, logits, params
+            self._state, self._params = state, params
+        if self._history is not None:
+            self._history.join([s.request.prompt for s in fresh], [s.reserved for s in fresh])
         self._rows = self._rows + fresh
         self._reserved += sum(s.reserved for s in fresh)
+        return logits
 
     def _drop(self, gone: np.ndarray, cancel: bool = False) -> None:
         """Retire the rows where `gone` is true: their slots, reservations and KV rows are freed now."""
@@ -280,11 +374,15 @@ class ContinuousEngine:
             return
         index = torch.from_numpy(np.flatnonzero(keep))
         self._state = self.lm.keep(self._state, index)
-        self._logits = self._logits.index_select(0, index.to(self._logits.device))
+        self._last = self._last[index]
         self._params = self._params.take(keep)
+        if self._history is not None:
+            self._history.keep(keep)
 
     def _reset(self) -> None:
-        self._rows, self._state, self._logits, self._params, self._reserved = [], None, None, None, 0
+        self._rows, self._state, self._last, self._params, self._reserved = [], None, None, None, 0
+        if self._history is not None:
+            self._history = TokenHistory()
 
     def _report(self) -> None:
         with self._cv:
@@ -292,12 +390,25 @@ class ContinuousEngine:
         self.observer.occupancy(len(self._rows), waiting, sum(s.cached for s in self._rows))
 
 
+def _accepted(sampled: np.ndarray, drafts: np.ndarray | None, unusable: np.ndarray) -> np.ndarray:
+    """How many of each row's drafts stand ([rows]): draft i + 1 stands iff position i sampled it
+    (a broken position samples nothing) and every draft before it stood. `sampled` and `unusable`
+    are [rows, 1 + most drafts]; `drafts` covers the first rows (the later ones drafted nothing)."""
+    rows, width = sampled.shape
+    if drafts is None or width == 1:
+        return np.zeros(rows, np.int64)
+    proposed = np.full((rows, width - 1), PAD, np.int64)
+    proposed[: drafts.shape[0]] = drafts[:, : width - 1]
+    agree = (sampled[:, :-1] == proposed) & (proposed != PAD) & ~unusable[:, :-1]
+    return np.cumprod(agree, axis=1).sum(axis=1)
+
+
 def _whole(sequence: _Sequence, finish_reason: str, width: int) -> GenerationChunk:
     """A non-streamed request's outputs, all steps; mask rows only where it asked for them."""
     arrays = {name: np.concatenate([p[name] for p in sequence.parts]) for name in sequence.parts[0]}
     for name in MASK_OUTPUT_NAMES:
         if name not in arrays:
-            arrays[name] = padding(name, len(sequence.parts), width)
+            arrays[name] = padding(name, len(arrays[OUTPUT_IDS.name]), width)
     return GenerationChunk({name: arrays[name] for name in TOKEN_OUTPUT_NAMES}, finish_reason)
 
 

@@ -9,6 +9,10 @@ several, in order, so a request prefilled on its own can join a running decode b
 optional: an LM without it still works, the engine then admits new requests only when its batch
 is empty.
 
+Speculative decoding needs `decode_many(state, tokens, lengths)` (several new tokens per row in
+one forward pass, each row its own count) and `rollback(state, counts)` (forget each row's last
+tokens: the rejected drafts). Also optional: an LM without them decodes one token at a time.
+
 Built in: any `transformers` causal LM in a local directory (`model_path`), or, when no path is
 given, the default tiny Llama built from `lm_configs/tiny_llama.json` with fixed-seed random
 weights (deterministic on a given torch build, no download). A custom LM is named by the
@@ -54,6 +58,18 @@ class CausalLM(Protocol):
 def can_merge(lm: CausalLM) -> bool:
     """Whether the LM offers the optional `merge(states) -> state` that continuous batching uses."""
     return callable(getattr(lm, "merge", None))
+
+
+def can_speculate(lm: CausalLM) -> bool:
+    """Whether the LM offers the optional `decode_many` and `rollback` that speculative decoding uses:
+
+    - `decode_many(state, tokens, lengths) -> logits`: append row i's first `lengths[i]` (>= 1)
+      tokens of `tokens` (int64 [rows, L]) to the state in one forward pass; the logits after each
+      of them, float32 [sum(lengths), V], row 0's in order, then row 1's, ...
+    - `rollback(state, counts) -> state`: forget each row's last `counts[i]` tokens (int64 [rows],
+      zeros allowed), as if they had never been appended.
+    """
+    return callable(getattr(lm, "decode_many", None)) and callable(getattr(lm, "rollback", None))
 
 
 @dataclass
@@ -112,6 +128,43 @@ class HFCausalLM:
         state.cache = _cache_of(out)
         state.next_position = state.next_position + 1
         return out.logits[:, -1].float()
+
+    @torch.inference_mode()
+    def decode_many(self, state: PaddedBatchState, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """Append row i's first `lengths[i]` tokens in one forward pass; the logits after each of
+        them, [sum(lengths), V] (see `can_speculate`).
+
+        Each row's tokens go to the right end of the new block (shorter rows are masked on its
+        left), so every row's newest position stays the cache's last column; `rollback` closes
+        the masked gaps.
+        """
+        rows, width = tokens.shape
+        tokens, lengths = tokens.to(self.device, torch.int64), lengths.to(self.device, torch.int64)
+        column = torch.arange(width, device=self.device).unsqueeze(0)
+        offset = column - (width - lengths).unsqueeze(1)  # index into the row's own tokens; < 0 on padding
+        new = offset >= 0
+        ids = torch.where(new, tokens.gather(1, offset.clamp(min=0)), 0)
+        state.attention_mask = torch.cat([state.attention_mask, new.to(torch.int64)], dim=1)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=state.attention_mask,
+            position_ids=(state.next_position.unsqueeze(1) + offset).clamp(min=0),
+            use_cache=True,
+            **{self._cache_kwarg: state.cache},
+        )
+        state.cache = _cache_of(out)
+        state.next_position = state.next_position + lengths
+        return out.logits[new].float()  # row-major: each row's positions in order
+
+    def rollback(self, state: PaddedBatchState, counts: torch.Tensor) -> PaddedBatchState:
+        """Forget each row's last `counts[i]` tokens; rows are then re-aligned to the right so no
+        masked gap is left inside the cache (one gather per layer, only when a gap exists)."""
+        counts = counts.to(self.device, torch.int64)
+        mask = state.attention_mask
+        from_right = mask.flip(1).cumsum(1).flip(1)  # kept positions at or after each column
+        mask = torch.where(from_right <= counts.unsqueeze(1), 0, mask)
+        state = PaddedBatchState(state.cache, mask, state.next_position - counts)
+        return _close_gaps(state)
 
     def keep(self, state: PaddedBatchState, rows: torch.Tensor) -> PaddedBatchState:
         rows = rows.to(self.device)
@@ -178,6 +231,30 @@ def _trim_left_padding(state: PaddedBatchState) -> PaddedBatchState:
     return PaddedBatchState(state.cache, state.attention_mask[:, start:], state.next_position)
 
 
+def _close_gaps(state: PaddedBatchState) -> PaddedBatchState:
+    """Move every row's cached positions to the right end, in order, and drop the columns that only
+    padding then holds: the left-padded layout `merge` and `keep` keep. A no-op without gaps."""
+    mask = state.attention_mask
+    counts = mask.sum(1)
+    trailing = mask.flip(1).cumprod(1).sum(1)  # positions already packed at the right end
+    if bool((trailing == counts).all()):
+        return _trim_left_padding(state)
+    try:
+        tensors = _layer_tensors(state.cache)
+    except NotImplementedError:  # an unknown cache: its gaps stay masked, which is still exact
+        return state
+    width = int(counts.max())
+    # A stable sort puts each row's padding first and its positions after, in their order.
+    order = torch.sort(mask.to(torch.int8), dim=1, stable=True).indices[:, mask.shape[1] - width :]
+
+    def gather(tensor: torch.Tensor) -> torch.Tensor:
+        index = order[:, None, :, None].expand(-1, tensor.shape[1], -1, tensor.shape[3])
+        return tensor.gather(2, index)
+
+    _set_layer_tensors(state.cache, [(gather(k), gather(v)) for k, v in tensors])
+    return PaddedBatchState(state.cache, mask.gather(1, order), state.next_position)
+
+
 def _cache_of(output) -> Any:
     cache = output.get("cache") if hasattr(output, "get") else None
     return cache if cache is not None else output.past_key_values
@@ -208,19 +285,49 @@ def build_default_model(config_path: Path = DEFAULT_LM_CONFIG):
     return model
 
 
-def load_lm(model_path: str = "", lm_factory: str = "", device: torch.device = torch.device("cpu")) -> CausalLM:
-    """The LM of a deployment: a custom factory, a local HF directory, or the default tiny Llama."""
-    if lm_factory:
-        lm = import_object(lm_factory, "lm")(model_path, device)
-    elif model_path:
-        from transformers import AutoModelForCausalLM
+# Weight dtypes a built-in Hugging Face LM may be cast to (config parameter `lm_dtype`; "" keeps
+# the model's own: float32 for the default tiny Llama, the checkpoint's for a directory). Logits
+# reach the sampler as float32 whatever the LM computes in.
+LM_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-        path = Path(model_path)
-        if not path.is_dir():
-            raise ValueError(f"model_path {model_path!r} is not a directory")
-        lm = HFCausalLM(AutoModelForCausalLM.from_pretrained(path, local_files_only=True), device)
+
+def _hf_model(model_path: str):
+    """The Hugging Face model of a local directory, or the default tiny Llama without one."""
+    if not model_path:
+        return build_default_model()
+    from transformers import AutoModelForCausalLM
+
+    path = Path(model_path)
+    if not path.is_dir():
+        raise ValueError(f"model_path {model_path!r} is not a directory")
+    return AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+
+
+def _cast(model, dtype: str):
+    """The model in `dtype` ("" leaves it as it is)."""
+    if not dtype:
+        return model
+    model = model.to(LM_DTYPES[dtype])
+    if dtype == "float64" and getattr(model.config, "_attn_implementation", None) == "eager":
+        # Eager attention takes its softmax in float32, where float64's mask minimum becomes -inf
+        # (NaN on padded rows) and float64's precision is lost; SDPA stays in float64.
+        model.set_attn_implementation("sdpa")
+    return model
+
+
+def load_lm(
+    model_path: str = "", lm_factory: str = "", device: torch.device = torch.device("cpu"), dtype: str = ""
+) -> CausalLM:
+    """The LM of a deployment: a custom factory, a local HF directory, or the default tiny Llama;
+    `dtype` (a key of LM_DTYPES, or "" for the model's own) casts the Hugging Face ones."""
+    if dtype and dtype not in LM_DTYPES:
+        raise ValueError(f"lm_dtype must be one of {sorted(LM_DTYPES)} or empty, got {dtype!r}")
+    if lm_factory:
+        if dtype:
+            raise ValueError(f"lm_dtype {dtype!r} applies to the Hugging Face LMs only, not to lm {lm_factory!r}")
+        lm = import_object(lm_factory, "lm")(model_path, device)
     else:
-        lm = HFCausalLM(build_default_model(), device)
+        lm = HFCausalLM(_cast(_hf_model(model_path), dtype), device)
     if not isinstance(lm, CausalLM):
         raise ValueError(f"lm {lm_factory or model_path!r} lacks vocab_size, context_length, eos_token_ids or a method")
     return lm

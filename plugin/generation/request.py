@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import numpy as np
-import torch
 
 from ..sampling import rng
 from ..sampling.outputs import TOKEN_OUTPUT_NAMES, padding
@@ -88,8 +87,5 @@ def step_params(params: RowParams, steps: np.ndarray) -> RowParams:
     samples with `rng.step_seeds(seed, step)`, so its tokens depend on (seed, step) only."""
     if not params.has_seed.any():
         return params
-    seeds = params.seed.view(np.int64).copy()
-    for step in np.unique(steps[params.has_seed]):
-        rows = np.flatnonzero((steps == step) & params.has_seed)
-        seeds[rows] = rng.step_seeds(torch.from_numpy(seeds[rows]), int(step)).numpy()
-    return replace(params, seed=seeds.view(np.uint64))
+    stepped = rng.step_seeds_numpy(params.seed, steps).view(np.uint64)
+    return replace(params, seed=np.where(params.has_seed, stepped, params.seed))

@@ -62,6 +62,7 @@ def step_seeds(seeds: torch.Tensor, step: int) -> torch.Tensor:
 
     Generation step s of a row seeded with `seed` samples with seed step_seeds(seed, s), so the
     stream depends only on (seed, s): reproducible, and independent of batching and masks.
+    `step_seeds_numpy` is the same on host arrays, each row at its own step.
     """
     return mix64(seed_state(seeds) + _signed(((step + 1) * STEP_GAMMA) & ((1 << 64) - 1)))
 
@@ -78,6 +79,7 @@ def _u64(value: int) -> np.ndarray:
 
 
 _NP_MUL_1, _NP_MUL_2, _NP_GOLDEN = _u64(MIX_MUL_1), _u64(MIX_MUL_2), _u64(GOLDEN_GAMMA)
+_NP_STEP_GAMMA, _NP_ONE = _u64(STEP_GAMMA), _u64(1)
 _NP_SHIFTS = tuple(_u64(bits) for bits in (30, 27, 31, 64 - UNIFORM_BITS))
 _NP_UNIFORM_SCALE = 1.0 / (1 << (UNIFORM_BITS + 1))
 
@@ -100,6 +102,14 @@ def mix64_numpy(x: np.ndarray) -> np.ndarray:
 def seed_state_numpy(seeds: np.ndarray) -> np.ndarray:
     """`seed_state` on the int64 (or uint64) bit patterns of seeds; returns uint64 keys."""
     return _mix64_numpy_inplace(np.asarray(seeds).view(np.uint64) ^ _NP_GOLDEN)
+
+
+def step_seeds_numpy(seeds: np.ndarray, steps: np.ndarray) -> np.ndarray:
+    """`step_seeds` on host numpy arrays, bit for bit: the int64 (or uint64) bit patterns of the
+    seeds and each row's step (int64 >= 0); returns int64 bit patterns."""
+    offset = (np.asarray(steps, np.int64).view(np.uint64) + _NP_ONE) * _NP_STEP_GAMMA
+    offset += seed_state_numpy(seeds)
+    return _mix64_numpy_inplace(offset).view(np.int64)
 
 
 def uniform_numpy(state: np.ndarray, token_ids: np.ndarray) -> np.ndarray:

@@ -53,10 +53,18 @@ class MaskPolicy:
     speculative_algorithm: str = "none"
     backend_name: str = "torch"
     backend_builds_support: bool = True
+    # Speculative algorithms this model verifies exactly (its tokens and masks are those of plain
+    # decoding): only the generate engine's own drafters; the sampler model cannot know.
+    exact_speculative: frozenset[str] = frozenset()
 
     @property
     def speculative(self) -> bool:
         return self.speculative_algorithm.strip().lower() not in ("", "none")
+
+    @property
+    def refuses_speculative_masks(self) -> bool:
+        """Speculative decoding is on and not one this model verifies exactly: masks are refused."""
+        return self.speculative and self.speculative_algorithm.strip().lower() not in self.exact_speculative
 
 
 def check_scalar_ranges(params: RowParams) -> np.ndarray:
@@ -92,7 +100,7 @@ def check_mask_admission(params: RowParams, vocab_size: int, policy: MaskPolicy)
                 f"{policy.mask_width} or raise W ({policy.width_source})"
             ),
         ),
-        ("mask_speculative", wants & policy.speculative, lambda i: SPECULATIVE_MASK_MESSAGE),
+        ("mask_speculative", wants & policy.refuses_speculative_masks, lambda i: SPECULATIVE_MASK_MESSAGE),
         (
             "mask_backend",
             wants & (not policy.backend_builds_support),

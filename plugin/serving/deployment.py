@@ -26,14 +26,16 @@ def declared_outputs(model_config: dict, mask_width: int, config_file: str) -> s
     return names
 
 
-def mask_policy(args: dict, model_config: dict, backend) -> MaskPolicy:
-    """The mask rules of a deployment: width from the mask output's dims, switches from parameters."""
+def mask_policy(args: dict, model_config: dict, backend, exact_speculative: frozenset[str] = frozenset()) -> MaskPolicy:
+    """The mask rules of a deployment: width from the mask output's dims, switches from parameters;
+    `exact_speculative` names the speculative algorithms the model verifies exactly."""
     return MaskPolicy(
         mask_width=output_width(model_config, SAMPLING_MASK.name),
         width_source=f"the dims of output '{SAMPLING_MASK.name}' in {config_path(args)}",
         speculative_algorithm=string_parameter(model_config, "speculative_algorithm", "none"),
         backend_name=backend.name,
         backend_builds_support=backend.builds_support,
+        exact_speculative=exact_speculative,
     )
 
 
@@ -66,14 +68,16 @@ class SamplerDeployment:
         return f"{model} ready on {self.device}: " + ", ".join([*details, sampler])
 
 
-def load_deployment(args: dict) -> SamplerDeployment:
+def load_deployment(args: dict, exact_speculative: frozenset[str] = frozenset()) -> SamplerDeployment:
     """Read config.pbtxt from `initialize`'s args, pick the device, load the sampling backend and
-    build the batch sampler; a bad config fails model load with a message naming the file."""
+    build the batch sampler; a bad config fails model load with a message naming the file.
+    `exact_speculative`: the speculative algorithms whose tokens and masks the model proves to be
+    those of plain decoding (the generate engine's drafters); masks stay refused under any other."""
     model_config = load_model_config(args)
     config_file = config_path(args)
     device = select_device(args)
     backend = load_backend(string_parameter(model_config, "sampling_backend", "torch"))
-    policy = mask_policy(args, model_config, backend)
+    policy = mask_policy(args, model_config, backend, exact_speculative)
     return SamplerDeployment(
         model_config=model_config,
         config_file=config_file,

@@ -19,8 +19,9 @@ import traceback
 
 import torch
 
+from ..generation.drafting import NGRAM, SPECULATIVE_ALGORITHMS, NgramDrafter
 from ..generation.engine import ContinuousEngine, EngineFull, EngineLimits
-from ..generation.lm import load_lm
+from ..generation.lm import can_speculate, load_lm
 from ..generation.request import GenerationChunk, admission_errors
 from ..model_config import int_parameter, string_parameter
 from ..sampling.validation import SamplingRequestError
@@ -40,6 +41,41 @@ def check_scheduler(model_config: dict, config_file: str) -> None:
             f"config parameter 'scheduler' in {config_file} must be {SCHEDULER!r} or left out "
             f"(the continuous engine is the only generation loop), got {value!r}"
         )
+
+
+def build_drafter(model_config: dict, config_file: str) -> NgramDrafter | None:
+    """The drafter `speculative_algorithm` asks for ("ngram": prompt lookup, with its parameters
+    `num_speculative_tokens`, `prompt_lookup_max`, `prompt_lookup_min`), else None."""
+    if string_parameter(model_config, "speculative_algorithm", "none").strip().lower() != NGRAM:
+        return None
+    try:
+        return NgramDrafter(
+            num_tokens=int_parameter(model_config, "num_speculative_tokens", NgramDrafter.num_tokens),
+            max_n=int_parameter(model_config, "prompt_lookup_max", NgramDrafter.max_n),
+            min_n=int_parameter(model_config, "prompt_lookup_min", NgramDrafter.min_n),
+        )
+    except ValueError as exc:
+        raise ValueError(f"{exc} (config parameters in {config_file})") from exc
+
+
+def speculation_summary(algorithm: str, drafter: NgramDrafter | None, lm) -> str:
+    """How the engine decodes, for the load log line."""
+    if drafter is not None and can_speculate(lm):
+        return (
+            f"speculative decoding: {NGRAM} (up to {drafter.num_tokens} drafted tokens, "
+            f"n-grams of {drafter.max_n} down to {drafter.min_n}), exact"
+        )
+    if drafter is not None:
+        return (
+            f"speculative decoding: the LM has no decode_many / rollback, so speculative_algorithm "
+            f"{NGRAM!r} falls back to plain decoding"
+        )
+    if algorithm.strip().lower() not in ("", "none"):
+        return (
+            f"speculative decoding: {algorithm!r} is not drafted here (only {sorted(SPECULATIVE_ALGORITHMS)}): "
+            "plain decoding, mask requests refused"
+        )
+    return "speculative decoding: none"
 
 
 class _Outbox:
@@ -135,7 +171,7 @@ class GenerateModel:
     def __init__(self, args: dict, pb_utils):
         self.pb_utils = pb_utils
         self.logger = pb_utils.Logger
-        deployment = load_deployment(args)
+        deployment = load_deployment(args, exact_speculative=SPECULATIVE_ALGORITHMS)
         model_config = deployment.model_config
         check_scheduler(model_config, deployment.config_file)
         threads = int_parameter(model_config, "cpu_threads", 0)
@@ -143,7 +179,13 @@ class GenerateModel:
             torch.set_num_threads(threads)
         self.sampler, self.declared_outputs = deployment.sampler, deployment.declared_outputs
         model_path = string_parameter(model_config, "model_path", "")
-        self.lm = load_lm(model_path, string_parameter(model_config, "lm", ""), deployment.device)
+        self.lm = load_lm(
+            model_path,
+            string_parameter(model_config, "lm", ""),
+            deployment.device,
+            string_parameter(model_config, "lm_dtype", ""),
+        )
+        drafter = build_drafter(model_config, deployment.config_file)
         self.metrics = GenerateMetrics(pb_utils, args.get("model_name", "generate"))
         limits = EngineLimits(
             max_active_sequences=int_parameter(model_config, "max_active_sequences", EngineLimits.max_active_sequences),
@@ -151,7 +193,9 @@ class GenerateModel:
             kv_budget_tokens=int_parameter(model_config, "kv_budget_tokens", EngineLimits.kv_budget_tokens),
         )
         self.outbox = _Outbox(self.logger)
-        self.engine = ContinuousEngine(self.lm, self.sampler, limits, self.metrics, self.logger.log_error).start()
+        self.engine = ContinuousEngine(
+            self.lm, self.sampler, limits, self.metrics, self.logger.log_error, drafter=drafter
+        ).start()
         self.logger.log_info(
             deployment.ready_message(
                 "generate",
@@ -160,6 +204,7 @@ class GenerateModel:
                 f"context={self.lm.context_length}",
                 f"eos={list(self.lm.eos_token_ids)}",
                 f"{self.engine.limits}",
+                speculation_summary(deployment.policy.speculative_algorithm, drafter, self.lm),
             )
         )
 

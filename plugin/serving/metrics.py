@@ -102,13 +102,16 @@ GENERATE_ACTIVE = "generate_active_sequences"
 GENERATE_WAITING = "generate_waiting_requests"
 GENERATE_KV_TOKENS = "generate_kv_tokens"
 GENERATE_TTFT = "generate_time_to_first_token_seconds"
+GENERATE_SPEC_DRAFTS = "generate_spec_drafts_total"
+GENERATE_SPEC_DRAFTED = "generate_spec_drafted_tokens_total"
+GENERATE_SPEC_ACCEPTED = "generate_spec_accepted_tokens_total"
 # Time-to-first-token histogram bounds, seconds (from enqueue to the first sampled token).
 TTFT_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 
 
 class GenerateMetrics:
     """The generate model's counters, gauges and time-to-first-token histogram; it observes the
-    engine (`generated`, `first_token`, `occupancy`) and counts cancellations."""
+    engine (`generated`, `first_token`, `occupancy`, `speculated`) and counts cancellations."""
 
     def __init__(self, pb_utils, model: str):
         kinds = pb_utils.MetricFamily
@@ -123,6 +126,9 @@ class GenerateMetrics:
                 (GENERATE_WAITING, "Requests queued for admission", gauge),
                 (GENERATE_KV_TOKENS, "KV-cache positions held by active requests (prompt + generated)", gauge),
                 (GENERATE_TTFT, "Seconds from enqueue to a request's first token", histogram),
+                (GENERATE_SPEC_DRAFTS, "Sequence steps verified with drafted tokens (speculative decoding)", counter),
+                (GENERATE_SPEC_DRAFTED, "Tokens drafted for verification (speculative decoding)", counter),
+                (GENERATE_SPEC_ACCEPTED, "Drafted tokens accepted: those plain decoding sampled", counter),
             )
         }
         labels = {"model": model}
@@ -134,6 +140,10 @@ class GenerateMetrics:
         ]
         self._last = [None] * len(self._gauges)
         self._ttft = self._families[GENERATE_TTFT].Metric(labels=labels, buckets=TTFT_BUCKETS)
+        self._speculation = [
+            self._families[name].Metric(labels=labels)
+            for name in (GENERATE_SPEC_DRAFTS, GENERATE_SPEC_DRAFTED, GENERATE_SPEC_ACCEPTED)
+        ]
 
     def generated(self, tokens: int) -> None:
         """Count the tokens of one engine step."""
@@ -146,6 +156,13 @@ class GenerateMetrics:
     def first_token(self, seconds: float) -> None:
         """Observe a request's time from enqueue to its first token."""
         self._ttft.observe(seconds)
+
+    def speculated(self, drafts: int, drafted: int, accepted: int) -> None:
+        """Count one engine step's speculation: rows that drafted, tokens drafted, tokens accepted
+        (accepted / drafted is the acceptance rate; 1 + accepted / drafts the tokens per draft)."""
+        for metric, count in zip(self._speculation, (drafts, drafted, accepted)):
+            if count:
+                metric.increment(count)
 
     def occupancy(self, active: int, waiting: int, kv_tokens: int) -> None:
         """Set the gauges that changed since the last call."""

@@ -1,0 +1,164 @@
+"""Speculative decoding ("ngram", prompt lookup) against plain decoding on the `generate` model
+(default tiny Llama) on a real tritonserver.
+
+    .venv/bin/python -m bench.load.speculative [--streams 1 8 32] [--requests-per-stream 4]
+                                               [--max-new-tokens 128] [--tiny]
+
+Starts one server holding each workload's LM twice, as the shipped `generate` model with
+speculative_algorithm "none" and with "ngram" (the shipped drafting parameters). For each
+workload and each number of concurrent streams, closed-loop streaming clients
+(bench.load.generate's, one gRPC stream each) send `requests-per-stream` requests of
+`max-new-tokens` tokens (EOS ignored, masks on, seeded) to each model in turn. Workloads:
+
+- repetitive: greedy, on `bench.load.looping_lm` (the default tiny Llama with its attention
+  outputs zeroed: the same cost per pass, but its outputs soon cycle; the default LM's random
+  weights rarely repeat themselves), prompts repeating a short pattern;
+- non-repetitive: the default tiny Llama at temperature 1, prompts of distinct random ids
+  (drafts are rare and mostly rejected: what drafting costs when it does not help).
+
+Prints tokens/s, inter-token latency p50 / p99 / mean (the tokens of one step arrive together, so
+p50 falls under speculation while the mean tracks tokens/s), the speed-up, and the acceptance rate
+and accepted tokens per drafted step from the server's counters. The outputs of both models are
+the same token for token (client_tests/test_speculative.py checks it), so only speed differs.
+`--tiny` is a smoke run (streams 1 and 2, one short request each), not a measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from client_tests.generate_client import counter, wait_for_counter
+from client_tests.server import MODEL_REPOSITORY, set_parameter
+from triton_sampling_mask.ops.server_process import TritonServer
+
+from .generate import LoadStats, closed_loop
+
+ALGORITHMS = ("none", "ngram")  # speculative_algorithm of the two models of each workload
+SPEC_COUNTERS = ("drafts", "drafted_tokens", "accepted_tokens")
+LOOPING_LM = Path(__file__).with_name("looping_lm.py")
+VOCAB = 1024  # the default tiny Llama's
+MASKED = dict(top_k=20, return_sampling_mask=True, ignore_eos=True)
+
+
+def repetitive_prompt(client: int, k: int) -> list[int]:
+    """A pattern of 3 to 6 ids repeated to 24 tokens (its own per client and request)."""
+    draw = np.random.default_rng([client, k])
+    pattern = draw.integers(3, VOCAB, int(draw.integers(3, 7))).tolist()
+    return (pattern * 24)[:24]
+
+
+def distinct_prompt(client: int, k: int) -> list[int]:
+    """24 distinct random ids (its own per client and request)."""
+    return np.random.default_rng([client, k, 1]).choice(np.arange(3, VOCAB), 24, replace=False).tolist()
+
+
+# workload -> (its LM: the `lm` parameter, "" for the default; the clients' prompt and parameters)
+WORKLOADS = {
+    "repetitive": ("looping_lm:factory", dict(prompt=repetitive_prompt, params=dict(MASKED, temperature=0.0))),
+    "non-repetitive": ("", dict(prompt=distinct_prompt, params=dict(MASKED, temperature=1.0, top_p=0.95))),
+}
+
+
+def model_name(workload: str, algorithm: str) -> str:
+    return f"generate_{workload.replace('-', '_')}_{algorithm}"
+
+
+def build_repository(dest: Path) -> Path:
+    """Per workload, the shipped generate model on its LM, with speculative_algorithm "none" and "ngram"."""
+    base = (MODEL_REPOSITORY / "generate" / "config.pbtxt").read_text()
+    for workload, (lm, _) in WORKLOADS.items():
+        for algorithm in ALGORITHMS:
+            name = model_name(workload, algorithm)
+            shutil.copytree(MODEL_REPOSITORY / "generate", dest / name, ignore=shutil.ignore_patterns("__pycache__"))
+            shutil.copy(LOOPING_LM, dest / name / "1")
+            text = set_parameter(
+                base.replace('name: "generate"', f'name: "{name}"'), "speculative_algorithm", algorithm
+            )
+            (dest / name / "config.pbtxt").write_text(set_parameter(text, "lm", lm))
+    return dest
+
+
+def measure(server, model: str, budgets: np.ndarray, workload: dict) -> tuple[LoadStats, str]:
+    """One closed-loop run (streaming) and what the server's speculation counters say of it."""
+    before = [counter(server.metrics_url, f"generate_spec_{c}_total", model) for c in SPEC_COUNTERS]
+    tokens_before = counter(server.metrics_url, "generate_tokens_total", model)
+    stats = closed_loop(server.grpc_url, model, budgets, True, **workload)
+    # The engine counts a step after sending its tokens (speculation first, then the tokens).
+    wait_for_counter(
+        server.metrics_url,
+        "generate_tokens_total",
+        lambda value: value >= tokens_before + stats.tokens,
+        "the server never counted the tokens it sent",
+        model=model,
+    )
+    after = [counter(server.metrics_url, f"generate_spec_{c}_total", model) for c in SPEC_COUNTERS]
+    drafts, drafted, accepted = (a - b for a, b in zip(after, before))
+    if not drafted:
+        return stats, ""
+    return stats, (
+        f"  acceptance {accepted / drafted:.0%} ({accepted:.0f}/{drafted:.0f} drafted), "
+        f"{accepted / drafts:.2f} accepted per drafted step"
+    )
+
+
+def row(label: str, stats: LoadStats) -> str:
+    def ms(values, q=None):
+        if not values:
+            return "       -"
+        return f"{1000 * (np.mean(values) if q is None else np.percentile(values, q)):8.2f}"
+
+    rate = stats.tokens / stats.seconds
+    return f"{label:<34} {rate:9.1f} {ms(stats.itl, 50)} {ms(stats.itl, 99)} {ms(stats.itl)}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--requests-per-stream", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--tiny", action="store_true", help="a smoke run: streams 1 2, one 48-token request each")
+    args = parser.parse_args()
+    if args.tiny:
+        args.streams, args.requests_per_stream, args.max_new_tokens = [1, 2], 1, 48
+    workdir = Path(tempfile.mkdtemp())
+    started = time.perf_counter()
+    try:
+        with TritonServer(build_repository(workdir / "model_repository")) as server:
+            print(
+                f"server ready in {time.perf_counter() - started:.1f}s; streaming clients x "
+                f"{args.requests_per_stream} requests of {args.max_new_tokens} tokens; "
+                f"load average before: {os.getloadavg()}"
+            )
+            for workload_name, (_, workload) in WORKLOADS.items():  # warm-up
+                for algorithm in ALGORITHMS:
+                    closed_loop(
+                        server.grpc_url, model_name(workload_name, algorithm), np.full((2, 1), 8), True, **workload
+                    )
+            header = (
+                f"{'workload / streams / algorithm':<34} {'tokens/s':>9} {'ITL p50':>8} {'ITL p99':>8} {'ITL mean':>8}"
+            )
+            print(header + "  (ms)")
+            for workload_name, (_, workload) in WORKLOADS.items():
+                for streams in args.streams:
+                    budgets = np.full((streams, args.requests_per_stream), args.max_new_tokens)
+                    rates = {}
+                    for algorithm in ALGORITHMS:
+                        stats, note = measure(server, model_name(workload_name, algorithm), budgets, workload)
+                        rates[algorithm] = stats.tokens / stats.seconds
+                        errors = f"  ERRORS: {len(stats.errors)} e.g. {stats.errors[0]}" if stats.errors else ""
+                        print(row(f"{workload_name} / {streams} / {algorithm}", stats) + note + errors, flush=True)
+                    print(f"{workload_name} / {streams}: ngram/none tokens/s x{rates['ngram'] / rates['none']:.2f}")
+            print(f"load average after: {os.getloadavg()} ({os.cpu_count()} CPUs; the clients run on them too)")
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""Draft tokens for speculative decoding: prompt lookup ("ngram"), vectorised over the batch.
+
+A drafter only proposes; the engine verifies every drafted token by sampling, from the target
+LM's logits at its position and with that position's step seed, the token plain decoding would
+draw there, and keeps the draft only up to the first disagreement. So what a drafter proposes
+changes the speed, never the tokens: every algorithm named here is exact.
+
+Prompt lookup (vLLM's "ngram", also known as prompt-lookup decoding): find the row's last n
+tokens earlier in its sequence (prompt and generated tokens), n from `max_n` down to `min_n`,
+the latest occurrence first, and propose the tokens that followed it. When the occurrence is
+closer than the draft is long, the proposal repeats with that period (a loop keeps looping).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+NGRAM = "ngram"
+# The speculative_algorithm values the generate engine drafts itself (all verified exactly).
+SPECULATIVE_ALGORITHMS = frozenset({NGRAM})
+PAD = -1  # no token: history past a row's length, drafts past a row's count
+
+
+@dataclass(frozen=True)
+class NgramDrafter:
+    """Prompt-lookup drafting: up to `num_tokens` tokens per row after a matched n-gram."""
+
+    num_tokens: int = 4
+    max_n: int = 3
+    # Matching 2 tokens at least: a single token recurs by chance in any long sequence, and a draft
+    # rejected at once costs a wider forward pass and more sampled positions for nothing.
+    min_n: int = 2
+
+    def __post_init__(self):
+        if self.num_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_tokens}")
+        if not 1 <= self.min_n <= self.max_n:
+            raise ValueError(
+                f"prompt_lookup_min ({self.min_n}) and prompt_lookup_max ({self.max_n}) must satisfy "
+                "1 <= prompt_lookup_min <= prompt_lookup_max"
+            )
+
+    def propose(self, history: np.ndarray, lengths: np.ndarray, limits: np.ndarray) -> np.ndarray:
+        """Drafts [rows, num_tokens] (PAD where none) for the sequences `history[i, :lengths[i]]`
+        (int64 [rows, T], PAD beyond each length); row i gets at most `limits[i]` tokens."""
+        rows, width = history.shape
+        drafts = np.full((rows, self.num_tokens), PAD, np.int64)
+        limits = np.minimum(limits, self.num_tokens)
+        period = np.zeros(rows, np.int64)  # distance from the match to the row's end; 0: none yet
+        for n in range(min(self.max_n, width - 1), self.min_n - 1, -1):
+            # An earlier occurrence needs n + 1 tokens at least (it ends before the last token).
+            pending = np.flatnonzero((period == 0) & (limits > 0) & (lengths > n))
+            if pending.size == 0:
+                continue
+            seqs, ends = history[pending], lengths[pending]
+            suffix = np.take_along_axis(seqs, ends[:, None] - n + np.arange(n), axis=1)
+            hits = (sliding_window_view(seqs, n, axis=1) == suffix[:, None, :]).all(axis=2)
+            starts = np.arange(hits.shape[1])
+            hits &= starts[None, :] + n < ends[:, None]  # strictly earlier than the suffix itself
+            found = hits.any(axis=1)
+            latest = hits.shape[1] - 1 - np.argmax(hits[:, ::-1], axis=1)
+            period[pending[found]] = (ends - n - latest)[found]
+        drafted = np.flatnonzero(period > 0)
+        if drafted.size:
+            ends, cycle = lengths[drafted], period[drafted]
+            index = ends[:, None] - cycle[:, None] + np.arange(self.num_tokens)[None, :] % cycle[:, None]
+            tokens = np.take_along_axis(history[drafted], index, axis=1)
+            tokens[np.arange(self.num_tokens)[None, :] >= limits[drafted, None]] = PAD
+            drafts[drafted] = tokens
+        return drafts
+
+
+class TokenHistory:
+    """Every active row's tokens so far (prompt, then generated), PAD-padded to one width: what
+    the drafter looks in. Rows join, leave and grow with the engine's batch."""
+
+    def __init__(self):
+        self.tokens = np.full((0, 0), PAD, np.int64)
+        self.lengths = np.zeros(0, np.int64)
+
+    def join(self, prompts: list[np.ndarray], capacities: list[int]) -> None:
+        """Append rows holding `prompts`, each with room for `capacities[i]` tokens in all."""
+        width = max(self.tokens.shape[1], *capacities)
+        added = np.full((len(prompts), width), PAD, np.int64)
+        for row, prompt in zip(added, prompts):  # once per request, at admission
+            row[: prompt.size] = prompt
+        old = np.pad(self.tokens, ((0, 0), (0, width - self.tokens.shape[1])), constant_values=PAD)
+        self.tokens = np.concatenate([old, added])
+        self.lengths = np.concatenate([self.lengths, [p.size for p in prompts]]).astype(np.int64)
+
+    def keep(self, rows: np.ndarray) -> None:
+        """Only `rows` (an index or boolean array) stay, in order."""
+        self.tokens, self.lengths = self.tokens[rows], self.lengths[rows]
+
+    def append(self, tokens: np.ndarray, counts: np.ndarray) -> None:
+        """Row i grows by its first `counts[i]` entries of `tokens` ([rows, n])."""
+        row, column = np.nonzero(np.arange(tokens.shape[1])[None, :] < counts[:, None])
+        self.tokens[row, self.lengths[row] + column] = tokens[row, column]
+        self.lengths = self.lengths + counts
