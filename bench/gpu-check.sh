@@ -17,7 +17,8 @@
 # the served step ran, if any.
 # Logs, JUnit XML and summary.json go to $OUT when set (the device tool brings it back), else to
 # .gpu-check/. Without a CUDA device the CUDA-only steps say they are skipped and the unit tests run
-# on the CPU, which is how tests/test_gpu_check.py checks this script.
+# on the CPU, which is how tests/test_gpu_check.py checks this script; such a run's status (step
+# `cuda` and summary.json's "status") is no-cuda, never passed: nothing GPU-specific was verified.
 #   bench/gpu-check.sh [--quick]
 # Environment: GPU_CHECK_PYTHON (python3), GPU_WHEELS (.gpu-wheels), GPU_CHECK_PYTEST_ARGS (replaces
 # the selection of step 2), GPU_CHECK_SERVED=1 (step 4 without CUDA too, on the CPU repository),
@@ -106,6 +107,9 @@ if [ "$cuda" != 1 ]; then
     if [ -z "${CUDA_VISIBLE_DEVICES+set}" ] && command -v nvidia-smi >/dev/null && nvidia-smi -L >"$out/nvidia-smi.txt" 2>&1; then
         record cuda failed 0 "nvidia-smi lists a GPU but torch sees no CUDA device (see environment.json, nvidia-smi.txt)"
         failed=true
+    else
+        # Its own status, not "passed": the steps below can pass on the CPU, which verifies nothing GPU-specific.
+        record cuda no-cuda 0 "no CUDA device: nothing GPU-specific was verified"
     fi
 fi
 
@@ -372,10 +376,19 @@ for step in steps:
 line = json.loads((out / "line.json").read_text()) if (out / "line.json").is_file() else {"name": None}
 server = json.loads((out / "tritonserver.json").read_text()) if (out / "tritonserver.json").is_file() else None
 line["tritonserver"] = server.get("version") if server else None  # None: no server ran
-summary = {"mode": "quick" if sys.argv[2] == "true" else "full", "line": line,
-           "environment": json.loads((out / "environment.json").read_text()), "steps": steps}
+environment = json.loads((out / "environment.json").read_text())
+# The run's one word: failed if any step failed, no-cuda where no GPU was seen (a CPU run verifies
+# nothing GPU-specific, however its steps went), passed only for a CUDA run with no failure.
+if any(s["status"] == "failed" for s in steps):
+    status = "failed"
+elif not environment["cuda_available"]:
+    status = "no-cuda"
+else:
+    status = "passed"
+summary = {"status": status, "mode": "quick" if sys.argv[2] == "true" else "full", "line": line,
+           "environment": environment, "steps": steps}
 (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-print(f"[gpu-check] summary (line {line['name'] or 'none'}, tritonserver {line['tritonserver'] or 'none'}):",
+print(f"[gpu-check] summary (line {line['name'] or 'none'}, tritonserver {line['tritonserver'] or 'none'}): {status}:",
       " | ".join(f"{s['step']} {s['status']}" for s in steps), f"-> {out}/summary.json")
 EOF
 ! "$failed"

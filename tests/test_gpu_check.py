@@ -71,8 +71,12 @@ def test_quick_check_runs_on_cpu_and_skips_the_cuda_steps(tmp_path):
 
     summary = json.loads((out / "summary.json").read_text())
     assert summary["mode"] == "quick" and summary["environment"]["cuda_available"] is False
+    # A CPU run is never a pass, whatever its steps did: nothing GPU-specific was verified.
+    assert summary["status"] == "no-cuda" and "tritonserver none): no-cuda: cuda no-cuda | install" in done.stdout
     steps = {step["step"]: step for step in summary["steps"]}
-    assert list(steps) == ["install", "unit", "bench", "served"]
+    assert list(steps) == ["cuda", "install", "unit", "bench", "served"]
+    assert steps["cuda"]["status"] == "no-cuda"
+    assert steps["cuda"]["detail"] == "no CUDA device: nothing GPU-specific was verified"
     assert steps["install"]["status"] == "passed"
     assert (
         steps["install"]["detail"].startswith("1 wheels")
