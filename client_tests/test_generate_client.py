@@ -84,26 +84,30 @@ def test_streamed_chunks_concatenate_to_the_whole_result(protocol, triton_server
             np.testing.assert_array_equal(getattr(joined, name), getattr(whole[index], name), err_msg=name)
 
 
-def test_parameters_are_checked_before_anything_is_sent(client, triton_server):
-    tokens_before = counter(triton_server.metrics_url, "generate_tokens_total")
+def test_parameters_are_checked_before_anything_is_sent(client):
     with pytest.raises(SamplingRequestError) as over_width:  # W comes from the served config
         client.generate([[5]], SamplingParams(top_k=200, return_sampling_mask=True), 4)
     assert over_width.value.field == "top_k" and "128" in over_width.value.message
     with pytest.raises(SamplingRequestError) as unbounded:  # the server's own rule and message
         SamplingParams(temperature=1.0, top_p=0.9, return_sampling_mask=True)
     assert unbounded.value.message == UNBOUNDED_MASK_MESSAGE
-    for prompts, params, budget, field in (
-        ([[]], SAMPLED, 4, "input_ids"),
-        ([[5, -1]], SAMPLED, 4, "input_ids"),
-        ([[[5]]], SAMPLED, 4, "input_ids"),
-        (PROMPTS, [SAMPLED], 4, "params"),
-        (PROMPTS, SAMPLED, [4, 4], "max_new_tokens"),
-        (PROMPTS, SAMPLED, -1, "max_new_tokens"),
-    ):
-        with pytest.raises(SamplingRequestError) as error:
-            client.generate(prompts, params, budget)
-        assert error.value.field == field
-    assert counter(triton_server.metrics_url, "generate_tokens_total") == tokens_before
+    # Nothing listens there: a call that sent anything would fail to connect instead.
+    with GenerateClient(f"127.0.0.1:{free_port()}", mask_width=WIDTH) as offline:
+        for prompts, params, budget, field in (
+            ([[5]], SamplingParams(top_k=200, return_sampling_mask=True), 4, "top_k"),
+            ([[]], SAMPLED, 4, "input_ids"),
+            ([[5, -1]], SAMPLED, 4, "input_ids"),
+            ([[[5]]], SAMPLED, 4, "input_ids"),
+            (PROMPTS, [SAMPLED], 4, "params"),
+            (PROMPTS, SAMPLED, [4, 4], "max_new_tokens"),
+            (PROMPTS, SAMPLED, -1, "max_new_tokens"),
+        ):
+            with pytest.raises(SamplingRequestError) as error:
+                offline.generate(prompts, params, budget)
+            assert error.value.field == field
+        with pytest.raises(GenerateError) as unreachable:
+            offline.generate([[5]], SAMPLED, 4)
+    assert unreachable.value.status == "StatusCode.UNAVAILABLE"
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])

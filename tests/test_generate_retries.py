@@ -8,6 +8,7 @@ import pytest
 
 from triton_sampling_mask.client.generate_client import AsyncGenerateClient, _Job
 from triton_sampling_mask.client.generate_transport import BUSY_MESSAGES, GenerateError
+from triton_sampling_mask.client.replicas import is_replica_failure
 from triton_sampling_mask.generation.engine import RETRY_LATER
 from triton_sampling_mask.sampling.outputs import FINISH_REASON, TOKEN_OUTPUTS
 
@@ -52,8 +53,9 @@ def test_a_retried_stream_that_diverges_or_is_unseeded_fails():
     job = _Job(0, {}, stream=True, seeded=True, outputs=None)
     job.accept(token_outputs([7]))
     job.retry(GenerateError(None, "reset"))
-    with pytest.raises(GenerateError, match="diverged"):
+    with pytest.raises(GenerateError, match="diverged") as diverged:
         job.accept(token_outputs([6]))
+    assert not is_replica_failure(diverged.value.status, diverged.value.message)  # final, not retried
     unseeded = _Job(1, {}, stream=True, seeded=False, outputs=None)
     unseeded.accept(token_outputs([7]))
     with pytest.raises(GenerateError, match="unseeded") as error:

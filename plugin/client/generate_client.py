@@ -169,8 +169,10 @@ class _Job:
             replayed = ids[:skip].tolist()
             expected = self.yielded_ids[self.position : self.position + skip]
             if replayed != expected:
-                raise GenerateError(
-                    None, f"a retried seeded stream diverged from its first try: {replayed} != {expected}"
+                raise GenerateError(  # final: no replica failure, so never retried again
+                    "StatusCode.ABORTED",
+                    f"a retried seeded stream diverged from its first try: {replayed} != {expected}",
+                    self.index,
                 )
             self.position += len(ids)
             if skip == len(ids) and not outputs[FINISH_REASON.name]:
