@@ -2,15 +2,14 @@
 
 The server holds three variants of the shipped `generate` model: `generate` (shipped bounds),
 `generate_tight` (one active sequence, one waiting: the refusal beyond the bounds) and
-`generate_queue` (one active sequence, 64 waiting prompt tokens, a 256-token KV budget, and no
-Triton queue cap, so the engine's own bounds are what refuse), and a fourth, `generate_static`,
-left unloaded: its config still sets `scheduler: "static"`, so it must fail to load. Joins,
-cancellation, refusals, queue bounds, the client's retries of busy refusals, one final each.
+`generate_queue` (one active sequence, 64 waiting prompt tokens, a 256-token KV budget), and a
+fourth, `generate_static`, left unloaded: its config still sets `scheduler: "static"`, so it must
+fail to load. Joins, cancellation, refusals, queue bounds, the client's retries of busy refusals,
+one final each.
 """
 
 from __future__ import annotations
 
-import re
 import shutil
 import time
 
@@ -63,8 +62,6 @@ def engine_server(tmp_path_factory):
     build_engine_repository(repository, {RETIRED_SCHEDULER: {}})
     config = repository / RETIRED_SCHEDULER / "config.pbtxt"
     config.write_text(with_parameter(config.read_text(), "scheduler", "static"))
-    queue_config = repository / QUEUE / "config.pbtxt"  # the engine's bounds alone decide
-    queue_config.write_text(re.sub(r"max_queue_size:\s*\d+,?\s*", "", queue_config.read_text()))
     # Explicit model control: the last test unloads a variant while it generates.
     control = ["--model-control-mode=explicit", *(f"--load-model={name}" for name in VARIANTS)]
     with TritonServer(
