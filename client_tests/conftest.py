@@ -48,6 +48,7 @@ def _place(item, external: ExternalTritonServer | None) -> str:
         (
             "client_tests/test_generate_engine.py",
             "client_tests/test_speculative.py",
+            "client_tests/test_checkpoints.py",
             "client_tests/test_load_shedding.py::test_a_burst",
         )
     ):

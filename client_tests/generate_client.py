@@ -145,6 +145,24 @@ def http_generate(
     return 200, Generation(**arrays, finish_reason=reply["finish_reason"], responses=[reply])
 
 
+def assert_matches_reference(result, logits: np.ndarray, **rules) -> None:
+    """Each token of `result` (a GenerateResult or Generation) against the float64 reference of
+    the logits it was sampled from (`logits` [n, V]; `rules`: temperature, top_k, top_p, min_p):
+    its mask row in the reference's order, the token inside it, its two log-probs."""
+    import pytest
+
+    from tests.reference import reference_row
+
+    for i, token in enumerate(result.output_ids):
+        ref = reference_row(logits[i], tolerance=1e-5, **rules)
+        row = result.sampling_mask[i, : result.sampling_mask_len[i]]
+        assert ref.support_min <= len(row) <= ref.support_max, f"step {i}"
+        np.testing.assert_array_equal(row, ref.order[: len(row)], err_msg=f"step {i}")
+        assert token in row, f"step {i}: token {token} outside its mask"
+        assert result.output_logprobs[i] == pytest.approx(ref.logprobs[token], abs=1e-3)
+        assert result.sampling_logprobs[i] == pytest.approx(ref.renormalised_logprob(token, len(row)), abs=1e-3)
+
+
 def counter(metrics_url: str, name: str, model: str = "generate") -> float:
     """The value of a custom counter or gauge on the metrics endpoint (0 before its first update)."""
     with urllib.request.urlopen(metrics_url, timeout=10) as response:

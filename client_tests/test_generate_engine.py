@@ -1,9 +1,11 @@
 """The continuous-batching engine of `generate` through a real tritonserver of its own.
 
-The server holds two variants of the shipped `generate` model: `generate` (shipped bounds) and
-`generate_tight` (one active sequence, one waiting: the refusal beyond the bounds), and a third,
-`generate_static`, left unloaded: its config still sets `scheduler: "static"`, so it must fail to
-load. Joins, cancellation, refusals, one final each.
+The server holds three variants of the shipped `generate` model: `generate` (shipped bounds),
+`generate_tight` (one active sequence, one waiting: the refusal beyond the bounds) and
+`generate_queue` (one active sequence, 64 waiting prompt tokens, a 256-token KV budget), and a
+fourth, `generate_static`, left unloaded: its config still sets `scheduler: "static"`, so it must
+fail to load. Joins, cancellation, refusals, queue bounds, the client's retries of busy refusals,
+one final each.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import numpy as np
 import pytest
 from tritonclient.utils import InferenceServerException
 
+from triton_sampling_mask.client import GenerateClient
+from triton_sampling_mask.client.sampling_params import SamplingParams
 from triton_sampling_mask.ops.server_process import TritonServer
 
 from .generate_client import GenerateStream, collect, counter, grpc_generate, http_generate, wait_for_counter
@@ -24,7 +28,9 @@ SAMPLED = dict(temperature=0.7, top_k=10, top_p=0.9, min_p=0.03, return_sampling
 VARIANTS = {
     "generate": {},
     "generate_tight": {"max_active_sequences": "1", "max_waiting": "1"},
+    "generate_queue": {"max_active_sequences": "1", "max_waiting_tokens": "64", "kv_budget_tokens": "256"},
 }
+QUEUE = "generate_queue"
 RETIRED_SCHEDULER = "generate_static"  # a config that still asks for the removed static loop
 
 
@@ -208,6 +214,71 @@ def test_exactly_one_final_per_request_in_a_mixed_stream(engine_server):
     assert len(collect(results["stream"]["outputs"]).output_ids) == 9
     assert len(results["stream"]["outputs"]) == 9
     assert counter(engine_server.metrics_url, "generate_time_to_first_token_seconds_count") == ttft_before + 3
+
+
+def test_many_short_prompts_wait_for_the_one_slot_and_all_complete(engine_server):
+    # 40 one-token prompts hold 40 of the 64 waiting prompt tokens: none is refused.
+    with GenerateStream(engine_server.grpc_url, QUEUE) as stream:
+        for i in range(40):
+            stream.send([10 + i], 3, request_id=f"r{i}", **dict(SAMPLED, seed=i))
+        results = read_to_final(stream, 40)
+    assert sorted(results) == sorted(f"r{i}" for i in range(40))
+    assert all(entry["finals"] == 1 and not entry["errors"] for entry in results.values())
+    for i in (0, 39):  # first and last in the queue, each as it would run alone
+        alone = grpc_generate(engine_server.grpc_url, [10 + i], 3, model=QUEUE, **dict(SAMPLED, seed=i))
+        np.testing.assert_array_equal(collect(results[f"r{i}"]["outputs"]).output_ids, alone.output_ids)
+
+
+def test_huge_prompts_beyond_the_waiting_token_budget_are_refused_naming_it(engine_server):
+    # Larger than the whole KV budget: never admissible, so a 400 (no retry would help).
+    with pytest.raises(InferenceServerException) as never:
+        grpc_generate(engine_server.grpc_url, [5] * 10, 300, model=QUEUE)
+    assert "kv_budget_tokens" in never.value.message() and "retry later" not in never.value.message()
+    status, body = http_generate(engine_server.http_url, [5] * 10, 300, 128, model=QUEUE)
+    assert status == 400 and "kv_budget_tokens" in body["error"]
+    stream = GenerateStream(engine_server.grpc_url, QUEUE)
+    try:
+        stream.send([5, 6, 7], 240, request_id="running", stream=True, **dict(SAMPLED, seed=1))
+        assert stream.next()[3] is None  # it holds the slot (and 243 of the 256 KV positions)
+        stream.send([9] * 40, 4, request_id="waiting", **dict(SAMPLED, seed=2))  # 40 of 64 tokens
+        wait_for_counter(
+            engine_server.metrics_url, "generate_waiting_requests", lambda v: v == 1, "it never queued", model=QUEUE
+        )
+        with pytest.raises(InferenceServerException) as refused:  # 40 + 40 > 64
+            grpc_generate(engine_server.grpc_url, [9] * 40, 4, model=QUEUE)
+        assert "max_waiting_tokens 64" in refused.value.message() and "retry later" in refused.value.message()
+        status, body = http_generate(engine_server.http_url, [9] * 40, 4, 128, model=QUEUE)
+        assert status == 503 and "max_waiting_tokens" in body["error"]
+        stream.send([9] * 24, 4, request_id="fits", **dict(SAMPLED, seed=3))  # 40 + 24 = 64: waits
+        wait_for_counter(
+            engine_server.metrics_url, "generate_waiting_requests", lambda v: v == 2, "it never queued", model=QUEUE
+        )
+    finally:
+        stream.close(cancel=True)
+    wait_for_counter(
+        engine_server.metrics_url,
+        "generate_active_sequences",
+        lambda v: v == 0,
+        "the cancelled requests kept the slot",
+        timeout_s=60,
+        model=QUEUE,
+    )
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_the_client_retries_busy_refusals_until_every_request_completes(protocol, engine_server):
+    model = "generate_tight"  # one slot, one waiting place: most of 8 requests sent at once are refused
+    url = engine_server.grpc_url if protocol == "grpc" else engine_server.http_url
+    params = [SamplingParams(temperature=0.7, top_k=10, seed=i, return_sampling_mask=True) for i in range(8)]
+    with GenerateClient(url, protocol, model, backoff_s=0.01, max_backoff_s=0.2) as client:
+        results = client.generate([[5, 6, 7]] * 8, params, 6, ignore_eos=True)
+        refusals = client.busy_refusals
+        alone = [client.generate([[5, 6, 7]], [p], 6, ignore_eos=True)[0] for p in params]
+    assert refusals > 0, "no request was refused: the test did not exercise the retries"
+    for result, expected in zip(results, alone):
+        assert result.finish_reason == "length"
+        np.testing.assert_array_equal(result.output_ids, expected.output_ids)
+        np.testing.assert_array_equal(result.sampling_mask, expected.sampling_mask)
 
 
 def test_a_config_that_still_sets_another_scheduler_fails_to_load_naming_it(engine_server):

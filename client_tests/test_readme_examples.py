@@ -1,5 +1,5 @@
-"""The documentation cannot rot: every ```python block of README.md and docs/*.md runs against the
-session's real server, and every relative link of the guides (and of CHANGELOG.md, bench/README.md and
+"""The documentation cannot rot: every ```python block of README.md and docs/*.md, and every script
+in examples/, runs against the session's real server, and every relative link of the guides (and of CHANGELOG.md, bench/README.md and
 bench/results/history.md) points at a file, and heading, that exists.
 
 The examples address Triton's default ports; the test points them at the session server instead.
@@ -9,6 +9,7 @@ The examples address Triton's default ports; the test points them at the session
 from __future__ import annotations
 
 import re
+import runpy
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,8 @@ from .server import REPO_ROOT
 
 README = REPO_ROOT / "README.md"
 EXAMPLE_FILES = [README, *sorted((REPO_ROOT / "docs").glob("*.md"))]
+# Scripts taking --url (gRPC) and --protocol, like examples/rl_rollout.py.
+EXAMPLE_SCRIPTS = sorted((REPO_ROOT / "examples").glob("*.py"))
 LINKED_FILES = [
     *EXAMPLE_FILES,
     REPO_ROOT / "CHANGELOG.md",
@@ -51,6 +54,16 @@ def test_the_documented_examples_are_there():
     docs = "\n".join(code for path, _, code in BLOCKS if path.startswith("docs/"))
     assert "InferRequestedOutput" in docs  # docs/sampler.md: only the requested outputs
     assert "replica_shares" in docs  # docs/operations.md: scale out
+    assert "GenerateClient" in docs  # docs/generate.md: the generate client
+    assert REPO_ROOT / "examples" / "rl_rollout.py" in EXAMPLE_SCRIPTS  # rollout, masks, replay
+
+
+@pytest.mark.parametrize("script", EXAMPLE_SCRIPTS, ids=_relative)
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_example_script_runs(script, protocol, triton_server, monkeypatch):
+    url = triton_server.grpc_url if protocol == "grpc" else triton_server.http_url
+    monkeypatch.setattr("sys.argv", [str(script), "--url", url, "--protocol", protocol])
+    runpy.run_path(str(script), run_name="__main__")
 
 
 @pytest.mark.parametrize(("path", "index", "code"), BLOCKS, ids=[f"{path}:block{index}" for path, index, _ in BLOCKS])

@@ -21,13 +21,15 @@ def replica():
 
 
 @torch.inference_mode()
-def step_logits(prompt, output_ids) -> np.ndarray:
-    """float64 [n, V]: the logits each output token was sampled from (prompt + earlier outputs)."""
+def step_logits(prompt, output_ids, model=None) -> np.ndarray:
+    """float64 [n, V]: the logits each output token was sampled from (prompt + earlier outputs),
+    by `model` (a float64 causal LM; default the default LM's replica)."""
+    model = model if model is not None else replica()
     tokens = np.concatenate([np.asarray(prompt), np.asarray(output_ids)]).astype(np.int64)
     n = len(output_ids)
     if n == 0:
-        return np.zeros((0, replica().config.vocab_size))
-    logits = replica()(input_ids=torch.from_numpy(tokens[None, :-1])).logits[0]
+        return np.zeros((0, model.config.vocab_size))
+    logits = model(input_ids=torch.from_numpy(tokens[None, :-1])).logits[0]
     return logits[len(prompt) - 1 :].numpy()
 
 

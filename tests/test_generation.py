@@ -405,8 +405,9 @@ def test_bounds_refuse_with_engine_full_and_stop_ends_every_request():
         running.submit(request([6], 500, ignore_eos=True), second)  # waits: one slot, budget 600
         with pytest.raises(EngineFull, match="max_waiting"):
             running.submit(request([7], 4), RecordingHandle())
-        with pytest.raises(EngineFull, match="kv_budget_tokens"):
+        with pytest.raises(SamplingRequestError, match="kv_budget_tokens") as never:  # no retry would fit
             running.submit(request([7] * 10, 600), RecordingHandle())
+        assert never.value.field == "max_new_tokens"
         zero = RecordingHandle()
         running.submit(request([7], 0), zero)  # nothing to generate: answered at once
         assert zero.finals == 1 and len(zero.ids()) == 0
@@ -417,6 +418,42 @@ def test_bounds_refuse_with_engine_full_and_stop_ends_every_request():
         assert handle.finals + len(handle.errors) == 1
     with pytest.raises(EngineFull, match="shutting down"):
         running.submit(request([5], 4), RecordingHandle())
+
+
+def test_many_short_prompts_wait_within_the_token_budget_and_all_complete():
+    # One slot and a budget of 64 waiting prompt tokens: 60 one-token prompts all wait, then run.
+    running = engine(BigramLM(), max_active_sequences=1, max_waiting_tokens=64)
+    reqs = [request([10 + i % 40], 3, ignore_eos=True, seed=i) for i in range(60)]
+    handles = [RecordingHandle() for _ in reqs]
+    submit_and_finish(running, handles, reqs, timeout_s=60)
+    for handle, req in zip(handles, reqs):
+        assert handle.finals == 1 and not handle.errors
+        np.testing.assert_array_equal(handle.ids(), alone(BigramLM(), req).ids())
+
+
+def test_huge_prompts_beyond_the_token_budget_are_refused_naming_it():
+    running = engine(load_lm(), max_active_sequences=1, max_waiting_tokens=100)
+    first, waiting = RecordingHandle(), RecordingHandle()
+    try:
+        running.submit(request([5], 400, stream=True, ignore_eos=True), first)
+        assert first.first.wait(30)  # it holds the slot: what follows waits
+        running.submit(request([6] * 60, 4, ignore_eos=True), waiting)  # 60 tokens wait
+        with pytest.raises(EngineFull, match="max_waiting_tokens 100") as refused:
+            running.submit(request([7] * 41, 4), RecordingHandle())  # 60 + 41 > 100
+        assert "retry later" in refused.value.message
+        small = RecordingHandle()
+        running.submit(request([7] * 40, 4, ignore_eos=True), small)  # 60 + 40 fits
+    finally:
+        running.stop()
+    assert small.errors and small.errors[0][0] == "UNAVAILABLE" and "retry later" in small.errors[0][1]
+
+
+def test_a_prompt_larger_than_the_token_budget_is_taken_at_the_head_of_an_empty_queue():
+    # Never refused for good: alone in the queue, a prompt above max_waiting_tokens still runs.
+    running = engine(BigramLM(), max_waiting_tokens=4)
+    handle = RecordingHandle()
+    submit_and_finish(running, [handle], [request(list(range(10, 30)), 3, ignore_eos=True)], timeout_s=60)
+    assert handle.finals == 1 and len(handle.ids()) == 3
 
 
 def test_the_engine_fails_only_the_row_whose_logits_broke():

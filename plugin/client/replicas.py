@@ -1,4 +1,4 @@
-"""Several replicas of the sampler behind one client: which replica takes the next request, which
+"""Several replicas of a model behind one client: which replica takes the next request, which
 failures eject a replica, and when an ejected one is probed back in.
 
 The choice is the healthy replica with the fewest outstanding requests (ties taken in turn). A
@@ -6,7 +6,9 @@ replica that fails (`is_replica_failure`) is ejected for `eject_backoff_s`; once
 client probes it in the background (server and model ready) and readmits it on success, else
 ejects it again for twice as long, up to `max_eject_backoff_s`. A request is never refused on the
 client side: with every untried replica ejected, the call is sent to an ejected one anyway, and an
-answer from it readmits it at once. No Triton import beyond what the caller passes in.
+answer from it readmits it at once. `Attempts` is one request's way through them: the next
+replica, the pause after a round where all failed, and which errors end the request. No Triton
+import beyond what the caller passes in.
 """
 
 from __future__ import annotations
@@ -187,3 +189,58 @@ class ReplicaSet:
 def round_pause_s(round_number: int) -> float:
     """The pause before trying every replica again, after a round where all failed."""
     return min(1.0, 0.05 * 2**round_number)
+
+
+class Attempts:
+    """One request's retry policy, shared by every client: which replica next, when a whole round
+    failed, and whether an error ends the request or moves it on.
+
+    `start_probes()` probes ejected replicas that are due; `server_error(exc)` is the failure
+    (with `status` and `message`) a server or transport exception stands for, or None for any
+    other exception, which is raised as it is."""
+
+    def __init__(
+        self,
+        replicas: ReplicaSet,
+        max_attempts: int,
+        start_probes: Callable[[], None],
+        server_error: Callable[[BaseException], Exception | None],
+    ):
+        self.replicas, self.max_attempts = replicas, max_attempts
+        self.start_probes, self.server_error = start_probes, server_error
+        self.tried: set = set()
+        self.attempts = self.rounds = 0
+
+    def next_lease(self):
+        """(replica, tritonclient) not yet tried this round, or None when every replica failed
+        this round (the caller pauses `pause_s()`, then all are tried again)."""
+        self.start_probes()
+        lease = self.replicas.acquire(self.tried)
+        if lease is None:
+            self.rounds += 1
+            self.tried.clear()
+        else:
+            self.attempts += 1
+        return lease
+
+    def pause_s(self) -> float:
+        return round_pause_s(self.rounds)
+
+    def failed(self, lease, exc: BaseException) -> None:
+        """Release the replica after `exc`; re-raise it (as its server error for server and
+        transport errors) unless it says the replica failed and attempts remain."""
+        replica, tritonclient = lease
+        error = self.server_error(exc)
+        if error is None:
+            self.replicas.release(replica, tritonclient, reachable=True)
+            raise exc
+        failed = is_replica_failure(error.status, error.message)
+        self.replicas.release(replica, tritonclient, reachable=not failed)
+        if not failed or self.attempts >= self.max_attempts:
+            raise error from None
+        self.tried.add(replica)
+
+    def served(self, lease, result, served: bool):
+        """Release the replica after a success and pass the result on."""
+        self.replicas.release(*lease, reachable=True, served=served)
+        return result

@@ -41,9 +41,8 @@ from ..sampling.validation import MaskPolicy, SamplingRequestError
 from .replicas import (
     DEFAULT_EJECT_BACKOFF_S,
     DEFAULT_MAX_EJECT_BACKOFF_S,
+    Attempts,
     ReplicaSet,
-    is_replica_failure,
-    round_pause_s,
     split_urls,
 )
 from .sampling_params import SamplingParams, check_rows_like_server, rows_to_params
@@ -317,50 +316,6 @@ class _ShmRegion:
         self._shm.destroy_shared_memory_region(self.handle)
 
 
-class _Attempts:
-    """One request's retry policy, shared by the sync and asyncio clients: which replica next,
-    when a whole round failed, and whether an error ends the request or moves it on."""
-
-    def __init__(self, client: _SamplerClientBase):
-        self.client = client
-        self.tried: set = set()
-        self.attempts = self.rounds = 0
-
-    def next_lease(self):
-        """(replica, tritonclient) not yet tried this round, or None when every replica failed
-        this round (the caller pauses `pause_s()`, then all are tried again)."""
-        self.client._start_probes()
-        lease = self.client._replicas.acquire(self.tried)
-        if lease is None:
-            self.rounds += 1
-            self.tried.clear()
-        else:
-            self.attempts += 1
-        return lease
-
-    def pause_s(self) -> float:
-        return round_pause_s(self.rounds)
-
-    def failed(self, lease, exc: BaseException) -> None:
-        """Release the replica after `exc`; re-raise it (as SamplerError for server and transport
-        errors) unless it says the replica failed and attempts remain."""
-        replica, tritonclient = lease
-        if not isinstance(exc, (InferenceServerException, SamplerError, *_TRANSPORT_ERRORS)):
-            self.client._replicas.release(replica, tritonclient, reachable=True)
-            raise exc
-        error = self.client._failure(exc)
-        failed = is_replica_failure(error.status, error.message)
-        self.client._replicas.release(replica, tritonclient, reachable=not failed)
-        if not failed or self.attempts >= self.client.max_attempts:
-            raise error from None
-        self.tried.add(replica)
-
-    def served(self, lease, result, served: bool):
-        """Release the replica after a success and pass the result on."""
-        self.client._replicas.release(*lease, reachable=True, served=served)
-        return result
-
-
 class _SamplerClientBase:
     _ASYNCHRONOUS = False  # which tritonclient flavour the subclass drives
 
@@ -415,6 +370,16 @@ class _SamplerClientBase:
 
     def _failure(self, exc: BaseException) -> SamplerError:
         return exc if isinstance(exc, SamplerError) else SamplerError.from_exception(exc)
+
+    def _server_error(self, exc: BaseException) -> SamplerError | None:
+        """A server or transport failure as SamplerError; None for anything else (raised as it is)."""
+        if isinstance(exc, (InferenceServerException, SamplerError, *_TRANSPORT_ERRORS)):
+            return self._failure(exc)
+        return None
+
+    def _attempts(self) -> Attempts:
+        """The retry policy of one request over this client's replicas."""
+        return Attempts(self._replicas, self.max_attempts, self._start_probes, self._server_error)
 
     def _config_kwargs(self) -> dict:
         return {"as_json": True} if self.protocol == "grpc" else {}
@@ -531,7 +496,7 @@ class SamplerClient(_SamplerClientBase):
 
     def _on_a_replica(self, work, served: bool = False):
         """`work(tritonclient)` on a chosen replica, retried on another when the replica fails."""
-        attempts = _Attempts(self)
+        attempts = self._attempts()
         while True:
             lease = attempts.next_lease()
             if lease is None:  # every replica failed this round: pause, then try them all again
@@ -672,7 +637,7 @@ class AsyncSamplerClient(_SamplerClientBase):
 
     async def _on_a_replica(self, work, served: bool = False):
         """`await work(tritonclient)` on a chosen replica, retried on another when the replica fails."""
-        attempts = _Attempts(self)
+        attempts = self._attempts()
         while True:
             lease = attempts.next_lease()
             if lease is None:  # every replica failed this round: pause, then try them all again

@@ -38,10 +38,14 @@ import torch
 from ..sampling.batching import BatchSampler, outputs_to_numpy
 from ..sampling.outputs import MASK_OUTPUT_NAMES, OUTPUT_IDS, TOKEN_OUTPUT_NAMES, UNMASKED_OUTPUT_NAMES, padding
 from ..sampling.params import RowParams
-from ..sampling.validation import check_logit_rows
+from ..sampling.validation import SamplingRequestError, check_logit_rows
 from .drafting import PAD, NgramDrafter, TokenHistory
 from .lm import CausalLM, can_merge, can_speculate
 from .request import FINISH_LENGTH, FINISH_STOP, GenerationChunk, GenerationRequest, step_params, stop_ids
+
+# Ends the message of every refusal that a later try may get past (UNAVAILABLE: the bounds are
+# full, the model is unloading): clients read an in-band gRPC error's message only, without its code.
+RETRY_LATER = "retry later"
 
 
 class EngineFull(Exception):
@@ -54,14 +58,17 @@ class EngineFull(Exception):
 
 @dataclass(frozen=True)
 class EngineLimits:
-    """Bounds of one engine: rows decoded together, requests queued, KV positions reserved."""
+    """Bounds of one engine: rows decoded together, KV positions reserved, and what may wait for
+    a slot: requests (each holds a Triton request, its inputs and a response sender) and the
+    prompt tokens they hold (the prefill work queued)."""
 
     max_active_sequences: int = 32
-    max_waiting: int = 64
+    max_waiting: int = 4096
     kv_budget_tokens: int = 32 * 512  # each request reserves prompt + max_new_tokens positions
+    max_waiting_tokens: int = 1 << 20
 
     def __post_init__(self):
-        for name in ("max_active_sequences", "max_waiting", "kv_budget_tokens"):
+        for name in ("max_active_sequences", "max_waiting", "kv_budget_tokens", "max_waiting_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"config parameter {name!r} must be >= 1, got {getattr(self, name)}")
 
@@ -137,6 +144,7 @@ class ContinuousEngine:
         self._entropy = np.random.default_rng(int.from_bytes(os.urandom(16), "little"))
         self._cv = threading.Condition()
         self._waiting: deque[_Sequence] = deque()
+        self._waiting_tokens = 0  # prompt tokens of the waiting requests
         self._stopping = False
         self._rows: list[_Sequence] = []  # the decode batch, aligned with _state, _last and _params
         self._state = None  # the LM's cache: each row's tokens but its last
@@ -152,28 +160,46 @@ class ContinuousEngine:
         return self
 
     def submit(self, request: GenerationRequest, handle: RequestHandle) -> None:
-        """Queue a checked request; raises EngineFull (nothing sent) when it cannot be taken now."""
+        """Queue a checked request; raises EngineFull (nothing sent) when it cannot be taken now,
+        SamplingRequestError when it can never be (larger than the whole KV budget)."""
         if request.max_new_tokens == 0:  # nothing to generate: answered here, no slot taken
             handle.send(GenerationChunk.empty(self.width, FINISH_LENGTH), final=True)
             return
+        never = self.never_fits(request)
+        if never is not None:
+            raise SamplingRequestError("max_new_tokens", never)
         sequence = _Sequence(request, handle, time.monotonic(), stop_ids(request, self.lm.eos_token_ids))
-        if sequence.reserved > self.limits.kv_budget_tokens:
-            raise EngineFull(
-                f"prompt length {request.prompt.size} + max_new_tokens {request.max_new_tokens} exceeds "
-                f"this instance's KV budget of {self.limits.kv_budget_tokens} tokens (kv_budget_tokens)"
-            )
+        prompt_tokens = int(request.prompt.size)
         with self._cv:
             if self._stopping:
-                raise EngineFull("the generate model is shutting down")
+                raise EngineFull(f"the generate model is shutting down; {RETRY_LATER}")
             if len(self._waiting) >= self.limits.max_waiting:
                 raise EngineFull(
                     f"generate is at capacity: {len(self._waiting)} requests already wait "
-                    f"(max_waiting {self.limits.max_waiting}); retry later"
+                    f"(max_waiting {self.limits.max_waiting}); {RETRY_LATER}"
+                )
+            # The head of an empty queue is always taken, so no prompt is refused for good.
+            if self._waiting and self._waiting_tokens + prompt_tokens > self.limits.max_waiting_tokens:
+                raise EngineFull(
+                    f"generate is at capacity: {self._waiting_tokens} prompt tokens already wait and this "
+                    f"prompt has {prompt_tokens} (max_waiting_tokens {self.limits.max_waiting_tokens}); {RETRY_LATER}"
                 )
             self._waiting.append(sequence)
+            self._waiting_tokens += prompt_tokens
             self._cv.notify()
 
-    def stop(self, message: str = "the generate model was unloaded before this request finished") -> None:
+    def never_fits(self, request: GenerationRequest) -> str | None:
+        """Why `request` can never be admitted here (it needs more than the whole KV budget), or None."""
+        if request.prompt.size + request.max_new_tokens <= self.limits.kv_budget_tokens:
+            return None
+        return (
+            f"prompt length {request.prompt.size} + max_new_tokens {request.max_new_tokens} exceeds "
+            f"this instance's KV budget of {self.limits.kv_budget_tokens} tokens (kv_budget_tokens)"
+        )
+
+    def stop(
+        self, message: str = f"the generate model was unloaded before this request finished; {RETRY_LATER}"
+    ) -> None:
         """End the loop after its current step; every request not yet finished gets `message` as its final."""
         with self._cv:
             self._stopping = True
@@ -222,6 +248,7 @@ class ContinuousEngine:
             if reserved + need > self.limits.kv_budget_tokens:
                 break  # FIFO: no overtaking, so a large request is never starved
             newcomers.append(self._waiting.popleft())
+            self._waiting_tokens -= newcomers[-1].request.prompt.size
             reserved += need
         return newcomers
 

@@ -191,6 +191,7 @@ class GenerateModel:
             max_active_sequences=int_parameter(model_config, "max_active_sequences", EngineLimits.max_active_sequences),
             max_waiting=int_parameter(model_config, "max_waiting", EngineLimits.max_waiting),
             kv_budget_tokens=int_parameter(model_config, "kv_budget_tokens", EngineLimits.kv_budget_tokens),
+            max_waiting_tokens=int_parameter(model_config, "max_waiting_tokens", EngineLimits.max_waiting_tokens),
         )
         self.outbox = _Outbox(self.logger)
         self.engine = ContinuousEngine(
@@ -228,6 +229,7 @@ class GenerateModel:
             for item, handle, error in zip(
                 parsed, admitted_handles, admission_errors(parsed, self.lm.vocab_size, self.sampler.policy)
             ):
+                error = error or self.engine.never_fits(item)  # 400: no retry would ever fit
                 if error is not None:
                     handle.fail(error, "INVALID_ARG")
                 else:

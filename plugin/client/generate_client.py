@@ -1,0 +1,662 @@
+"""A typed client for the `generate` model: a batch of token-id prompts in, one result per
+prompt out (ids, log-probs and sampling masks, named as on the wire), over gRPC streams or HTTP.
+
+    from triton_sampling_mask.client import GenerateClient
+    from triton_sampling_mask.client.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.8, top_k=50, seed=1, return_sampling_mask=True)
+    with GenerateClient("localhost:8001") as client:
+        results = client.generate([[5, 6, 7], [8, 9]], params, max_new_tokens=32)
+        with client.stream([[5, 6, 7]], params, max_new_tokens=32) as chunks:
+            for chunk in chunks:  # one GenerateResult per new token, `index` says whose
+                ...
+
+Parameters are checked with the server's rules before anything is sent (SamplingRequestError).
+A call sends its requests on one gRPC stream per replica (or one HTTP request each), at most
+`max_in_flight` at a time over the whole client. A request the server cannot take now (503 /
+UNAVAILABLE: its queue or the engine's bounds are full, the model is unloading) is sent again
+after a jittered exponential backoff, for up to `busy_timeout_s`; a replica that fails is ejected
+and the request retried on another, with SamplerClient's policy (`replicas.Attempts`). A seeded
+request gives the same tokens on every try; a streamed one that is retried after some of its
+tokens were yielded resumes after them when seeded, and fails otherwise. Cancelling a call
+(its task, `stream(...).close()`, or the Future of `submit`) cancels its streams, so the server
+stops its requests. `GenerateClient` runs `AsyncGenerateClient` on an event loop of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import random
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..model_config import output_width, string_parameter
+from ..sampling.outputs import BY_NAME, FINISH_REASON, SAMPLING_MASK, TOKEN_OUTPUTS
+from ..sampling.params import PARAM_SPECS, SEED, RowParams
+from ..sampling.validation import MaskPolicy, SamplingRequestError
+from .generate_transport import GenerateError, GrpcConnection, HttpConnection, WireRequest
+from .replicas import DEFAULT_EJECT_BACKOFF_S, DEFAULT_MAX_EJECT_BACKOFF_S, Attempts, ReplicaSet, split_urls
+from .sampler_client import SampleResult
+from .sampling_params import SamplingParams, check_rows_like_server, rows_to_params
+from .wire import INPUT_DTYPES
+
+__all__ = [
+    "AsyncGenerateClient",
+    "AsyncGenerateStream",
+    "GenerateClient",
+    "GenerateError",
+    "GenerateResult",
+    "GenerateStream",
+    "concatenate_tokens",
+]
+
+DEFAULT_MODEL = "generate"
+_PROTOCOLS = ("grpc", "http")
+# Requests on the wire per replica at most: enough to keep a server's 32 slots and its queue fed;
+# with prompts of up to 4096 tokens, what one client keeps waiting fits the server's default
+# max_waiting_tokens (256 x 4096 = 1048576).
+DEFAULT_MAX_IN_FLIGHT_PER_REPLICA = 256
+DEFAULT_BACKOFF_S = 0.05
+DEFAULT_MAX_BACKOFF_S = 2.0
+DEFAULT_BUSY_TIMEOUT_S = 600.0
+_PROBE_TIMEOUT_S = 2.0
+_INT32_MAX = 2**31 - 1
+
+
+@dataclass
+class GenerateResult(SampleResult):
+    """One request's outputs (numpy, named as on the wire, `sampling.outputs`), one entry or mask
+    row per generated token: output_ids [n], output_logprobs [n], sampling_mask [n, W],
+    sampling_mask_len [n], sampling_logprobs [n], sampling_mask_logprobs [n, W] (an output left
+    out of `outputs=` is None). `finish_reason` is "length" or "stop" ("" on a streamed chunk
+    before the last); `index` is the request's position in the call's prompts. The mask fields
+    are what the converters take: `to_vllm_csr(r.sampling_mask, r.sampling_mask_len)`."""
+
+    finish_reason: str = ""
+    index: int = 0
+
+
+def concatenate_tokens(results: Sequence[SampleResult]) -> SampleResult:
+    """The tokens of several results, request after request, as one SampleResult ([N], [N, W]):
+    a whole batch in the layout the converters and `replay_logprobs` take."""
+    fields = SampleResult.__dataclass_fields__
+
+    def joined(name: str):
+        values = [getattr(r, name) for r in results]
+        return None if not values or any(v is None for v in values) else np.concatenate(values)
+
+    return SampleResult(**{name: joined(name) for name in fields})
+
+
+@dataclass(frozen=True)
+class GenerateLimits:
+    """What the client reads from the model config: the mask rules (W, speculative switch)."""
+
+    policy: MaskPolicy
+
+
+def _limits_from_config(config: dict, mask_width: int | None) -> GenerateLimits:
+    config = config.get("config", config)
+    return GenerateLimits(
+        MaskPolicy(
+            mask_width=mask_width or output_width(config, SAMPLING_MASK.name),
+            width_source=f"the dims of output '{SAMPLING_MASK.name}' in the generate model's config.pbtxt",
+            speculative_algorithm=string_parameter(config, "speculative_algorithm", "none"),
+        )
+    )
+
+
+def _int_list(values, field: str, index: int | None = None) -> np.ndarray:
+    """Token ids as int32 [n] (each in [0, 2**31)); raises SamplingRequestError naming the field."""
+    where = f"{field}[{index}]" if index is not None else field
+    array = np.asarray(values.detach().cpu().numpy() if hasattr(values, "detach") else values)
+    if array.ndim != 1 or not (array.size == 0 or np.issubdtype(array.dtype, np.integer)):
+        raise SamplingRequestError(field, f"{where} must be a 1-D sequence of token ids, got shape {list(array.shape)}")
+    if array.size and (array.min() < 0 or array.max() > _INT32_MAX):
+        raise SamplingRequestError(field, f"{where} must hold token ids in [0, 2**31), got {int(array.min())}")
+    return array.astype(np.int32)
+
+
+def _per_request(value, count: int, field: str) -> list:
+    """One value for every request, or a sequence with one per request."""
+    if isinstance(value, (SamplingParams, int, np.integer)):
+        return [value] * count
+    values = list(value)
+    if len(values) != count:
+        raise SamplingRequestError(field, f"{field} must be one value or {count} of them (one per prompt)")
+    return values
+
+
+class _Job:
+    """One prompt's request in a call: its wire inputs, and the outputs received for it so far."""
+
+    def __init__(self, index: int, inputs: dict, stream: bool, seeded: bool, outputs: tuple[str, ...] | None):
+        self.index, self.inputs, self.stream, self.seeded, self.outputs = index, inputs, stream, seeded, outputs
+        self.parts: list[dict] = []
+        self.yielded_ids: list[int] = []  # streamed tokens handed to the caller, over every try
+        self.resume_at = 0  # on a retried stream: tokens of this try that were already yielded
+        self.position = 0
+
+    def wire(self, request_id: str) -> WireRequest:
+        return WireRequest(request_id, self.stream, self.inputs, self.outputs)
+
+    def retry(self, error: GenerateError) -> None:
+        """Prepare another try: a streamed request resumes after what it yielded, when seeded."""
+        self.parts.clear()
+        if self.yielded_ids and not self.seeded:
+            raise GenerateError(
+                error.status,
+                f"{error.message} (after {len(self.yielded_ids)} streamed tokens; an unseeded request "
+                "cannot resume on another try)",
+                self.index,
+            ) from None
+        self.resume_at, self.position = len(self.yielded_ids), 0
+
+    def accept(self, outputs: dict) -> GenerateResult | None:
+        """Take one response; a streamed request returns the chunk to yield (None when a retried
+        try is still replaying tokens already yielded)."""
+        if self.outputs is not None:  # HTTP sends every output: keep only those asked for
+            outputs = {name: (v if name in self.outputs else None) for name, v in outputs.items()}
+        ids = outputs["output_ids"]
+        if self.stream and self.resume_at and ids is not None:
+            skip = min(max(self.resume_at - self.position, 0), len(ids))
+            replayed = ids[:skip].tolist()
+            expected = self.yielded_ids[self.position : self.position + skip]
+            if replayed != expected:
+                raise GenerateError(  # final: no replica failure, so never retried again
+                    "StatusCode.ABORTED",
+                    f"a retried seeded stream diverged from its first try: {replayed} != {expected}",
+                    self.index,
+                )
+            self.position += len(ids)
+            if skip == len(ids) and not outputs[FINISH_REASON.name]:
+                return None
+            outputs = {name: (v[skip:] if isinstance(v, np.ndarray) else v) for name, v in outputs.items()}
+        if not self.stream:
+            self.parts.append(outputs)
+            return None
+        if outputs["output_ids"] is not None:
+            self.yielded_ids.extend(outputs["output_ids"].tolist())
+        return _result(self.index, [outputs])
+
+    def result(self) -> GenerateResult | None:
+        """The whole result (None for a streamed request: its chunks were handed out)."""
+        return None if self.stream else _result(self.index, self.parts)
+
+
+def _result(index: int, parts: list[dict]) -> GenerateResult:
+    """A result from one request's responses in order (own copies: the wire buffers are read-only)."""
+    arrays = {}
+    for spec in TOKEN_OUTPUTS:
+        values = [p[spec.name] for p in parts]
+        arrays[spec.name] = None if any(v is None for v in values) else np.concatenate(values).astype(spec.dtype)
+    finish = parts[-1][FINISH_REASON.name] if parts else ""
+    return GenerateResult(**arrays, finish_reason=finish, index=index)
+
+
+class _Call:
+    """One generate/stream call: its requests run concurrently, on one gRPC stream per replica."""
+
+    def __init__(self, client: AsyncGenerateClient):
+        self.client = client
+        self._streams: dict[int, object] = {}  # id(connection) -> GrpcStream
+        self._ids = itertools.count()
+
+    def request_id(self, job: _Job) -> str:
+        return f"{job.index}.{next(self._ids)}"  # unique per try: a stale answer never matches
+
+    async def exchange(self, connection, job: _Job) -> AsyncIterator[dict]:
+        request = job.wire(self.request_id(job))
+        if isinstance(connection, HttpConnection):
+            async for outputs in connection.exchange(request, self.client._limits.policy.mask_width):
+                yield outputs
+            return
+        stream = self._streams.get(id(connection))
+        if stream is None or stream.ended is not None:
+            stream = self._streams[id(connection)] = connection.open_stream()
+        async for outputs in stream.exchange(request):
+            yield outputs
+
+    async def run(self, jobs: list[_Job], deliver=None, return_exceptions: bool = False) -> list:
+        tasks = [asyncio.ensure_future(self.client._run_job(self, job, deliver)) for job in jobs]
+        try:
+            return list(await asyncio.gather(*tasks, return_exceptions=return_exceptions))
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def close(self, cancel: bool) -> None:
+        """End the call's streams; `cancel` stops the requests still running on the server."""
+        streams, self._streams = list(self._streams.values()), {}
+        await asyncio.gather(*(s.close(cancel) for s in streams), return_exceptions=True)
+
+
+_CLIENT_ARGS_DOC = """
+    `url` is one "host:port" (gRPC 8001, HTTP 8000) or a list of replicas serving the same model
+    repository, balanced, ejected and probed back in as SamplerClient does (`max_attempts`,
+    `eject_backoff_s`, `max_eject_backoff_s`; see its docstring). `max_in_flight` bounds the
+    requests on the wire over the whole client (default 256 per replica); the others wait in the
+    client. A refusal that says the server is busy is retried after `backoff_s` doubling up to
+    `max_backoff_s` (each pause jittered), until `busy_timeout_s` has passed since the request's
+    first refusal. `mask_width` skips reading W from the model config. `channel_options` go to
+    each gRPC channel."""
+
+
+class AsyncGenerateClient:
+    """asyncio client for the generate model over gRPC streams (default) or HTTP /generate."""
+
+    __doc__ += _CLIENT_ARGS_DOC
+
+    def __init__(
+        self,
+        url: str | Sequence[str],
+        protocol: str = "grpc",
+        model_name: str = DEFAULT_MODEL,
+        *,
+        mask_width: int | None = None,
+        max_in_flight: int | None = None,
+        max_attempts: int | None = None,
+        backoff_s: float = DEFAULT_BACKOFF_S,
+        max_backoff_s: float = DEFAULT_MAX_BACKOFF_S,
+        busy_timeout_s: float = DEFAULT_BUSY_TIMEOUT_S,
+        eject_backoff_s: float = DEFAULT_EJECT_BACKOFF_S,
+        max_eject_backoff_s: float = DEFAULT_MAX_EJECT_BACKOFF_S,
+        channel_options: Sequence[tuple] = (),
+    ):
+        if protocol not in _PROTOCOLS:
+            raise ValueError(f"protocol must be one of {_PROTOCOLS}, got {protocol!r}")
+        self.protocol, self.model_name = protocol, model_name
+        self.urls = split_urls(url)
+        self.max_in_flight = max_in_flight or DEFAULT_MAX_IN_FLIGHT_PER_REPLICA * len(self.urls)
+        if max_attempts is None:  # one URL: a failed server fails the request, as with SamplerClient
+            max_attempts = 1 if len(self.urls) == 1 else 2 * len(self.urls)
+        if self.max_in_flight < 1 or max_attempts < 1:
+            raise ValueError("max_in_flight and max_attempts must be at least 1")
+        if not 0 < backoff_s <= max_backoff_s or busy_timeout_s < 0:
+            raise ValueError("need 0 < backoff_s <= max_backoff_s and busy_timeout_s >= 0")
+        self.max_attempts = max_attempts
+        self.backoff_s, self.max_backoff_s, self.busy_timeout_s = backoff_s, max_backoff_s, busy_timeout_s
+        self._mask_width = mask_width
+        self._limits: GenerateLimits | None = None
+        self._channel_options = tuple(channel_options)
+        self._replicas = ReplicaSet(self.urls, self._connect, True, eject_backoff_s, max_eject_backoff_s)
+        self._in_flight = asyncio.Semaphore(self.max_in_flight)
+        self._random = random.Random()
+        self._probes: set = set()
+        self._calls: set = set()  # tasks of calls in progress (cancelled by close)
+        self.busy_refusals = 0  # refusals that said the server was busy (each retried after a backoff)
+
+    def _connect(self, url: str):
+        if self.protocol == "grpc":
+            return GrpcConnection(url, self.model_name, self._channel_options)
+        return HttpConnection(url, self.model_name, self.max_in_flight)
+
+    def replica_shares(self) -> dict[str, int]:
+        """Requests each replica answered so far, by URL."""
+        return self._replicas.served()
+
+    def healthy_replicas(self) -> list[str]:
+        """The URLs of the replicas not ejected right now."""
+        return self._replicas.healthy_urls()
+
+    async def server_limits(self) -> GenerateLimits:
+        """The deployment's mask rules, read once from the model config."""
+        if self._limits is None:
+            config = {}
+            if self._mask_width is None:
+                config = await self._on_a_replica(lambda connection: connection.model_config())
+            self._limits = _limits_from_config(config, self._mask_width)
+        return self._limits
+
+    async def generate(
+        self,
+        prompts: Sequence,
+        params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+        max_new_tokens: int | Sequence[int] = 16,
+        *,
+        stop_token_ids: Sequence[int] = (),
+        ignore_eos: bool = False,
+        outputs: Sequence[str] | None = None,
+        return_exceptions: bool = False,
+    ) -> list:
+        """Generate a continuation of every prompt (token ids; one SamplingParams for all or one
+        per prompt, the same for `max_new_tokens`); one GenerateResult per prompt, in order.
+        `stop_token_ids` end every request (the token is kept), `ignore_eos` skips the LM's EOS,
+        `outputs` names the outputs to receive (default every one). The first failed request
+        raises its GenerateError and cancels the others, unless `return_exceptions`, which puts
+        the error in its place instead."""
+        jobs = await self._jobs(prompts, params, max_new_tokens, stop_token_ids, ignore_eos, outputs, stream=False)
+        return await self._tracked(self._call(jobs, None, return_exceptions))
+
+    def stream(
+        self,
+        prompts: Sequence,
+        params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+        max_new_tokens: int | Sequence[int] = 16,
+        *,
+        stop_token_ids: Sequence[int] = (),
+        ignore_eos: bool = False,
+        outputs: Sequence[str] | None = None,
+    ) -> AsyncGenerateStream:
+        """As `generate`, streamed: an async iterator of GenerateResult chunks (a token each,
+        `index` saying whose, `finish_reason` set on a request's last) in arrival order. Use it
+        as `async with`: leaving it early cancels the requests still running."""
+        return AsyncGenerateStream(
+            self._stream_chunks(prompts, params, max_new_tokens, stop_token_ids, ignore_eos, outputs)
+        )
+
+    async def _stream_chunks(self, prompts, params, max_new_tokens, stop_token_ids, ignore_eos, outputs):
+        jobs = await self._jobs(prompts, params, max_new_tokens, stop_token_ids, ignore_eos, outputs, stream=True)
+        chunks: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def run():
+            try:
+                await self._call(jobs, chunks.put_nowait, False)
+            finally:
+                chunks.put_nowait(done)
+
+        runner = asyncio.ensure_future(self._tracked(run()))
+        try:
+            while (chunk := await chunks.get()) is not done:
+                yield chunk
+            await runner  # raises the call's error, if any
+        finally:
+            if not runner.done():
+                runner.cancel()
+            await asyncio.gather(runner, return_exceptions=True)
+
+    async def _tracked(self, coroutine):
+        """Run a call as a task `close` can cancel."""
+        task = asyncio.ensure_future(coroutine)
+        self._calls.add(task)
+        try:
+            return await task
+        finally:
+            self._calls.discard(task)
+
+    async def _call(self, jobs: list[_Job], deliver, return_exceptions: bool) -> list:
+        call = _Call(self)
+        finished = False
+        try:
+            results = await call.run(jobs, deliver, return_exceptions)
+            finished = True
+            return results
+        finally:
+            await call.close(cancel=not finished)
+
+    async def _jobs(self, prompts, params, max_new_tokens, stop_token_ids, ignore_eos, outputs, stream) -> list[_Job]:
+        """Every request of a call, checked with the server's rules before anything is sent."""
+        prompts = list(prompts)
+        if not prompts:
+            raise SamplingRequestError("input_ids", "prompts must hold at least one prompt")
+        ids = [_int_list(p, "input_ids", i) for i, p in enumerate(prompts)]
+        for i, prompt in enumerate(ids):
+            if prompt.size == 0:
+                raise SamplingRequestError("input_ids", f"input_ids[{i}] must hold at least one token id")
+        budgets = [int(b) for b in _per_request(max_new_tokens, len(ids), "max_new_tokens")]
+        if any(not 0 <= b <= _INT32_MAX for b in budgets):
+            raise SamplingRequestError("max_new_tokens", f"max_new_tokens must be >= 0, got {min(budgets)}")
+        row_params = _per_request(params, len(ids), "params")
+        if not all(isinstance(p, SamplingParams) for p in row_params):
+            raise SamplingRequestError("params", "params must be one SamplingParams or one per prompt")
+        rows = rows_to_params(row_params)
+        stops = _int_list(list(stop_token_ids), "stop_token_ids")
+        wanted = None
+        if outputs is not None:
+            wanted = tuple(outputs)
+            unknown = [name for name in wanted if name not in BY_NAME]
+            if unknown:
+                raise ValueError(f"unknown outputs {unknown}; the generate model sends {sorted(BY_NAME)}")
+            wanted = tuple(dict.fromkeys((*wanted, FINISH_REASON.name, "output_ids")))
+        limits = await self.server_limits()
+        if rows.return_sampling_mask.any():
+            check_rows_like_server(rows, None, limits.policy)
+        return [
+            _Job(
+                i,
+                _wire_inputs(prompt, budget, rows, i, stops, ignore_eos, stream),
+                stream,
+                bool(rows.has_seed[i]),
+                wanted,
+            )
+            for i, (prompt, budget) in enumerate(zip(ids, budgets))
+        ]
+
+    async def _run_job(self, call: _Call, job: _Job, deliver):
+        """One request to its end: busy refusals retried after a backoff, failed replicas left."""
+        async with self._in_flight:
+            attempts, busy_since, busy_tries = self._attempts(), None, 0
+            while True:
+                lease = attempts.next_lease()
+                if lease is None:  # every replica failed this round: pause, then try them all again
+                    await asyncio.sleep(attempts.pause_s())
+                    continue
+                try:
+                    async for outputs in call.exchange(lease[1], job):
+                        chunk = job.accept(outputs)
+                        if chunk is not None:
+                            deliver(chunk)
+                except GenerateError as error:
+                    error.index = job.index
+                    if not error.busy:
+                        attempts.failed(lease, error)  # raises unless another replica should answer
+                        job.retry(error)
+                        continue
+                    self._replicas.release(*lease, reachable=True)  # it answered: busy, not broken
+                    self.busy_refusals += 1
+                    now = time.monotonic()
+                    busy_since = busy_since or now
+                    if now - busy_since >= self.busy_timeout_s:
+                        raise
+                    job.retry(error)
+                    await asyncio.sleep(self._backoff_s(busy_tries))
+                    attempts, busy_tries = self._attempts(), busy_tries + 1  # busy is no failed try
+                    continue
+                except BaseException as exc:  # cancelled, or a bug: released, raised as it is
+                    attempts.failed(lease, exc)
+                return attempts.served(lease, job.result(), served=True)
+
+    def _backoff_s(self, tries: int) -> float:
+        """Half the exponential step, plus up to as much again at random (clients spread out)."""
+        step = min(self.max_backoff_s, self.backoff_s * 2**tries)
+        return step / 2 + self._random.uniform(0, step / 2)
+
+    def _attempts(self) -> Attempts:
+        return Attempts(self._replicas, self.max_attempts, self._start_probes, _server_error)
+
+    async def _on_a_replica(self, work):
+        """`await work(connection)` on a chosen replica, retried on another when the replica fails."""
+        attempts = self._attempts()
+        while True:
+            lease = attempts.next_lease()
+            if lease is None:
+                await asyncio.sleep(attempts.pause_s())
+                continue
+            try:
+                result = await work(lease[1])
+            except BaseException as exc:
+                attempts.failed(lease, exc)
+                continue
+            return attempts.served(lease, result, served=False)
+
+    def _start_probes(self) -> None:
+        for replica in self._replicas.due_for_probe():
+            task = asyncio.ensure_future(self._probe(replica))
+            self._probes.add(task)
+            task.add_done_callback(self._probes.discard)
+
+    async def _probe(self, replica) -> None:
+        """Whether the replica's server and model are ready, on a short-lived connection."""
+        connection = self._connect(replica.url)
+        try:
+            ready = await asyncio.wait_for(connection.ready(_PROBE_TIMEOUT_S), 2 * _PROBE_TIMEOUT_S)
+        except Exception:  # unreachable, or any answer but ready
+            ready = False
+        finally:
+            await connection.close()
+        self._replicas.probed(replica, ready)
+
+    async def close(self) -> None:
+        """Cancel the calls in progress (and their requests on the server), then close every connection."""
+        for task in list(self._calls):
+            task.cancel()
+        await asyncio.gather(*self._calls, *self._probes, return_exceptions=True)
+        for connection in self._replicas.all_clients():
+            await connection.close()
+
+    async def __aenter__(self) -> AsyncGenerateClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+
+def _server_error(exc: BaseException) -> GenerateError | None:
+    return exc if isinstance(exc, GenerateError) else None
+
+
+def _wire_inputs(prompt, budget: int, rows: RowParams, row: int, stops, ignore_eos: bool, stream: bool) -> dict:
+    """One request's inputs as (array [1, ...], Triton datatype); defaults left to the server."""
+    inputs = {
+        "input_ids": (prompt.reshape(1, -1), "INT32"),
+        "max_new_tokens": (np.array([[budget]], np.int32), "INT32"),
+    }
+    if stops.size:
+        inputs["stop_token_ids"] = (stops.reshape(1, -1), "INT32")
+    if ignore_eos:
+        inputs["ignore_eos"] = (np.ones((1, 1), np.bool_), "BOOL")
+    if stream:
+        inputs["stream"] = (np.ones((1, 1), np.bool_), "BOOL")
+    for spec in PARAM_SPECS:
+        if spec is SEED and not rows.has_seed[row]:
+            continue
+        value = getattr(rows, spec.name)[row]
+        inputs[spec.name] = (np.array([[value]], spec.dtype), INPUT_DTYPES[spec.name])
+    return inputs
+
+
+class AsyncGenerateStream:
+    """The chunks of a streamed call (an async iterator); `aclose` (or leaving `async with`)
+    cancels its requests still running."""
+
+    def __init__(self, chunks):
+        self._chunks = chunks
+
+    def __aiter__(self) -> AsyncGenerateStream:
+        return self
+
+    async def __anext__(self) -> GenerateResult:
+        return await self._chunks.__anext__()
+
+    async def aclose(self) -> None:
+        await self._chunks.aclose()
+
+    async def __aenter__(self) -> AsyncGenerateStream:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+
+class GenerateClient:
+    """Synchronous client for the generate model: an AsyncGenerateClient run on an event loop of
+    its own (a daemon thread), safe to call from several threads.
+    """
+
+    __doc__ += _CLIENT_ARGS_DOC
+
+    def __init__(self, url: str | Sequence[str], protocol: str = "grpc", model_name: str = DEFAULT_MODEL, **kwargs):
+        self._client = AsyncGenerateClient(url, protocol, model_name, **kwargs)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="generate-client", daemon=True)
+        self._thread.start()
+        self.protocol, self.model_name, self.urls = protocol, model_name, self._client.urls
+
+    def _run(self, coroutine):
+        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        try:
+            return future.result()
+        except BaseException:
+            future.cancel()  # e.g. KeyboardInterrupt: the call and its requests are cancelled
+            raise
+
+    def server_limits(self) -> GenerateLimits:
+        """The deployment's mask rules, read once from the model config."""
+        return self._run(self._client.server_limits())
+
+    def generate(self, prompts: Sequence, *args, **kwargs) -> list:
+        """As AsyncGenerateClient.generate (same arguments), waited for."""
+        return self._run(self._client.generate(prompts, *args, **kwargs))
+
+    def submit(self, prompts: Sequence, *args, **kwargs) -> concurrent.futures.Future:
+        """`generate` without waiting: a Future of its results; `Future.cancel()` cancels the
+        call's requests on the server."""
+        return asyncio.run_coroutine_threadsafe(self._client.generate(prompts, *args, **kwargs), self._loop)
+
+    def stream(self, prompts: Sequence, *args, **kwargs) -> GenerateStream:
+        """As AsyncGenerateClient.stream: an iterator of chunks; use it as `with` (leaving it
+        early cancels the requests still running)."""
+        return GenerateStream(self, self._client.stream(prompts, *args, **kwargs))
+
+    @property
+    def busy_refusals(self) -> int:
+        """Refusals that said the server was busy so far (each retried after a backoff)."""
+        return self._client.busy_refusals
+
+    def replica_shares(self) -> dict[str, int]:
+        """Requests each replica answered so far, by URL."""
+        return self._client.replica_shares()
+
+    def healthy_replicas(self) -> list[str]:
+        """The URLs of the replicas not ejected right now."""
+        return self._client.healthy_replicas()
+
+    def close(self) -> None:
+        """Cancel the calls in progress, close every connection and stop the loop's thread."""
+        if not self._loop.is_closed():
+            try:
+                self._run(self._client.close())
+            finally:
+                self._loop.call_soon_threadsafe(self._loop.stop)
+                self._thread.join()
+                self._loop.close()
+
+    def __enter__(self) -> GenerateClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class GenerateStream:
+    """The chunks of a streamed call (an iterator); `close` (or leaving `with`) cancels its
+    requests still running."""
+
+    def __init__(self, client: GenerateClient, chunks: AsyncGenerateStream):
+        self._client, self._chunks = client, chunks
+
+    def __iter__(self) -> Iterator[GenerateResult]:
+        return self
+
+    def __next__(self) -> GenerateResult:
+        try:
+            return self._client._run(self._chunks.__anext__())
+        except StopAsyncIteration:
+            raise StopIteration from None
+
+    def close(self) -> None:
+        self._client._run(self._chunks.aclose())
+
+    def __enter__(self) -> GenerateStream:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,334 @@
+"""The `generate` model's wire, asyncio only: one connection per replica (gRPC or HTTP), the
+requests of one client call on it, and their responses as dicts of numpy outputs.
+
+Over gRPC every call opens one bidirectional `ModelStreamInfer` stream per replica it uses; its
+requests go out on that stream as they come and each response is routed to its request by id.
+Cancelling the stream cancels every request on it on the server (Triton offers no per-request
+cancellation on a shared stream). tritonclient's own stream iterator drops the request id and the
+final flag of an error response, so the stream is driven through tritonclient's generated gRPC
+stubs and responses are read with its `InferResult`. Over HTTP each request is one POST to
+`/generate` (or `/generate_stream`, Server-Sent Events, when streamed).
+
+Every failure surfaces as `GenerateError`: `status` as tritonclient spells it ("400" over HTTP,
+"StatusCode.UNAVAILABLE" for a gRPC stream that failed), `IN_BAND` for an error a gRPC stream
+carried for one request (Triton sends its message, not its code), None when the server could not
+be reached.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..sampling.outputs import FINISH_REASON, MASK, TOKEN_OUTPUTS
+from .sampler_client import SamplerError
+
+IN_BAND = "in-band"
+# Messages of refusals that a later try may get past: the engine's bounds or an unloading model
+# (the engine ends those messages with this, plugin/generation/engine.py RETRY_LATER) and Triton's
+# own queue limit.
+BUSY_MESSAGES = ("retry later", "Exceeds maximum queue size")
+# tritonclient's own cap on a gRPC message (INT32_MAX): a long generation's masks are large.
+_MAX_GRPC_MESSAGE_BYTES = 2**31 - 1
+_FINAL = "triton_final_response"
+
+
+class GenerateError(SamplerError):
+    """The server refused or failed a generation request (see SamplerError for `status` and
+    `message`); `index` is the request's position in the call's prompts."""
+
+    def __init__(self, status: str | None, message: str, index: int | None = None):
+        super().__init__(status, message)
+        self.index = index
+
+    @property
+    def busy(self) -> bool:
+        """Whether the server said it cannot take the request now (so a later try may succeed)."""
+        return any(text in self.message for text in BUSY_MESSAGES)
+
+    def copy(self, index: int | None = None) -> GenerateError:
+        """The same error for the request at `index`."""
+        return GenerateError(self.status, self.message, index)
+
+
+def unreachable(exc: BaseException) -> GenerateError:
+    """A transport failure: no answer from the server."""
+    return GenerateError(None, f"could not reach the server: {type(exc).__name__}: {exc}")
+
+
+@dataclass
+class WireRequest:
+    """One try of one request: its id, whether it streams, and its inputs as [1, ...] arrays."""
+
+    request_id: str
+    stream: bool
+    inputs: dict[str, tuple[np.ndarray, str]]  # name -> (array with the batch dimension 1, Triton datatype)
+    outputs: tuple[str, ...] | None  # output names to ask for (None: every one)
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class GrpcConnection:
+    """One replica over gRPC: a channel, made on first use inside the running event loop."""
+
+    def __init__(self, url: str, model_name: str, channel_options: tuple = ()):
+        self.url, self.model_name = url, model_name
+        self._options = (
+            ("grpc.max_send_message_length", _MAX_GRPC_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", _MAX_GRPC_MESSAGE_BYTES),
+            *channel_options,
+        )
+        self._channel = self._stub = None
+
+    def stub(self):
+        if self._stub is None:
+            import grpc
+            from tritonclient.grpc import service_pb2_grpc
+
+            self._channel = grpc.aio.insecure_channel(self.url, options=self._options)
+            self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
+        return self._stub
+
+    def open_stream(self) -> GrpcStream:
+        """A new bidirectional stream for one call."""
+        return GrpcStream(self.stub(), self.model_name)
+
+    async def model_config(self) -> dict:
+        """The model config as the JSON Triton serves over HTTP (dims as strings)."""
+        from google.protobuf import json_format
+        from tritonclient.grpc import service_pb2
+
+        try:
+            reply = await self.stub().ModelConfig(service_pb2.ModelConfigRequest(name=self.model_name))
+        except Exception as exc:
+            raise _grpc_error(exc) from None
+        return json_format.MessageToDict(reply.config, preserving_proto_field_name=True)
+
+    async def ready(self, timeout_s: float) -> bool:
+        """Whether the server and the model are ready."""
+        from tritonclient.grpc import service_pb2
+
+        stub = self.stub()
+        server = await stub.ServerReady(service_pb2.ServerReadyRequest(), timeout=timeout_s)
+        model = await stub.ModelReady(service_pb2.ModelReadyRequest(name=self.model_name), timeout=timeout_s)
+        return bool(server.ready and model.ready)
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+
+
+def _grpc_error(exc: BaseException) -> GenerateError:
+    """A gRPC call's failure (its status code and details), or a transport error."""
+    code = getattr(exc, "code", None)
+    if callable(code):
+        return GenerateError(str(code()), exc.details() or str(code()))
+    return unreachable(exc)
+
+
+class GrpcStream:
+    """One bidirectional stream: requests are written as they come, responses routed by request id."""
+
+    def __init__(self, stub, model_name: str):
+        import asyncio
+
+        self._asyncio, self.model_name = asyncio, model_name
+        self._outgoing: asyncio.Queue = asyncio.Queue()
+        self._routes: dict[str, asyncio.Queue] = {}
+        self.ended: GenerateError | None = None
+        self._call = stub.ModelStreamInfer(self._requests())
+        self._reader = asyncio.get_running_loop().create_task(self._read())
+
+    async def _requests(self):
+        while (request := await self._outgoing.get()) is not None:
+            yield request
+
+    async def _read(self) -> None:
+        try:
+            async for response in self._call:
+                route = self._routes.get(response.infer_response.id)
+                if route is not None:
+                    route.put_nowait(response)
+            ended = GenerateError("StatusCode.UNAVAILABLE", "the server closed the stream")
+        except self._asyncio.CancelledError:
+            ended = GenerateError("StatusCode.CANCELLED", "the stream was cancelled")
+        except Exception as exc:
+            ended = _grpc_error(exc)
+        self.ended = ended
+        for route in self._routes.values():
+            route.put_nowait(ended)
+
+    async def exchange(self, request: WireRequest) -> AsyncIterator[dict]:
+        """Send `request`; yield its responses' outputs to its final one (raises GenerateError)."""
+        if self.ended is not None:
+            raise self.ended.copy()
+        route: self._asyncio.Queue = self._asyncio.Queue()
+        self._routes[request.request_id] = route
+        self._outgoing.put_nowait(_infer_request(request, self.model_name))
+        try:
+            while True:
+                item = await route.get()
+                if isinstance(item, GenerateError):
+                    raise item.copy()
+                if item.error_message:
+                    raise GenerateError(IN_BAND, item.error_message)
+                outputs = _grpc_outputs(item.infer_response)
+                parameters = item.infer_response.parameters
+                final = parameters[_FINAL].bool_param if _FINAL in parameters else bool(outputs[FINISH_REASON.name])
+                yield outputs
+                if final:
+                    return
+        finally:
+            self._routes.pop(request.request_id, None)
+
+    async def close(self, cancel: bool) -> None:
+        """End the stream: `cancel` cancels every request still on it; otherwise it is half-closed
+        (the server ends it once every request has answered)."""
+        if cancel:
+            self._call.cancel()
+        else:
+            self._outgoing.put_nowait(None)
+        await self._asyncio.gather(self._reader, return_exceptions=True)
+
+
+def _infer_request(request: WireRequest, model_name: str):
+    from tritonclient.grpc import service_pb2
+
+    message = service_pb2.ModelInferRequest(model_name=model_name, id=request.request_id)
+    for name, (array, datatype) in request.inputs.items():
+        tensor = message.inputs.add()
+        tensor.name, tensor.datatype = name, datatype
+        tensor.shape.extend(array.shape)
+        message.raw_input_contents.append(np.ascontiguousarray(array).tobytes())
+    for name in request.outputs or ():
+        message.outputs.add().name = name
+    return message
+
+
+def _grpc_outputs(infer_response) -> dict:
+    """A response's outputs without the batch dimension (None for those not sent)."""
+    from tritonclient.grpc import InferResult
+
+    result = InferResult(infer_response)
+    outputs = {}
+    for spec in TOKEN_OUTPUTS:
+        value = result.as_numpy(spec.name)
+        outputs[spec.name] = None if value is None else value[0]
+    finish = result.as_numpy(FINISH_REASON.name)
+    outputs[FINISH_REASON.name] = "" if finish is None else _text(finish.reshape(-1)[0])
+    return outputs
+
+
+class HttpConnection:
+    """One replica over HTTP: an aiohttp session, made on first use inside the running event loop."""
+
+    def __init__(self, url: str, model_name: str, max_connections: int):
+        self.url, self.model_name, self._max_connections = url, model_name, max_connections
+        self._session = None
+
+    def session(self):
+        if self._session is None:
+            import aiohttp
+
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=self._max_connections),
+                timeout=aiohttp.ClientTimeout(total=None),
+            )
+        return self._session
+
+    def _model_url(self, suffix: str) -> str:
+        return f"http://{self.url}/v2/models/{self.model_name}/{suffix}"
+
+    async def model_config(self) -> dict:
+        """The model config (Triton's JSON)."""
+        return await self._get_json(self._model_url("config"))
+
+    async def ready(self, timeout_s: float) -> bool:
+        """Whether the server and the model are ready."""
+        import aiohttp
+
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        for url in (f"http://{self.url}/v2/health/ready", self._model_url("ready")):
+            async with self.session().get(url, timeout=timeout) as response:
+                if response.status != 200:
+                    return False
+        return True
+
+    async def _get_json(self, url: str) -> dict:
+        try:
+            async with self.session().get(url) as response:
+                text = await response.text()
+                if response.status != 200:
+                    raise GenerateError(str(response.status), _error_message(text))
+                return json.loads(text)
+        except GenerateError:
+            raise
+        except Exception as exc:
+            raise unreachable(exc) from None
+
+    async def exchange(self, request: WireRequest, mask_width: int) -> AsyncIterator[dict]:
+        """POST `request`; yield its outputs (one dict, or one per streamed token)."""
+        body = _json_body(request)
+        path = "generate_stream" if request.stream else "generate"
+        try:
+            async with self.session().post(self._model_url(path), json=body) as response:
+                if response.status != 200:
+                    raise GenerateError(str(response.status), _error_message(await response.text()))
+                if not request.stream:
+                    yield _json_outputs(json.loads(await response.text()), mask_width)
+                    return
+                async for line in response.content:
+                    if not line.startswith(b"data:"):
+                        continue
+                    event = json.loads(line[5:])
+                    if "error" in event:
+                        raise GenerateError(IN_BAND, str(event["error"]))
+                    outputs = _json_outputs(event, mask_width)
+                    yield outputs
+                    if outputs[FINISH_REASON.name]:
+                        return
+        except GenerateError:
+            raise
+        except Exception as exc:  # aiohttp's ClientError, a reset connection, a broken body
+            raise unreachable(exc) from None
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+
+def _error_message(text: str) -> str:
+    try:
+        return str(json.loads(text)["error"])
+    except (ValueError, KeyError, TypeError):
+        return text
+
+
+def _json_body(request: WireRequest) -> dict:
+    """The JSON body of a generate request: each input as a list, a one-value input as a scalar."""
+    body = {}
+    for name, (array, _) in request.inputs.items():
+        values = array.reshape(-1).tolist()
+        body[name] = values if name in ("input_ids", "stop_token_ids") else values[0]
+    return body
+
+
+def _json_outputs(reply: dict, mask_width: int) -> dict:
+    """Outputs from a JSON reply (tensors flat, one-value ones possibly as scalars)."""
+    outputs = {}
+    tokens = np.array(reply.get("output_ids", []), np.int32).reshape(-1).size
+    for spec in TOKEN_OUTPUTS:
+        if spec.name not in reply:
+            outputs[spec.name] = None
+            continue
+        array = np.array(reply[spec.name], spec.dtype)
+        width = -1 if tokens else mask_width  # the server's own W when there are rows to tell it
+        outputs[spec.name] = array.reshape((tokens, width) if spec.per == MASK else (-1,))
+    finish = reply.get(FINISH_REASON.name, "")
+    outputs[FINISH_REASON.name] = _text(finish[0] if isinstance(finish, list) else finish)
+    return outputs
