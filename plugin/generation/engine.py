@@ -38,6 +38,7 @@ import torch
 from ..sampling.batching import BatchSampler, outputs_to_numpy
 from ..sampling.outputs import MASK_OUTPUT_NAMES, OUTPUT_IDS, TOKEN_OUTPUT_NAMES, UNMASKED_OUTPUT_NAMES, padding
 from ..sampling.params import RowParams
+from ..sampling.results import ROW_MAX
 from ..sampling.validation import SamplingRequestError, check_logit_rows
 from .drafting import PAD, NgramDrafter, TokenHistory
 from .lm import CausalLM, can_merge, can_speculate
@@ -306,7 +307,7 @@ class ContinuousEngine:
         result = self.sampler.sample(logits, step_params(params, steps[owner] + within))
         # The sampler returns each row's max with its outputs: positions whose logits the LM broke
         # (NaN, +inf, all -inf) are found here, without a separate pass over the logits.
-        broken = ~np.equal(check_logit_rows(result.host()["row_max"]), None).astype(bool)
+        broken = ~np.equal(check_logit_rows(result.host()[ROW_MAX]), None).astype(bool)
         arrays = outputs_to_numpy(result)
         width = int(positions.max())
         sampled = np.full((rows, width), PAD, np.int64)
