@@ -229,7 +229,9 @@ def test_top_p_without_top_k_ranks_candidates_first_and_falls_back_exactly(monke
     top_p = np.array([0.9, 0.5, 0.99, 0.9, 0.5, 0.99], np.float32)
     calls = []
     ranked = sampler.ranked_candidates
-    monkeypatch.setattr(sampler, "ranked_candidates", lambda lg, k: calls.append((lg.shape[0], k)) or ranked(lg, k))
+    monkeypatch.setattr(
+        sampler, "ranked_candidates", lambda lg, k, *a: calls.append((lg.shape[0], k)) or ranked(lg, k, *a)
+    )
     out = run_sampler(logits, temperature=0.7, top_p=top_p, seed=np.arange(rows), want_mask=False)
     assert calls[0] == (rows, sampler._TOP_P_CANDIDATES) and calls[1] == (3, vocab)  # only the flat rows sort fully
     for row in range(rows):

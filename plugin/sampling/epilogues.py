@@ -121,7 +121,7 @@ def epilogue_torch(
         outputs.SAMPLING_MASK_LOGPROBS.name: torch.where(
             in_mask, logp[:, :width] - support_logmass.unsqueeze(1), minus_inf
         ),
-        ROW_MAX: values[:, 0],
+        ROW_MAX: values[:, 0].float(),  # bf16 logits: float32 like every path's row max
     }
     return fields, support_len
 
