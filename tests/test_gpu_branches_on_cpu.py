@@ -16,7 +16,7 @@ from triton_sampling_mask.sampling import sampler, selection
 from triton_sampling_mask.sampling.sampler import SamplingBatch, sample
 from triton_sampling_mask.sampling.selection import candidate_count, ranked_candidates
 
-from .reference import exact_support_len
+from .reference import exact_support_len, reference_row
 
 KINDS = ["long_run", "all_equal", "integer", "signed_zeros", "bf16"]
 
@@ -104,6 +104,35 @@ def batch_of(logits, temperature, top_k, top_p, want_mask=True, min_p=0.0) -> Sa
         np.arange(rows),
         column(want_mask, bool),
     )
+
+
+def check_against_exact(result, logits, temperature, top_k, top_p, mask_width):
+    """Every row's mask is the exact support (cut at W), its token in it, its log-prob the reference's."""
+    host = result.host()
+    for row in range(logits.shape[0]):
+        length = exact_support_len(logits[row], temperature, int(top_k[row]), float(top_p[row]))
+        order = np.lexsort((np.arange(logits.shape[1]), -logits[row].astype(np.float64)))
+        assert host["sampling_mask_len"][row] == min(length, mask_width), row
+        np.testing.assert_array_equal(
+            host["sampling_mask"][row, : min(length, mask_width)], order[:mask_width][:length]
+        )
+        token = int(host["output_ids"][row])
+        assert token in order[:length]
+        ref = reference_row(logits[row], temperature, int(top_k[row]), float(top_p[row]))
+        assert host["output_logprobs"][row] == pytest.approx(ref.logprobs[token], abs=1e-5)
+        assert host["sampling_logprobs"][row] == pytest.approx(ref.renormalised_logprob(token, length), abs=1e-5)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_torch_epilogue_after_the_repair_gives_the_exact_support(repairs, kind):
+    vocab = 3000
+    logits = tied_logits(kind, 6, vocab, np.random.default_rng(5))
+    top_k = np.array([1, 7, 50, 512, 2000, 40])  # 2000: above the small-k bound, the full sort
+    top_p = np.array([1.0, 0.5, 0.9, 0.25, 0.5, 1.0], np.float32)
+    result = sample(batch_of(logits, 0.8, top_k, top_p), mask_width=512, fused=False, device_path="gpu")
+    check_against_exact(result, logits, 0.8, top_k, top_p, 512)
+    if kind != "bf16":
+        assert repairs, "the repair did not run: these rows do not test it"
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -31,12 +31,13 @@ _NORMALISER_BLOCK_ELEMENTS = 1 << 20
 _LOG2_E = 1.4426950408889634
 
 
-def log_normaliser(logits: torch.Tensor, row_max: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
-    """log sum exp((logits - max) / T) per row in float64, in one pass on the logits' device (the
-    GPU path, where memory traffic is not the cost)."""
+def normaliser_torch(logits: torch.Tensor, row_max: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """sum exp((logits - max) / T) per row as float64 (summed in float32), in one pass on the
+    logits' device (the GPU path, where memory traffic is not the cost). The sum itself, not its
+    log: a run of logits tied at the max adds exact ones, so the top-p rule can be decided exactly."""
     scratch = logits - row_max.float().unsqueeze(1)  # bf16 / fp16 logits: the exp-sum runs in float32
     scratch.div_(temperature.unsqueeze(1)).exp_()
-    return scratch.sum(dim=-1).to(torch.float64).log()
+    return scratch.sum(dim=-1).to(torch.float64)
 
 
 def normaliser_cpu(logits: torch.Tensor, row_max: np.ndarray, temperature: np.ndarray) -> np.ndarray:

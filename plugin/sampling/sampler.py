@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from .epilogues import epilogue_numpy, epilogue_torch, unranked_outputs
-from .normalisers import log_normaliser, normaliser_cpu
+from .normalisers import normaliser_cpu, normaliser_torch
 from .params import MIN_P, RETURN_SAMPLING_MASK, SEED, TEMPERATURE, TOP_K, TOP_K_ALL, TOP_P, RowParams, effective_top_k
 from .results import ROW_MAX, HostResult, SamplingResult, TensorResult
 from .selection import FULL_VOCAB_BLOCK_ELEMENTS, device_path_for, ranked_candidates
@@ -235,5 +235,5 @@ def _ranked_outputs(
             broken = np.isnan(z)
             outputs[ROW_MAX][broken] = logits[torch.from_numpy(broken)].amax(dim=-1).float().numpy()
         return outputs, support_len
-    log_z = log_normaliser(logits, values[:, 0], torch.from_numpy(params.temperature).to(logits.device))
-    return epilogue_torch(values, ids, log_z, params, k_eff, mask_width)
+    z = normaliser_torch(logits, values[:, 0], torch.from_numpy(params.temperature).to(logits.device))
+    return epilogue_torch(values, ids, z, params, k_eff, mask_width)
