@@ -16,8 +16,10 @@ import pytest
 import torch
 
 from triton_sampling_mask.sampling import fused
+from triton_sampling_mask.sampling.params import RowParams
+from triton_sampling_mask.sampling.validation import check_scalar_ranges
 
-from .reference import exact_support_len
+from .reference import exact_support_len, reference_row
 from .sampling import run_sampler
 
 # The three implementations, as run_sampler selects them on CPU tensors.
@@ -142,3 +144,36 @@ def test_min_p_keeps_a_token_exactly_on_the_bound(path):
     logits, min_p = min_p_on_the_float64_bound()
     assert exact_support_len(logits, 1.0, 2, 1.0, min_p) == 2
     check_lengths(path, logits[None], [2], top_k=2, min_p=min_p)
+
+
+# As float32 holds them (1e-45 is 2**-149, the smallest subnormal).
+SUBNORMAL_TEMPERATURES = [
+    float(np.float32(1e-39)),
+    float(np.float32(1e-45)),
+    float(np.nextafter(np.finfo(np.float32).tiny, np.float32(0))),
+]
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in divide:RuntimeWarning")  # the interpreter's numpy
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("temperature", SUBNORMAL_TEMPERATURES, ids=["1e-39", "1e-45", "largest"])
+def test_subnormal_temperatures_are_applied_as_given(path, temperature):
+    # log2(e) / T overflows float32 for such T: no path may turn the max's 0 into 0 * inf = NaN.
+    params = RowParams.defaults(1)
+    params.temperature[:] = temperature
+    assert check_scalar_ranges(params)[0] is None, "a subnormal temperature is a valid one"
+    logits = np.array([[0.5, 2.0, 2.0, -1.0, 2.0, 0.0, -np.inf, 1.9999999]] * 3, np.float32)
+    top_p = np.array([1.0, 0.5, 0.3], np.float32)
+    expected = [exact_support_len(row, temperature, 8, float(p)) for row, p in zip(logits, top_p)]
+    assert expected == [7, 2, 1]  # the three tied at the max share all the mass; top_p 1 keeps every finite logit
+    out = check_lengths(path, logits, expected, temperature=temperature, top_k=8, top_p=top_p)
+    for row, length in enumerate(expected):
+        ref = reference_row(logits[row], temperature, 8, float(top_p[row]))
+        token = int(out["ids"][row])
+        assert out["logprobs"][row] == pytest.approx(ref.logprobs[token], abs=1e-6)  # -log 3
+        assert out["mask_logprobs"][row] == pytest.approx(ref.renormalised_logprob(token, length), abs=1e-6)
+        support = [ref.renormalised_logprob(int(i), length) for i in out["mask"][row, :length]]
+        # The tokens below the max are ~-1e32 or less: float32 holds some, -inf the rest.
+        with np.errstate(over="ignore"):
+            support = np.float32(support)
+        np.testing.assert_allclose(out["support_logprobs"][row, :length], support, rtol=1e-6, atol=1e-6)

@@ -194,10 +194,12 @@ def _write(result: TensorResult, index: np.ndarray, values: dict) -> None:
             target, source = target.numpy(), source.cpu().numpy() if isinstance(source, torch.Tensor) else source
         else:
             source = torch.as_tensor(source).to(device=target.device, dtype=target.dtype)
-        if name in SamplingResult.MASK_FIELDS:
-            target[rows, : source.shape[1]] = source
-        else:
-            target[rows] = source
+        # float64 log-probs past float32's range (a subnormal temperature's) become -inf, as a cast on the GPU.
+        with np.errstate(over="ignore"):
+            if name in SamplingResult.MASK_FIELDS:
+                target[rows, : source.shape[1]] = source
+            else:
+                target[rows] = source
 
 
 def _rows(batch: SamplingBatch, index: np.ndarray | None) -> torch.Tensor:
