@@ -138,18 +138,17 @@ def sample_packed(logits: torch.Tensor, params: torch.Tensor, k_max: int, mask_w
     return packed
 
 
-def block_sizes(vocab: int, fetched: int, mask_width: int) -> dict[str, int]:
+def block_sizes(vocab: int, fetched: int) -> dict[str, int]:
     """The kernels' block sizes for a call on V = `vocab` that fetched F = `fetched` candidates per
-    row (`selection.candidate_count` of its largest top_k) with mask width W: BLOCK_V (kernel A's
-    step over the row), BLOCK_F (the candidates, padded to a power of two; LOG_F its log2) and
-    BLOCK_W (the mask)."""
+    row (`selection.candidate_count` of its largest top_k): BLOCK_V, kernel A's step over the row,
+    and BLOCK_F, the candidates padded to a power of two (LOG_F its log2). Nothing else varies
+    between calls at compile time (the mask width is a runtime argument)."""
+    block_v = min(_BLOCK_V, max(_MIN_BLOCK, _next_power_of_two(vocab)))
     block_f = max(_MIN_BLOCK, _next_power_of_two(fetched))
-    return dict(
-        BLOCK_V=min(_BLOCK_V, max(_MIN_BLOCK, _next_power_of_two(vocab))),
-        BLOCK_F=block_f,
-        LOG_F=block_f.bit_length() - 1,
-        BLOCK_W=max(_MIN_BLOCK, _next_power_of_two(mask_width)),
-    )
+    # Kernel A's tie repair reads the F candidates in one BLOCK_V block: F <= V, and F <= 1296 < 4096.
+    if fetched > block_v:
+        raise ValueError(f"{fetched} candidates do not fit one block of {block_v}")
+    return dict(BLOCK_V=block_v, BLOCK_F=block_f, LOG_F=block_f.bit_length() - 1)
 
 
 def launches(logits, params, values, ids, packed, mask_width: int) -> list[tuple[object, tuple, dict]]:
@@ -158,14 +157,13 @@ def launches(logits, params, values, ids, packed, mask_width: int) -> list[tuple
     compile test builds exactly what a call would. The arguments are those of `sample_packed`,
     with `values` and `ids` the fetched candidates [R, F] and `packed` the output."""
     vocab, fetched = logits.shape[1], values.shape[1]
-    blocks = block_sizes(vocab, fetched, mask_width)
+    blocks = block_sizes(vocab, fetched)
     columns = dict(PARAM_COLUMNS=PARAM_COLUMNS, PARAM_TEMPERATURE=PARAM_TEMPERATURE, PARAM_K_EFF=PARAM_K_EFF)
     row_stats = (
         _row_stats_kernel,
         (logits, logits.stride(0), vocab, params, values, ids, fetched, packed, packed.stride(0)),
         dict(
             BLOCK_V=blocks["BLOCK_V"],
-            BLOCK_F=blocks["BLOCK_F"],
             **columns,
             COL_ROW_MAX=COL_ROW_MAX,
             COL_Z=COL_Z,
@@ -179,7 +177,6 @@ def launches(logits, params, values, ids, packed, mask_width: int) -> list[tuple
         dict(
             BLOCK_F=blocks["BLOCK_F"],
             LOG_F=blocks["LOG_F"],
-            BLOCK_W=blocks["BLOCK_W"],
             **columns,
             PARAM_TOP_P=PARAM_TOP_P,
             PARAM_MIN_P_BOUND=PARAM_MIN_P_BOUND,
@@ -346,7 +343,6 @@ if AVAILABLE:
         out_ptr,
         out_row_stride,
         BLOCK_V: tl.constexpr,
-        BLOCK_F: tl.constexpr,
         PARAM_COLUMNS: tl.constexpr,
         PARAM_TEMPERATURE: tl.constexpr,
         PARAM_K_EFF: tl.constexpr,
@@ -388,8 +384,8 @@ if AVAILABLE:
         boundary = tl.load(row_values + k_eff - 1).to(tl.float32)
         last = tl.load(row_values + fetched - 1).to(tl.float32)
         if (boundary == last) & (boundary > float("-inf")) & (fetched < vocab):
-            places = tl.arange(0, BLOCK_F)
-            fetched_values = tl.load(row_values + places, mask=places < fetched, other=float("-inf")).to(tl.float32)
+            # F <= BLOCK_V (F <= V, and F <= 1024 + 16 + 256 < 4096): one block holds every candidate.
+            fetched_values = tl.load(row_values + lanes, mask=lanes < fetched, other=float("-inf")).to(tl.float32)
             above = tl.reduce((fetched_values > boundary).to(tl.int32), 0, _add_combine)
             # The places [above, fetched) hold the boundary value: give them the lowest tied ids.
             row_ids = ids_ptr + row * fetched
@@ -415,7 +411,6 @@ if AVAILABLE:
         mask_width,
         BLOCK_F: tl.constexpr,
         LOG_F: tl.constexpr,
-        BLOCK_W: tl.constexpr,
         PARAM_COLUMNS: tl.constexpr,
         PARAM_TEMPERATURE: tl.constexpr,
         PARAM_K_EFF: tl.constexpr,
@@ -494,15 +489,15 @@ if AVAILABLE:
         tl.store(out_row + COL_MASK_LOGPROB, mask_logprob.to(tl.int32, bitcast=True))
         mask_row = out_row + PACKED_COLUMNS
         tl.store(mask_row + rank, tl.where(rank < mask_len, ids, -1).to(tl.int32), mask=rank < mask_width)
-        # W may exceed the candidate block: the columns past it are padding.
-        columns = tl.arange(0, BLOCK_W)
-        tl.store(
-            mask_row + columns, tl.full([BLOCK_W], -1, tl.int32), mask=(columns >= BLOCK_F) & (columns < mask_width)
-        )
         # Then each mask id's log-probability renormalised over the support (the sampled one's
         # equals mask_logprob exactly), -inf padded, as float32 bits.
         support_row = mask_row + mask_width
         support_logp = tl.where(rank < mask_len, scaled - tl.log(support_mass), float("-inf"))
         tl.store(support_row + rank, support_logp.to(tl.int32, bitcast=True), mask=rank < mask_width)
-        minus_inf = tl.full([BLOCK_W], float("-inf"), tl.float32).to(tl.int32, bitcast=True)
-        tl.store(support_row + columns, minus_inf, mask=(columns >= BLOCK_F) & (columns < mask_width))
+        # W may exceed the candidate block: the columns past it are padding, written a block at a
+        # time (W is not a compile-time constant, so no kernel is compiled per mask width).
+        minus_inf = tl.full([BLOCK_F], float("-inf"), tl.float32).to(tl.int32, bitcast=True)
+        for start in range(BLOCK_F, mask_width, BLOCK_F):
+            columns = start + rank
+            tl.store(mask_row + columns, tl.full([BLOCK_F], -1, tl.int32), mask=columns < mask_width)
+            tl.store(support_row + columns, minus_inf, mask=columns < mask_width)
