@@ -8,6 +8,12 @@ import torch
 
 from triton_sampling_mask.sampling.sampler import SamplingBatch, sample
 
+# The sampler's test budgets, one number each for every path: property-test examples against the
+# reference, and draws of a chi-square test of the sampled distribution. The fused kernels'
+# interpreter tests run them in full under the `slow` marker (a smaller share by default).
+REFERENCE_EXAMPLES = 300
+DISTRIBUTION_DRAWS = 40000
+
 # Where the sampler tests run: the CPU path, the GPU path's torch ops on CPU tensors (the margin
 # top-k with its boundary tie repair, the top-p candidates, the torch epilogue: what a KIND_GPU
 # instance runs for the rows the fused kernels do not take), and CUDA (the fused kernels, as a GPU
