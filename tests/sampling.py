@@ -35,6 +35,8 @@ DEVICES = [
 # Each name in DEVICES: the tensors' device and the sampler's device path (None: the device's own).
 _PLACES = {"cpu": ("cpu", None), "gpu-ops-on-cpu": ("cpu", "gpu"), "cuda": ("cuda", None)}
 _device = {"name": "cpu"}
+# Where tests run the fused kernels: natively on a GPU, else on CPU tensors under the interpreter.
+FUSED_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def use_device(name: str) -> None:
@@ -54,10 +56,13 @@ def run_sampler(
     fused=None,
     device_path=None,
     dtype=torch.float32,
+    device=None,
 ):
-    """Sample rows of `logits` [B, V] (sent as `dtype`); scalar parameters are broadcast over the
-    rows. `fused` and `device_path` as `sample` reads them, None: as use_device set them."""
-    device, default_path = _PLACES[_device["name"]]
+    """Sample rows of `logits` [B, V] (sent as `dtype`) on `device`; scalar parameters are broadcast
+    over the rows. `device`, `fused` and `device_path` as `sample` reads them, None: as use_device
+    set them."""
+    place, default_path = _PLACES[_device["name"]]
+    device = device or place
     logits = torch.as_tensor(np.asarray(logits, dtype=np.float32)).to(device, dtype)
     rows = logits.shape[0]
     column = lambda value, dtype: np.broadcast_to(np.asarray(value), (rows,)).astype(dtype)  # noqa: E731

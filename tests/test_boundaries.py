@@ -20,14 +20,14 @@ from triton_sampling_mask.sampling.params import RowParams
 from triton_sampling_mask.sampling.validation import check_scalar_ranges
 
 from .reference import exact_support_len, reference_row
-from .sampling import run_sampler
+from .sampling import FUSED_DEVICE, run_sampler
 
 # The three implementations, as run_sampler selects them on CPU tensors.
 PATHS = [
     pytest.param(dict(device_path="cpu", fused=False), id="cpu"),
     pytest.param(dict(device_path="gpu", fused=False), id="gpu-ops-on-cpu"),
     pytest.param(
-        dict(device_path="gpu", fused=True),
+        dict(device_path="gpu", fused=True, device=FUSED_DEVICE),
         id="fused",
         marks=pytest.mark.skipif(not fused.AVAILABLE, reason="triton is not installed"),
     ),

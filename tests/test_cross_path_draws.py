@@ -15,7 +15,7 @@ import torch
 
 from triton_sampling_mask.sampling import fused, rng
 
-from .sampling import run_sampler
+from .sampling import FUSED_DEVICE, run_sampler
 
 # The documented near-tie bound: paths may differ only where the two best scores are within
 # NEAR_TIE * (1 + |(x - max) / T|) of each other.
@@ -24,7 +24,7 @@ NEAR_TIE = 1e-5
 PATHS = {
     "cpu": dict(device_path="cpu", fused=False),
     "gpu-ops-on-cpu": dict(device_path="gpu", fused=False),
-    "fused": dict(device_path="gpu", fused=True),
+    "fused": dict(device_path="gpu", fused=True, device=FUSED_DEVICE),
 }
 pytestmark = pytest.mark.skipif(not fused.AVAILABLE, reason="triton is not installed")
 
