@@ -30,7 +30,6 @@ ARCHS = {80: "sm_80", 90: "sm_90a", 100: "sm_100a", 120: "sm_120a"}
 SHARED_MEMORY_LIMITS = {80: 166912, 90: 232448, 100: 232448, 120: 101376}
 REGISTERS_PER_SM = 65536
 MAX_REGISTERS_PER_THREAD = 255
-DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _interpreter_off() -> None:
@@ -47,6 +46,8 @@ def arch_support(arch: int) -> str | None:
     ptxas = get_ptxas(arch).path
     if not ptxas or not Path(ptxas).exists():
         return f"no ptxas for sm_{arch} in this triton"
+    if not Path(ptxas).with_name("cuobjdump").exists():
+        return f"no cuobjdump beside {ptxas} to read the registers with"
     listing = subprocess.run([ptxas, "--help"], capture_output=True, text=True).stdout
     if f"'{ARCHS[arch]}'" not in listing:
         version = subprocess.run([ptxas, "--version"], capture_output=True, text=True).stdout.strip().splitlines()
@@ -148,7 +149,7 @@ def compile_spec(spec: dict, arch: int) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
         cubin.flush()
-        cuobjdump = Path(get_ptxas(arch).path).with_name("cuobjdump")
+        cuobjdump = Path(get_ptxas(arch).path).with_name("cuobjdump")  # bundled with ptxas (arch_support)
         usage = subprocess.run([str(cuobjdump), "-res-usage", cubin.name], capture_output=True, text=True)
     found = _RESOURCES.search(usage.stdout)
     if not found:
