@@ -1,12 +1,14 @@
 """Independent float64 numpy brute force of the sampling semantics, for tests only.
 
 It sorts the whole vocabulary with numpy (lexsort on (-logit, id)) and applies each rule to the
-float64 probabilities, sharing no code with the torch sampler.
+float64 probabilities, sharing no code with the torch sampler. `exact_support_len` decides the
+rules exactly instead (Python decimals), for the boundary cases the float64 band cannot settle.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from decimal import Decimal, localcontext
 
 import numpy as np
 
@@ -54,3 +56,37 @@ def reference_row(logits, temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0, toler
         return int(np.argmin(keep)) if not keep.all() else vocab
 
     return ReferenceRow(order, logprobs, support_len(-tolerance), support_len(tolerance))
+
+
+def exact_support_len(logits, temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0) -> int:
+    """The support length by the documented rules, each boundary decided exactly: the float
+    inputs are converted to decimals exactly and the rules evaluated at 80 digits, so a token
+    whose mass before it equals top_p (logits tied at the max: p = 1/n exactly) is told apart
+    from one a rounding ulp past it, and p / p_max = exp((x - max) / T) is compared with min_p
+    far beyond any float's precision (it never equals min_p exactly: exp of a nonzero rational
+    is irrational). Temperatures below 0 or NaN are not expected; 0 is greedy."""
+    values = np.asarray(logits, dtype=np.float64)
+    order = np.lexsort((np.arange(values.size), -values))
+    if temperature == 0:  # greedy: SGLang's top_k = 1 at temperature 1
+        temperature, top_k = 1.0, 1
+    with localcontext() as context:
+        context.prec = 80
+        exact = [Decimal(float(v)) for v in values]
+        finite = [v for v in exact if v.is_finite()]
+        top = max(finite)
+        t = Decimal(float(temperature))
+        relative = [((v - top) / t).exp() if v.is_finite() else Decimal(0) for v in exact]  # p / p_max
+        z = sum(relative)
+        limit = values.size if top_k == -1 else min(top_k, values.size)
+        before = Decimal(0)
+        length = 0
+        for rank, token in enumerate(order):
+            if rank >= limit or not exact[token].is_finite():
+                break
+            if top_p < 1 and before / z > Decimal(float(top_p)):  # mass ranked strictly before <= top_p
+                break
+            if relative[token] < Decimal(float(min_p)):  # p >= min_p * p_max
+                break
+            before += relative[token]
+            length += 1
+        return length

@@ -8,10 +8,19 @@ import torch
 
 from triton_sampling_mask.sampling.sampler import SamplingBatch, sample
 
-# Where the sampler tests run: the plain torch path on CPU, and CUDA (the fused kernels, as a GPU
+# The sampler's test budgets, one number each for every path: property-test examples against the
+# reference, and draws of a chi-square test of the sampled distribution. The fused kernels'
+# interpreter tests run them in full under the `slow` marker (a smaller share by default).
+REFERENCE_EXAMPLES = 300
+DISTRIBUTION_DRAWS = 40000
+
+# Where the sampler tests run: the CPU path, the GPU path's torch ops on CPU tensors (the margin
+# top-k with its boundary tie repair, the top-p candidates, the torch epilogue: what a KIND_GPU
+# instance runs for the rows the fused kernels do not take), and CUDA (the fused kernels, as a GPU
 # instance runs them) where a GPU is present. `pytest -m gpu tests/` runs only the CUDA cases.
 DEVICES = [
     pytest.param("cpu", id="cpu"),
+    pytest.param("gpu-ops-on-cpu", id="gpu-ops-on-cpu"),
     pytest.param(
         "cuda",
         id="cuda",
@@ -23,19 +32,38 @@ DEVICES = [
         ],
     ),
 ]
+# Each name in DEVICES: the tensors' device and the sampler's device path (None: the device's own).
+_PLACES = {"cpu": ("cpu", None), "gpu-ops-on-cpu": ("cpu", "gpu"), "cuda": ("cuda", None)}
 _device = {"name": "cpu"}
+# Where tests run the fused kernels: natively on a GPU, else on CPU tensors under the interpreter.
+FUSED_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def use_device(name: str) -> None:
-    """Make `run_sampler` put the logits on `name` (set per test by the `sampler_device` fixture)."""
+    """Make `run_sampler` run where DEVICES' `name` says (set per test by the `sampler_device` fixture)."""
     _device["name"] = name
 
 
 def run_sampler(
-    logits, temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0, seed=0, want_mask=True, mask_width=64, fused=None
+    logits,
+    temperature=1.0,
+    top_k=-1,
+    top_p=1.0,
+    min_p=0.0,
+    seed=0,
+    want_mask=True,
+    mask_width=64,
+    fused=None,
+    device_path=None,
+    dtype=torch.float32,
+    device=None,
 ):
-    """Sample rows of `logits` [B, V]; scalar parameters are broadcast over the rows."""
-    logits = torch.as_tensor(np.asarray(logits, dtype=np.float32)).to(_device["name"])
+    """Sample rows of `logits` [B, V] (sent as `dtype`) on `device`; scalar parameters are broadcast
+    over the rows. `device`, `fused` and `device_path` as `sample` reads them, None: as use_device
+    set them."""
+    place, default_path = _PLACES[_device["name"]]
+    device = device or place
+    logits = torch.as_tensor(np.asarray(logits, dtype=np.float32)).to(device, dtype)
     rows = logits.shape[0]
     column = lambda value, dtype: np.broadcast_to(np.asarray(value), (rows,)).astype(dtype)  # noqa: E731
     batch = SamplingBatch.from_arrays(
@@ -47,7 +75,7 @@ def run_sampler(
         seed=column(seed, np.int64),
         want_mask=column(want_mask, np.bool_),
     )
-    host = sample(batch, mask_width, fused=fused).host()
+    host = sample(batch, mask_width, fused=fused, device_path=device_path or default_path).host()
     return {
         "ids": host["output_ids"],
         "logprobs": host["output_logprobs"],

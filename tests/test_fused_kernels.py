@@ -21,6 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from tests.reference import reference_row
+from tests.sampling import DISTRIBUTION_DRAWS, REFERENCE_EXAMPLES
 from triton_sampling_mask.sampling import fused, rng
 from triton_sampling_mask.sampling.sampler import SamplingBatch, plan_rows
 
@@ -351,26 +352,46 @@ def sampling_cases(draw):
     )
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+_PROPERTY_SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+@settings(max_examples=25, **_PROPERTY_SETTINGS)
 @given(sampling_cases())
 def test_property_random_batches_match_the_reference(case):
     check_batch(**case)
 
 
-def test_draws_follow_the_renormalised_distribution():
+@pytest.mark.slow
+@settings(max_examples=REFERENCE_EXAMPLES, **_PROPERTY_SETTINGS)
+@given(sampling_cases())
+def test_property_random_batches_match_the_reference_full_budget(case):
+    check_batch(**case)
+
+
+def check_draws(draws: int) -> None:
+    """Seeded draws of one row follow the renormalised distribution over its support (chi-square)."""
     logits = np.array([[2.0, 1.5, 1.5, 1.0, 0.3, 0.0, -0.5, -3.0]], np.float32)
     temperature, top_k, top_p, min_p = 0.9, 7, 0.95, 0.15
     ref = reference_row(logits[0], temperature, top_k, top_p, min_p, tolerance=TOLERANCE)
     support = ref.support
     # top_p alone would keep 6 of the 7, min_p keeps 5.
     assert len(reference_row(logits[0], temperature, top_k, top_p, 0.0).support) == 6 and len(support) == 5
-    draws = 240
     out = run_fused(np.repeat(logits, draws, 0), temperature, top_k, top_p, min_p, seed=np.arange(draws) * 1000003 + 11)
     assert set(out["output_ids"].tolist()) <= set(support.tolist())
     probs = np.exp(ref.logprobs[support] - np.logaddexp.reduce(ref.logprobs[support]))
     counts = np.array([(out["output_ids"] == token).sum() for token in support])
     _, p_value = stats.chisquare(counts, probs * draws)
     assert p_value > 1e-4, (counts, probs * draws)
+
+
+def test_draws_follow_the_renormalised_distribution():
+    check_draws(240)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)  # the interpreter runs one program per draw
+def test_draws_follow_the_renormalised_distribution_full_budget():
+    check_draws(DISTRIBUTION_DRAWS)
 
 
 class _Paused:

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from scipy import stats
 
 from .reference import reference_row
-from .sampling import DEVICES, run_sampler, use_device
+from .sampling import DEVICES, DISTRIBUTION_DRAWS, REFERENCE_EXAMPLES, run_sampler, use_device
 
 
 @pytest.fixture(autouse=True, params=DEVICES)
@@ -63,7 +63,7 @@ def _reference(case, row):
     )
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=REFERENCE_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(sampling_cases())
 def test_sampler_matches_float64_reference(case):
     out = run_sampler(**case, mask_width=100)
@@ -172,7 +172,7 @@ def test_same_seed_same_token_and_different_seeds_differ():
 )
 def test_draws_follow_the_renormalised_distribution(params):
     logits = np.array([[2.0, 1.5, 1.5, 0.3, -0.5, -1.0, -2.0, -np.inf]], np.float32)
-    draws = 40000
+    draws = DISTRIBUTION_DRAWS
     out = run_sampler(np.repeat(logits, draws, axis=0), seed=np.arange(draws) * 7919 + 11, want_mask=False, **params)
     ref = reference_row(logits[0], **params)
     support = ref.support
@@ -229,7 +229,9 @@ def test_top_p_without_top_k_ranks_candidates_first_and_falls_back_exactly(monke
     top_p = np.array([0.9, 0.5, 0.99, 0.9, 0.5, 0.99], np.float32)
     calls = []
     ranked = sampler.ranked_candidates
-    monkeypatch.setattr(sampler, "ranked_candidates", lambda lg, k: calls.append((lg.shape[0], k)) or ranked(lg, k))
+    monkeypatch.setattr(
+        sampler, "ranked_candidates", lambda lg, k, *a: calls.append((lg.shape[0], k)) or ranked(lg, k, *a)
+    )
     out = run_sampler(logits, temperature=0.7, top_p=top_p, seed=np.arange(rows), want_mask=False)
     assert calls[0] == (rows, sampler._TOP_P_CANDIDATES) and calls[1] == (3, vocab)  # only the flat rows sort fully
     for row in range(rows):

@@ -29,16 +29,19 @@ class TorchSamplingBackend:
     """The built-in sampler (CPU and GPU); builds the support, so it serves masks.
 
     `fused`: run the finite-top_k rows through the Triton kernels (default: on CUDA when Triton
-    is importable; True also runs them on CPU tensors under TRITON_INTERPRET=1, for tests)."""
+    is importable; True also runs them on CPU tensors under TRITON_INTERPRET=1, for tests).
+    `device_path`: the ops of the other rows, "cpu" or "gpu" (default: the device's; "gpu" also
+    runs on CPU tensors, for tests)."""
 
     name = "torch"
     builds_support = True
 
-    def __init__(self, fused: bool | None = None):
+    def __init__(self, fused: bool | None = None, device_path: str | None = None):
         self.fused = fused
+        self.device_path = device_path
 
     def sample(self, batch: SamplingBatch, mask_width: int) -> SamplingResult:
-        return sample(batch, mask_width, fused=self.fused)
+        return sample(batch, mask_width, fused=self.fused, device_path=self.device_path)
 
 
 def import_object(spec: str, parameter: str):

@@ -4,6 +4,12 @@ Each applies the prefix rules (top_k, -inf, top_p, min_p), draws the token by Gu
 row's counter-based noise (`rng`) and builds the outputs by wire name (`results.FIELDS`). The
 rows' `params` are as the sampler applies them (`RowParams.greedy_applied`, every seed resolved)
 and `k_eff` is their effective top_k (`params.effective_top_k`).
+
+Both boundary rules are inclusive and decided alike on every path (these and `fused`):
+top_p keeps a token while the mass ranked strictly before it is <= top_p, compared unnormalised,
+sum_before(p / p_max) <= top_p * z in float64, so logits tied at the max (each adding exactly 1)
+meet an exactly representable top_p exactly; min_p keeps x - max >= `params.min_p_bound`, the
+exact float64 difference against the one bound the host computes.
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ import numpy as np
 import torch
 
 from . import outputs, rng
-from .params import RowParams
+from .params import RowParams, min_p_bound
 from .results import ROW_MAX
 
 
@@ -30,23 +36,22 @@ def epilogue_numpy(
     count, k = values32.shape
     want_mask = params.return_sampling_mask
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):  # NaN / inf rows: refused later
-        # (x - max) / T in float64; the float32 operands are widened exactly.
+        # x - max in float64: exact for the float32 operands (widened exactly).
         scaled = np.subtract(values32, values32[:, :1], dtype=np.float64)
-        scaled /= params.temperature[:, None]
-        relative = np.exp(scaled)  # p / p_max
         support_len = np.minimum(k_eff, k)
         if values32[:, -1].min() == -np.inf:  # banned tokens among the candidates
             support_len = np.minimum(support_len, (values32 > -np.inf).sum(axis=1))
-        if params.top_p.min() < 1:  # the mass ranked strictly before a token must not pass top_p
-            probs = relative / z[:, None]  # z widens to float64 exactly
-            mass_before = np.cumsum(probs, axis=1)
-            mass_before -= probs
-            top_p = params.top_p
-            if top_p.max() >= 1:  # top_p >= 1 disables the rule in its rows
-                top_p = np.where(top_p >= 1, np.inf, top_p)
-            support_len = np.minimum(support_len, (mass_before <= top_p[:, None]).sum(axis=1))
         if params.min_p.max() > 0:
-            support_len = np.minimum(support_len, (relative >= params.min_p[:, None]).sum(axis=1))
+            support_len = np.minimum(support_len, (scaled >= min_p_bound(params)[:, None]).sum(axis=1))
+        scaled /= params.temperature[:, None]  # (x - max) / T
+        relative = np.exp(scaled)  # p / p_max
+        if params.top_p.min() < 1:  # the mass ranked strictly before a token must not pass top_p
+            mass_before = np.cumsum(relative, axis=1)
+            mass_before -= relative
+            bound = params.top_p * z.astype(np.float64)  # top_p * z: exact in float64
+            if params.top_p.max() >= 1:  # top_p >= 1 disables the rule in its rows
+                bound[params.top_p >= 1] = np.inf
+            support_len = np.minimum(support_len, (mass_before <= bound[:, None]).sum(axis=1))
         # Past the longest support nothing can be drawn or returned: the rest of the work stops there.
         longest = max(1, int(support_len.max()))
         scaled, relative, ids = scaled[:, :longest], relative[:, :longest], ids[:, :longest]
@@ -86,22 +91,22 @@ def epilogue_numpy(
 
 
 def epilogue_torch(
-    values: torch.Tensor, ids: torch.Tensor, log_z: torch.Tensor, params: RowParams, k_eff: np.ndarray, mask_width: int
+    values: torch.Tensor, ids: torch.Tensor, z: torch.Tensor, params: RowParams, k_eff: np.ndarray, mask_width: int
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """`epilogue_numpy` in torch on the candidates' device (the GPU rows the fused kernels do not
-    take), from float64 log-normalisers log_z."""
+    take), from float64 normalisers z = sum exp((x - max) / T)."""
     device = values.device
     on = lambda array: torch.from_numpy(np.ascontiguousarray(array)).to(device)  # noqa: E731
     count, k = values.shape
-    temperature = on(params.temperature).to(torch.float64).unsqueeze(1)
-    scaled = (values.to(torch.float64) - values[:, :1].to(torch.float64)) / temperature
-    logp = scaled - log_z.unsqueeze(1)
-    probs = logp.exp()
+    difference = values.to(torch.float64) - values[:, :1].to(torch.float64)  # x - max, exact
+    scaled = difference / on(params.temperature).to(torch.float64).unsqueeze(1)
+    logp = scaled - z.log().unsqueeze(1)
+    relative = scaled.exp()  # p / p_max
     rank = torch.arange(k, device=device).unsqueeze(0)
     keep = (rank < on(k_eff).unsqueeze(1)) & (values > float("-inf"))
     top_p = on(params.top_p).to(torch.float64).unsqueeze(1)
-    keep &= (top_p >= 1) | (torch.cumsum(probs, dim=-1) - probs <= top_p)
-    keep &= scaled.exp() >= on(params.min_p).to(torch.float64).unsqueeze(1)
+    keep &= (top_p >= 1) | (torch.cumsum(relative, dim=-1) - relative <= top_p * z.unsqueeze(1))
+    keep &= difference >= on(min_p_bound(params)).unsqueeze(1)
     support_len = keep.sum(dim=-1)
     noise = rng.gumbel(rng.seed_state(on(params.seed.view(np.int64))).unsqueeze(1), ids)
     minus_inf = torch.tensor(float("-inf"), dtype=torch.float64, device=device)
@@ -121,7 +126,7 @@ def epilogue_torch(
         outputs.SAMPLING_MASK_LOGPROBS.name: torch.where(
             in_mask, logp[:, :width] - support_logmass.unsqueeze(1), minus_inf
         ),
-        ROW_MAX: values[:, 0],
+        ROW_MAX: values[:, 0].float(),  # bf16 logits: float32 like every path's row max
     }
     return fields, support_len
 
@@ -133,10 +138,11 @@ def unranked_outputs(logits: torch.Tensor, params: RowParams) -> dict[str, torch
     rows = logits.shape[0]
     row_max = logits.amax(dim=-1)
     temperature = torch.from_numpy(params.temperature).to(device, torch.float64).unsqueeze(1)
-    scaled = (logits.to(torch.float64) - row_max.to(torch.float64).unsqueeze(1)) / temperature
+    difference = logits.to(torch.float64) - row_max.to(torch.float64).unsqueeze(1)  # x - max, exact
+    scaled = difference / temperature
     log_z = torch.logsumexp(scaled, dim=-1)
-    min_p = torch.from_numpy(params.min_p).to(device, torch.float64).unsqueeze(1)
-    keep = (logits > float("-inf")) & (scaled.exp() >= min_p)
+    min_p = torch.from_numpy(min_p_bound(params)).to(device).unsqueeze(1)
+    keep = (logits > float("-inf")) & (difference >= min_p)
     vocab_ids = torch.arange(logits.shape[1], device=device).unsqueeze(0)
     noise = rng.gumbel(rng.seed_state(torch.from_numpy(params.seed.view(np.int64)).to(device)).unsqueeze(1), vocab_ids)
     score = torch.where(keep, scaled + noise, torch.tensor(float("-inf"), dtype=torch.float64, device=device))

@@ -6,8 +6,8 @@ logits' device), `torch.topk` of F = selection.candidate_count(k_max, V) candida
 `torch.empty` for the packed output, then
 
 * kernel A (`_row_stats_kernel`, one program per row): one pass over the row for row_max with
-  `amax`'s semantics (NaN if any NaN, +inf if any +inf, -inf if all -inf) and
-  log_z = log sum exp((x - max) / T), both fp32 (the shift is the top-k maximum, which is the row
+  `amax`'s semantics (NaN if any NaN, +inf if any +inf, -inf if all -inf) and the normaliser
+  z = sum exp((x - max) / T), both fp32 (the shift is the top-k maximum, which is the row
   max on every valid row, so no online rescaling is needed); and, only where a run of equal logits at the
   row's top-k boundary reaches past the fetched set, the boundary tie repair (those places go to
   the lowest tied ids, ascending);
@@ -17,9 +17,13 @@ logits' device), `torch.topk` of F = selection.candidate_count(k_max, V) candida
   `rng.gumbel(rng.seed_state(seed), id)` recomputed in the kernel with the same wrapping int64
   arithmetic, and the packed outputs.
 
-Everything is fp32 (no float64 on this path); bf16/fp16 logits are ranked by the values as sent.
-The kernels address the packed parameters and outputs through the column constants below, passed
-to them as `tl.constexpr` arguments. Under `TRITON_INTERPRET=1` (set before this module is
+Everything is fp32 but the two boundary rules' comparisons, which kernel B makes in float64 per
+candidate so that they decide as the other paths do (see `epilogues`): top_p on the fp32 prefix
+sums of p / p_max against top_p * z, min_p on x - max against the host's `params.min_p_bound`.
+bf16/fp16 logits are ranked by the values as sent. The kernels address the packed parameters and
+outputs through the column constants below, passed to them as `tl.constexpr` arguments;
+`launches` gives every compile-time choice a call makes (the ahead-of-time compile test builds
+the same). Under `TRITON_INTERPRET=1` (set before this module is
 imported) the kernels run on CPU tensors. The module imports without triton: `AVAILABLE` is then
 False and `sample_packed` raises.
 """
@@ -30,7 +34,7 @@ import numpy as np
 import torch
 
 from . import outputs, rng
-from .params import RowParams
+from .params import RowParams, min_p_bound
 from .results import ROW_MAX, HostResult
 from .selection import candidate_count
 
@@ -48,11 +52,12 @@ except ImportError:  # the plain-torch sampler serves every row then
 # Floats travel as their float32 bit patterns, so one int32 tensor (one device-to-host copy)
 # carries every per-row output.
 PACKED_COLUMNS = 6
-COL_TOKEN_ID, COL_LOGPROB, COL_MASK_LEN, COL_MASK_LOGPROB, COL_ROW_MAX, COL_LOG_Z = range(PACKED_COLUMNS)
+COL_TOKEN_ID, COL_LOGPROB, COL_MASK_LEN, COL_MASK_LOGPROB, COL_ROW_MAX, COL_Z = range(PACKED_COLUMNS)
 
-# The packed parameters: int64 [R, PARAM_COLUMNS]; floats as their int32 bit patterns.
+# The packed parameters: int64 [R, PARAM_COLUMNS]; float32 values as their int32 bit patterns, the
+# min_p bound (float64) as its int64 bit pattern.
 PARAM_COLUMNS = 6
-PARAM_TEMPERATURE, PARAM_K_EFF, PARAM_TOP_P, PARAM_MIN_P, PARAM_SEED, PARAM_WANT_MASK = range(PARAM_COLUMNS)
+PARAM_TEMPERATURE, PARAM_K_EFF, PARAM_TOP_P, PARAM_MIN_P_BOUND, PARAM_SEED, PARAM_WANT_MASK = range(PARAM_COLUMNS)
 
 MAX_TOP_K = 1024  # rows above this take the sampler's full-sort path
 _BLOCK_V = 4096  # logits per step of kernel A's pass over the row
@@ -66,14 +71,15 @@ def pack_params(params: RowParams, k_eff: np.ndarray) -> np.ndarray:
     """Per-row parameters as the kernels read them: int64 [R, PARAM_COLUMNS], built on the host.
 
     `params` are the rows' as the sampler applies them (greedy applied: `RowPlan.params`) and
-    `k_eff` their effective top_k (`RowPlan.k_eff`). Floats are stored as their float32 bit
-    patterns and seeds as the int64 bit patterns of the uint64 seeds.
+    `k_eff` their effective top_k (`RowPlan.k_eff`). Temperature and top_p are stored as their
+    float32 bit patterns, min_p as the float64 bit pattern of its bound (`params.min_p_bound`) and
+    seeds as the int64 bit patterns of the uint64 seeds.
     """
     packed = np.empty((params.rows, PARAM_COLUMNS), dtype=np.int64)
     packed[:, PARAM_TEMPERATURE] = np.ascontiguousarray(params.temperature, np.float32).view(np.int32)
     packed[:, PARAM_K_EFF] = k_eff
     packed[:, PARAM_TOP_P] = np.ascontiguousarray(params.top_p, np.float32).view(np.int32)
-    packed[:, PARAM_MIN_P] = np.ascontiguousarray(params.min_p, np.float32).view(np.int32)
+    packed[:, PARAM_MIN_P_BOUND] = min_p_bound(params).view(np.int64)
     packed[:, PARAM_SEED] = params.seed.view(np.int64)
     packed[:, PARAM_WANT_MASK] = params.return_sampling_mask
     return packed
@@ -123,65 +129,71 @@ def sample_packed(logits: torch.Tensor, params: torch.Tensor, k_max: int, mask_w
     params = params.contiguous()
     fetched = candidate_count(k_max, vocab)
     values, ids = torch.topk(logits, fetched, dim=-1, largest=True, sorted=True)
-    # Columns COL_ROW_MAX and COL_LOG_Z double as kernel A's output: no other allocation.
+    # Columns COL_ROW_MAX and COL_Z double as kernel A's output: no other allocation.
     packed = torch.empty(rows, PACKED_COLUMNS + 2 * mask_width, dtype=torch.int32, device=device)
     if rows == 0:
         return packed
-    block_f = max(_MIN_BLOCK, _next_power_of_two(fetched))
-    block_v = min(_BLOCK_V, max(_MIN_BLOCK, _next_power_of_two(vocab)))
-    _launch(
-        _row_stats_kernel,
-        (rows,),
-        logits,
-        logits.stride(0),
-        vocab,
-        params,
-        values,
-        ids,
-        fetched,
-        packed,
-        packed.stride(0),
-        BLOCK_V=block_v,
-        BLOCK_F=block_f,
-        PARAM_COLUMNS=PARAM_COLUMNS,
-        PARAM_TEMPERATURE=PARAM_TEMPERATURE,
-        PARAM_K_EFF=PARAM_K_EFF,
-        COL_ROW_MAX=COL_ROW_MAX,
-        COL_LOG_Z=COL_LOG_Z,
-        num_warps=8,
-        enable_fp_fusion=False,
-    )
-    _launch(
-        _select_kernel,
-        (rows,),
-        values,
-        ids,
-        fetched,
-        params,
-        packed,
-        packed.stride(0),
-        mask_width,
-        BLOCK_F=block_f,
-        LOG_F=block_f.bit_length() - 1,
-        BLOCK_W=max(_MIN_BLOCK, _next_power_of_two(mask_width)),
-        PARAM_COLUMNS=PARAM_COLUMNS,
-        PARAM_TEMPERATURE=PARAM_TEMPERATURE,
-        PARAM_K_EFF=PARAM_K_EFF,
-        PARAM_TOP_P=PARAM_TOP_P,
-        PARAM_MIN_P=PARAM_MIN_P,
-        PARAM_SEED=PARAM_SEED,
-        PARAM_WANT_MASK=PARAM_WANT_MASK,
-        PACKED_COLUMNS=PACKED_COLUMNS,
-        COL_TOKEN_ID=COL_TOKEN_ID,
-        COL_LOGPROB=COL_LOGPROB,
-        COL_MASK_LEN=COL_MASK_LEN,
-        COL_MASK_LOGPROB=COL_MASK_LOGPROB,
-        COL_ROW_MAX=COL_ROW_MAX,
-        COL_LOG_Z=COL_LOG_Z,
-        num_warps=8 if block_f >= 1024 else 4,
-        enable_fp_fusion=False,
-    )
+    for kernel, args, keywords in launches(logits, params, values, ids, packed, mask_width):
+        _launch(kernel, (rows,), *args, **keywords)
     return packed
+
+
+def block_sizes(vocab: int, fetched: int) -> dict[str, int]:
+    """The kernels' block sizes for a call on V = `vocab` that fetched F = `fetched` candidates per
+    row (`selection.candidate_count` of its largest top_k): BLOCK_V, kernel A's step over the row,
+    and BLOCK_F, the candidates padded to a power of two (LOG_F its log2). Nothing else varies
+    between calls at compile time (the mask width is a runtime argument)."""
+    block_v = min(_BLOCK_V, max(_MIN_BLOCK, _next_power_of_two(vocab)))
+    block_f = max(_MIN_BLOCK, _next_power_of_two(fetched))
+    # Kernel A's tie repair reads the F candidates in one BLOCK_V block: F <= V, and F <= 1296 < 4096.
+    if fetched > block_v:
+        raise ValueError(f"{fetched} candidates do not fit one block of {block_v}")
+    return dict(BLOCK_V=block_v, BLOCK_F=block_f, LOG_F=block_f.bit_length() - 1)
+
+
+def launches(logits, params, values, ids, packed, mask_width: int) -> list[tuple[object, tuple, dict]]:
+    """A call's two kernel launches as (kernel, arguments, keywords): the keywords are every
+    compile-time choice (block sizes, column constants, warps, options), so the ahead-of-time
+    compile test builds exactly what a call would. The arguments are those of `sample_packed`,
+    with `values` and `ids` the fetched candidates [R, F] and `packed` the output."""
+    vocab, fetched = logits.shape[1], values.shape[1]
+    blocks = block_sizes(vocab, fetched)
+    columns = dict(PARAM_COLUMNS=PARAM_COLUMNS, PARAM_TEMPERATURE=PARAM_TEMPERATURE, PARAM_K_EFF=PARAM_K_EFF)
+    row_stats = (
+        _row_stats_kernel,
+        (logits, logits.stride(0), vocab, params, values, ids, fetched, packed, packed.stride(0)),
+        dict(
+            BLOCK_V=blocks["BLOCK_V"],
+            **columns,
+            COL_ROW_MAX=COL_ROW_MAX,
+            COL_Z=COL_Z,
+            num_warps=8,
+            enable_fp_fusion=False,
+        ),
+    )
+    select = (
+        _select_kernel,
+        (values, ids, fetched, params, packed, packed.stride(0), mask_width),
+        dict(
+            BLOCK_F=blocks["BLOCK_F"],
+            LOG_F=blocks["LOG_F"],
+            **columns,
+            PARAM_TOP_P=PARAM_TOP_P,
+            PARAM_MIN_P_BOUND=PARAM_MIN_P_BOUND,
+            PARAM_SEED=PARAM_SEED,
+            PARAM_WANT_MASK=PARAM_WANT_MASK,
+            PACKED_COLUMNS=PACKED_COLUMNS,
+            COL_TOKEN_ID=COL_TOKEN_ID,
+            COL_LOGPROB=COL_LOGPROB,
+            COL_MASK_LEN=COL_MASK_LEN,
+            COL_MASK_LOGPROB=COL_MASK_LOGPROB,
+            COL_ROW_MAX=COL_ROW_MAX,
+            COL_Z=COL_Z,
+            num_warps=8 if blocks["BLOCK_F"] >= 1024 else 4,
+            enable_fp_fusion=False,
+        ),
+    )
+    return [row_stats, select]
 
 
 def unpack(packed: np.ndarray) -> dict[str, np.ndarray]:
@@ -331,12 +343,11 @@ if AVAILABLE:
         out_ptr,
         out_row_stride,
         BLOCK_V: tl.constexpr,
-        BLOCK_F: tl.constexpr,
         PARAM_COLUMNS: tl.constexpr,
         PARAM_TEMPERATURE: tl.constexpr,
         PARAM_K_EFF: tl.constexpr,
         COL_ROW_MAX: tl.constexpr,
-        COL_LOG_Z: tl.constexpr,
+        COL_Z: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
         k_eff = tl.load(params_ptr + row * PARAM_COLUMNS + PARAM_K_EFF)
@@ -348,7 +359,7 @@ if AVAILABLE:
         lanes = tl.arange(0, BLOCK_V)
 
         # Shift by the top-k maximum, which is the row max wherever the row is valid; invalid rows
-        # (NaN, +inf, all -inf) may get any log_z, so a finite stand-in only avoids inf - inf.
+        # (NaN, +inf, all -inf) may get any z, so a finite stand-in only avoids inf - inf.
         shift = tl.load(row_values).to(tl.float32)
         shift = tl.where((shift > float("-inf")) & (shift < float("inf")), shift, 0.0)
         best = tl.full([BLOCK_V], float("-inf"), tl.float32)
@@ -366,15 +377,15 @@ if AVAILABLE:
         row_max = tl.where(tl.reduce(nan_seen, 0, _add_combine) > 0, float("nan"), row_max)
         out_row = out_ptr + row * out_row_stride
         tl.store(out_row + COL_ROW_MAX, row_max.to(tl.int32, bitcast=True))
-        tl.store(out_row + COL_LOG_Z, tl.log(tl.reduce(total, 0, _add_combine)).to(tl.int32, bitcast=True))
+        tl.store(out_row + COL_Z, tl.reduce(total, 0, _add_combine).to(tl.int32, bitcast=True))
 
         # Boundary tie repair: the value at place k_eff - 1 equals the last fetched one, so a run of
         # equal logits may reach past the fetched set and topk chose arbitrary members of it.
         boundary = tl.load(row_values + k_eff - 1).to(tl.float32)
         last = tl.load(row_values + fetched - 1).to(tl.float32)
         if (boundary == last) & (boundary > float("-inf")) & (fetched < vocab):
-            places = tl.arange(0, BLOCK_F)
-            fetched_values = tl.load(row_values + places, mask=places < fetched, other=float("-inf")).to(tl.float32)
+            # F <= BLOCK_V (F <= V, and F <= 1024 + 16 + 256 < 4096): one block holds every candidate.
+            fetched_values = tl.load(row_values + lanes, mask=lanes < fetched, other=float("-inf")).to(tl.float32)
             above = tl.reduce((fetched_values > boundary).to(tl.int32), 0, _add_combine)
             # The places [above, fetched) hold the boundary value: give them the lowest tied ids.
             row_ids = ids_ptr + row * fetched
@@ -400,12 +411,11 @@ if AVAILABLE:
         mask_width,
         BLOCK_F: tl.constexpr,
         LOG_F: tl.constexpr,
-        BLOCK_W: tl.constexpr,
         PARAM_COLUMNS: tl.constexpr,
         PARAM_TEMPERATURE: tl.constexpr,
         PARAM_K_EFF: tl.constexpr,
         PARAM_TOP_P: tl.constexpr,
-        PARAM_MIN_P: tl.constexpr,
+        PARAM_MIN_P_BOUND: tl.constexpr,
         PARAM_SEED: tl.constexpr,
         PARAM_WANT_MASK: tl.constexpr,
         PACKED_COLUMNS: tl.constexpr,
@@ -414,19 +424,20 @@ if AVAILABLE:
         COL_MASK_LEN: tl.constexpr,
         COL_MASK_LOGPROB: tl.constexpr,
         COL_ROW_MAX: tl.constexpr,
-        COL_LOG_Z: tl.constexpr,
+        COL_Z: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
         params_row = params_ptr + row * PARAM_COLUMNS
         temperature = tl.load(params_row + PARAM_TEMPERATURE).to(tl.int32).to(tl.float32, bitcast=True)
         k_eff = tl.minimum(tl.load(params_row + PARAM_K_EFF), fetched)
         top_p = tl.load(params_row + PARAM_TOP_P).to(tl.int32).to(tl.float32, bitcast=True)
-        min_p = tl.load(params_row + PARAM_MIN_P).to(tl.int32).to(tl.float32, bitcast=True)
+        min_p_bound = tl.load(params_row + PARAM_MIN_P_BOUND).to(tl.float64, bitcast=True)
         state = _mix64(tl.load(params_row + PARAM_SEED) ^ _GOLDEN_GAMMA)  # rng.seed_state
         want = tl.load(params_row + PARAM_WANT_MASK) != 0
         out_row = out_ptr + row * out_row_stride
         row_max = tl.load(out_row + COL_ROW_MAX).to(tl.float32, bitcast=True)
-        log_z = tl.load(out_row + COL_LOG_Z).to(tl.float32, bitcast=True)
+        z = tl.load(out_row + COL_Z).to(tl.float32, bitcast=True)
+        log_z = tl.log(z)
 
         # Rank by (logit desc, id asc) with one ascending sort of a composite key: the high 32 bits
         # are the value's bits made order-preserving as a signed int, then inverted (descending),
@@ -445,15 +456,16 @@ if AVAILABLE:
         values = (ordered ^ ((ordered >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
         values = tl.where(in_set, values, float("-inf"))
 
-        # The epilogues' prefix rules, in fp32.
+        # The epilogues' prefix rules, decided as they decide them (see `epilogues`).
         # IEEE division (Triton's `/` is approximate on NVIDIA GPUs): the scores match torch's float32.
         scaled = tl.math.div_rn(values - row_max, temperature)
-        logp = scaled - log_z
-        probs = tl.exp(logp)
-        mass_before = tl.associative_scan(probs, 0, _add_combine) - probs
+        relative = tl.exp(scaled)  # p / p_max: exactly 1 for logits tied at the max
+        mass_before = tl.associative_scan(relative, 0, _add_combine) - relative
         keep = (rank < k_eff) & (values > float("-inf"))
-        keep = keep & (mass_before <= tl.where(top_p >= 1.0, float("inf"), top_p))  # top_p >= 1: off
-        keep = keep & (tl.exp(scaled) >= min_p)
+        # top_p * z in float64 is exact: a prefix of exact ones meets a representable top_p exactly.
+        top_p_bound = tl.where(top_p >= 1.0, float("inf"), top_p.to(tl.float64) * z.to(tl.float64))  # >= 1: off
+        keep = keep & (mass_before.to(tl.float64) <= top_p_bound)
+        keep = keep & (values.to(tl.float64) - row_max.to(tl.float64) >= min_p_bound)  # x - max: exact
         # The support is the leading run of kept ranks (fp32 round-off cannot punch holes in it).
         support_len = tl.reduce(tl.where(keep, BLOCK_F, rank), 0, _min_combine)
         keep = rank < support_len
@@ -467,7 +479,7 @@ if AVAILABLE:
         token_scaled = tl.reduce(tl.where(at_pick, scaled, 0.0), 0, _add_combine)
         # token_logp - logsumexp(logp over the support) = scaled[pick] - log sum exp(scaled) over
         # the support: exactly 0 for a singleton, and no log_z cancellation.
-        support_mass = tl.reduce(tl.where(keep, tl.exp(scaled), 0.0), 0, _add_combine)
+        support_mass = tl.reduce(tl.where(keep, relative, 0.0), 0, _add_combine)
         mask_logprob = tl.where(want, token_scaled - tl.log(support_mass), 0.0)
         mask_len = tl.where(want, tl.minimum(support_len, mask_width), 0)
 
@@ -477,15 +489,15 @@ if AVAILABLE:
         tl.store(out_row + COL_MASK_LOGPROB, mask_logprob.to(tl.int32, bitcast=True))
         mask_row = out_row + PACKED_COLUMNS
         tl.store(mask_row + rank, tl.where(rank < mask_len, ids, -1).to(tl.int32), mask=rank < mask_width)
-        # W may exceed the candidate block: the columns past it are padding.
-        columns = tl.arange(0, BLOCK_W)
-        tl.store(
-            mask_row + columns, tl.full([BLOCK_W], -1, tl.int32), mask=(columns >= BLOCK_F) & (columns < mask_width)
-        )
         # Then each mask id's log-probability renormalised over the support (the sampled one's
         # equals mask_logprob exactly), -inf padded, as float32 bits.
         support_row = mask_row + mask_width
         support_logp = tl.where(rank < mask_len, scaled - tl.log(support_mass), float("-inf"))
         tl.store(support_row + rank, support_logp.to(tl.int32, bitcast=True), mask=rank < mask_width)
-        minus_inf = tl.full([BLOCK_W], float("-inf"), tl.float32).to(tl.int32, bitcast=True)
-        tl.store(support_row + columns, minus_inf, mask=(columns >= BLOCK_F) & (columns < mask_width))
+        # W may exceed the candidate block: the columns past it are padding, written a block at a
+        # time (W is not a compile-time constant, so no kernel is compiled per mask width).
+        minus_inf = tl.full([BLOCK_F], float("-inf"), tl.float32).to(tl.int32, bitcast=True)
+        for start in range(BLOCK_F, mask_width, BLOCK_F):
+            columns = start + rank
+            tl.store(mask_row + columns, tl.full([BLOCK_F], -1, tl.int32), mask=columns < mask_width)
+            tl.store(support_row + columns, minus_inf, mask=columns < mask_width)

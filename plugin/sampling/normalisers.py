@@ -31,12 +31,13 @@ _NORMALISER_BLOCK_ELEMENTS = 1 << 20
 _LOG2_E = 1.4426950408889634
 
 
-def log_normaliser(logits: torch.Tensor, row_max: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
-    """log sum exp((logits - max) / T) per row in float64, in one pass on the logits' device (the
-    GPU path, where memory traffic is not the cost)."""
+def normaliser_torch(logits: torch.Tensor, row_max: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """sum exp((logits - max) / T) per row as float64 (summed in float32), in one pass on the
+    logits' device (the GPU path, where memory traffic is not the cost). The sum itself, not its
+    log: a run of logits tied at the max adds exact ones, so the top-p rule can be decided exactly."""
     scratch = logits - row_max.float().unsqueeze(1)  # bf16 / fp16 logits: the exp-sum runs in float32
     scratch.div_(temperature.unsqueeze(1)).exp_()
-    return scratch.sum(dim=-1).to(torch.float64).log()
+    return scratch.sum(dim=-1).to(torch.float64)
 
 
 def normaliser_cpu(logits: torch.Tensor, row_max: np.ndarray, temperature: np.ndarray) -> np.ndarray:
@@ -45,28 +46,42 @@ def normaliser_cpu(logits: torch.Tensor, row_max: np.ndarray, temperature: np.nd
     temperature float32 [rows].
 
     exp((x - max) / T) is computed as exp2((x - max) * (log2(e) / T)), torch's cheaper float32
-    exponential on the CPU. The subtraction comes first, so the largest terms stay exact.
+    exponential on the CPU. The subtraction comes first, so the largest terms stay exact. Where
+    log2(e) / T overflows float32 (a subnormal T) the scale would turn the max's 0 into 0 * inf =
+    NaN: such calls divide by T first, (x - max) / T * log2(e), which is right for every T.
     """
     rows, vocab = logits.shape
     shift = torch.from_numpy(row_max[:, None])
-    scale = torch.from_numpy((_LOG2_E / temperature)[:, None])  # float32 (a Python float does not widen it)
+    with np.errstate(over="ignore"):
+        scale = _LOG2_E / temperature  # float32 (a Python float does not widen it)
+    divisor = None
+    if np.isinf(scale).any():
+        divisor, scale = torch.from_numpy(temperature[:, None]), np.full_like(scale, _LOG2_E)
+    scale = torch.from_numpy(scale[:, None])
     block = max(1, min(rows, _NORMALISER_BLOCK_ELEMENTS // max(vocab, 1)))
     scratch = workspace("normaliser", (block, vocab))
     if block == rows:  # one block: no slicing (at B=1 every torch call's dispatch shows)
-        return _exp_sum(logits, shift, scale, scratch).numpy()
+        return _exp_sum(logits, shift, scale, scratch, divisor).numpy()
     sums = torch.empty(rows, dtype=torch.float32)
     for start in range(0, rows, block):  # a loop over memory blocks, not over requests
         stop = min(rows, start + block)
-        sums[start:stop] = _exp_sum(logits[start:stop], shift[start:stop], scale[start:stop], scratch[: stop - start])
+        part = None if divisor is None else divisor[start:stop]
+        sums[start:stop] = _exp_sum(
+            logits[start:stop], shift[start:stop], scale[start:stop], scratch[: stop - start], part
+        )
     return sums.numpy()
 
 
-def _exp_sum(logits: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
-    """sum exp2((logits - shift) * scale) per row, through `scratch` (four calls, five for bf16 / fp16;
-    one small allocation)."""
+def _exp_sum(
+    logits: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, scratch: torch.Tensor, divisor: torch.Tensor | None
+) -> torch.Tensor:
+    """sum exp2((logits - shift) / divisor * scale) per row (no division where `divisor` is None),
+    through `scratch` (four calls, five for bf16 / fp16; one small allocation)."""
     if logits.dtype == torch.float32:
         torch.sub(logits, shift, out=scratch)
     else:  # bf16 / fp16: converted into scratch first (a mixed-dtype sub would allocate a float32 copy)
         scratch.copy_(logits).sub_(shift)
+    if divisor is not None:
+        scratch.div_(divisor)
     scratch.mul_(scale).exp2_()
     return scratch.sum(dim=-1)

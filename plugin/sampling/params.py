@@ -94,3 +94,15 @@ def effective_top_k(params: RowParams, vocab_size: int) -> np.ndarray:
     greedy row), at most V, and V for top_k -1."""
     top_k = params.greedy_applied().top_k
     return np.where(top_k == TOP_K_ALL, vocab_size, np.minimum(top_k, vocab_size)).astype(np.int64, copy=False)
+
+
+def min_p_bound(params: RowParams) -> np.ndarray:
+    """The min_p rule as a bound on the logit (float64 [rows]): p >= min_p * p_max is
+    exp((x - max) / T) >= min_p, that is x - max >= T * ln(min_p) (-inf for min_p 0).
+
+    `params` are greedy applied (T > 0). Every path computes the bound here, on the host, and
+    compares the exact float64 difference x - max with it, so the paths decide the rule alike,
+    bit for bit; the bound is the real one to within float64 rounding (~1e-16 relative).
+    """
+    with np.errstate(divide="ignore"):  # ln 0 = -inf: min_p 0 keeps every token
+        return params.temperature.astype(np.float64) * np.log(params.min_p.astype(np.float64))

@@ -27,10 +27,10 @@ import numpy as np
 import torch
 
 from .epilogues import epilogue_numpy, epilogue_torch, unranked_outputs
-from .normalisers import log_normaliser, normaliser_cpu
+from .normalisers import normaliser_cpu, normaliser_torch
 from .params import MIN_P, RETURN_SAMPLING_MASK, SEED, TEMPERATURE, TOP_K, TOP_K_ALL, TOP_P, RowParams, effective_top_k
 from .results import ROW_MAX, HostResult, SamplingResult, TensorResult
-from .selection import FULL_VOCAB_BLOCK_ELEMENTS, ranked_candidates
+from .selection import FULL_VOCAB_BLOCK_ELEMENTS, device_path_for, ranked_candidates
 
 
 @dataclass
@@ -115,14 +115,19 @@ def plan_rows(batch: SamplingBatch) -> RowPlan:
     return RowPlan(params, k_eff, small_k, top_p_first, full_sort, unranked)
 
 
-def sample(batch: SamplingBatch, mask_width: int, fused: bool | None = None) -> SamplingResult:
+def sample(
+    batch: SamplingBatch, mask_width: int, fused: bool | None = None, device_path: str | None = None
+) -> SamplingResult:
     """Draw one token per row and, for rows that ask, its support (at most `mask_width` ids).
 
     `fused` picks the Triton kernels for the finite-top_k rows (default: on CUDA when Triton is
-    importable); the tests also run them on CPU tensors under Triton's interpreter.
+    importable); the tests also run them on CPU tensors under Triton's interpreter. `device_path`
+    picks the ops of the other rows, "cpu" or "gpu" (default: the logits' device's, see
+    `selection.device_path_for`); the tests also run the "gpu" ops on CPU tensors.
     """
     rows = batch.logits.shape[0]
     device = batch.logits.device
+    device_path = device_path_for(device, device_path)
     plan = plan_rows(batch)
     if fused is None:
         fused = device.type == "cuda" and _fused_available()
@@ -131,24 +136,24 @@ def sample(batch: SamplingBatch, mask_width: int, fused: bool | None = None) -> 
         # (fused.py); on the CPU its padded numpy outputs are the result, with no scatter.
         if fused:
             return _sample_fused(batch, plan, None, mask_width)
-        if device.type == "cpu":
-            return HostResult(_ranked_outputs(batch, plan, None, int(plan.k_eff.max()), mask_width)[0])
+        if device_path == "cpu":
+            return HostResult(_ranked_outputs(batch, plan, None, int(plan.k_eff.max()), mask_width, device_path)[0])
     result = TensorResult.empty(rows, mask_width, device)
     if plan.small_k.any():
         index = np.flatnonzero(plan.small_k)
         if fused:
             _write(result, index, _sample_fused(batch, plan, index, mask_width).host())
         else:
-            _sample_ranked(batch, plan, index, int(plan.k_eff[index].max()), mask_width, result)
+            _sample_ranked(batch, plan, index, int(plan.k_eff[index].max()), mask_width, result, device_path)
     if plan.top_p_first.any():
         index = np.flatnonzero(plan.top_p_first)
         candidates = _TOP_P_CANDIDATES
-        support_len = _sample_ranked(batch, plan, index, candidates, mask_width, result)
+        support_len = _sample_ranked(batch, plan, index, candidates, mask_width, result, device_path)
         # A support that fills every candidate may continue past them: rank those rows fully.
         plan.full_sort[index[support_len >= candidates]] = True
     # Full-vocabulary groups run in row blocks: their [rows, V] temporaries stay bounded.
     for index in _row_blocks(plan.full_sort, batch.logits.shape[1]):
-        _sample_ranked(batch, plan, index, int(plan.k_eff[index].max()), mask_width, result)
+        _sample_ranked(batch, plan, index, int(plan.k_eff[index].max()), mask_width, result, device_path)
     for index in _row_blocks(plan.unranked, batch.logits.shape[1]):
         _write(result, index, unranked_outputs(_rows(batch, index), plan.rows(index)[0]))
     return result
@@ -189,10 +194,12 @@ def _write(result: TensorResult, index: np.ndarray, values: dict) -> None:
             target, source = target.numpy(), source.cpu().numpy() if isinstance(source, torch.Tensor) else source
         else:
             source = torch.as_tensor(source).to(device=target.device, dtype=target.dtype)
-        if name in SamplingResult.MASK_FIELDS:
-            target[rows, : source.shape[1]] = source
-        else:
-            target[rows] = source
+        # float64 log-probs past float32's range (a subnormal temperature's) become -inf, as a cast on the GPU.
+        with np.errstate(over="ignore"):
+            if name in SamplingResult.MASK_FIELDS:
+                target[rows, : source.shape[1]] = source
+            else:
+                target[rows] = source
 
 
 def _rows(batch: SamplingBatch, index: np.ndarray | None) -> torch.Tensor:
@@ -203,23 +210,24 @@ def _rows(batch: SamplingBatch, index: np.ndarray | None) -> torch.Tensor:
 
 
 def _sample_ranked(
-    batch: SamplingBatch, plan: RowPlan, index: np.ndarray, k: int, mask_width: int, result: TensorResult
+    batch: SamplingBatch, plan: RowPlan, index: np.ndarray, k: int, mask_width: int, result: TensorResult, path: str
 ) -> np.ndarray:
     """Rows whose support is a prefix of their top-k ranking (k = the largest effective top_k, or
     the candidate count); writes their outputs and returns their support lengths (numpy)."""
-    outputs, support_len = _ranked_outputs(batch, plan, index, k, mask_width)
+    outputs, support_len = _ranked_outputs(batch, plan, index, k, mask_width, path)
     _write(result, index, outputs)
     return support_len.cpu().numpy() if isinstance(support_len, torch.Tensor) else support_len
 
 
 def _ranked_outputs(
-    batch: SamplingBatch, plan: RowPlan, index: np.ndarray | None, k: int, mask_width: int
+    batch: SamplingBatch, plan: RowPlan, index: np.ndarray | None, k: int, mask_width: int, path: str
 ) -> tuple[dict, np.ndarray | torch.Tensor]:
-    """The outputs and support lengths of the rows `index` (None: every row): select, normalise, epilogue."""
+    """The outputs and support lengths of the rows `index` (None: every row): select, normalise,
+    epilogue, with the ops of the device path `path` ("cpu" or "gpu")."""
     logits = _rows(batch, index)
-    values, ids = ranked_candidates(logits, k)
+    values, ids = ranked_candidates(logits, k, path)
     params, k_eff = plan.rows(index)
-    if logits.device.type == "cpu":
+    if path == "cpu":
         values32 = (values if values.dtype == torch.float32 else values.float()).numpy()  # bf16 / fp16: exact
         z = normaliser_cpu(logits, values32[:, 0], params.temperature)
         outputs, support_len = epilogue_numpy(values32, ids.numpy(), z, params, k_eff, mask_width)
@@ -229,5 +237,5 @@ def _ranked_outputs(
             broken = np.isnan(z)
             outputs[ROW_MAX][broken] = logits[torch.from_numpy(broken)].amax(dim=-1).float().numpy()
         return outputs, support_len
-    log_z = log_normaliser(logits, values[:, 0], torch.from_numpy(params.temperature).to(logits.device))
-    return epilogue_torch(values, ids, log_z, params, k_eff, mask_width)
+    z = normaliser_torch(logits, values[:, 0], torch.from_numpy(params.temperature).to(logits.device))
+    return epilogue_torch(values, ids, z, params, k_eff, mask_width)

@@ -2,7 +2,8 @@
 
 One entry point, `ranked_candidates`; on the CPU a threshold selection (with a top-(k + 1)
 fallback), elsewhere a top-k with a margin past k; both repair runs of equal logits at the k-th
-place, so the order never depends on how a library's top-k breaks ties.
+place, so the order never depends on how a library's top-k breaks ties. Which ops run is the
+device path (`device_path_for`): the tests also run the GPU's ops on CPU tensors.
 """
 
 from __future__ import annotations
@@ -15,14 +16,33 @@ from .normalisers import workspace
 # Entries per row block on the full-vocabulary paths (float64 scores and sort indices per entry).
 FULL_VOCAB_BLOCK_ELEMENTS = 1 << 21
 
+# The two sets of ops: "cpu" (threshold selection, numpy epilogue) and "gpu" (margin top-k, torch epilogue).
+DEVICE_PATHS = ("cpu", "gpu")
 
-def ranked_candidates(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+
+def device_path_for(device: torch.device, requested: str | None = None) -> str:
+    """The ops a sampler call runs on `device`: `requested` ("cpu" or "gpu"), else "cpu" for CPU
+    tensors and "gpu" for any other device. The "cpu" ops read the rows through numpy, so they
+    need CPU tensors; the "gpu" ops run anywhere (the tests run them on CPU tensors)."""
+    if requested is None:
+        return "cpu" if device.type == "cpu" else "gpu"
+    if requested not in DEVICE_PATHS:
+        raise ValueError(f"device_path must be one of {DEVICE_PATHS}, got {requested!r}")
+    if requested == "cpu" and device.type != "cpu":
+        raise ValueError(f"the cpu device path needs CPU tensors, got {device}")
+    return requested
+
+
+def ranked_candidates(
+    logits: torch.Tensor, k: int, device_path: str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The k highest logits of each row in the total order (logit desc, id asc): values, ids.
-    On the CPU, rows holding NaN may rank without it (the sampler takes their max apart)."""
+    `device_path` as `device_path_for` reads it. On the CPU path, rows holding NaN may rank
+    without it (the sampler takes their max apart)."""
     if k >= logits.shape[1]:
         # A stable descending sort keeps equal logits in ascending id order.
         return torch.sort(logits, dim=-1, descending=True, stable=True)
-    if logits.device.type == "cpu":
+    if device_path_for(logits.device, device_path) == "cpu":
         return _ranked_candidates_cpu(logits, k)
     return _ranked_candidates_device(logits, k)
 
@@ -39,7 +59,7 @@ def candidate_count(k: int, vocab: int) -> int:
 
 
 def _ranked_candidates_device(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`ranked_candidates` on a GPU, for k < V: one top-k of `candidate_count` candidates."""
+    """`ranked_candidates` on the GPU path, for k < V: one top-k of `candidate_count` candidates."""
     vocab = logits.shape[1]
     values, ids = torch.topk(logits, candidate_count(k, vocab), dim=-1, sorted=True)
     boundary = values[:, k - 1]
