@@ -194,7 +194,7 @@ EOF
 ignores=(--ignore=tests/test_lint.py --ignore=tests/test_container_image.py --ignore=tests/test_gpu_check.py)
 # The sampler's CUDA cases (-k cuda), the fused kernels and the hot-path counts (they run on CUDA
 # wherever a device is present) and the GPU-path glue.
-cuda_selection="cuda or gpu_path or fused_kernels or hot_path"
+cuda_selection="cuda or gpu_path or fused_kernels or hot_path or boundaries or cross_path"
 cuda_tests=(tests -k "$cuda_selection")
 other_tests=(tests -k "not ($cuda_selection)")
 # A test or test module that fails only because a third-party package is missing here (its wheel
