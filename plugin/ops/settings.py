@@ -88,8 +88,9 @@ TRITON_ADMIN_KEY = Setting(
 TRITON_ADMIN_KEY_FILE = Setting(
     str,
     None,
-    "where a generated admin key is written (mode 0600; the supervisor removes it at exit)",
-    shown_default="`<tmp>/triton-admin-key-<HTTP port>`",
+    "where a generated admin key is written: a new file (mode 0600), refused if the path exists or its "
+    "directory is writable by other users; the supervisor removes it at exit",
+    shown_default="`admin-key` in a new private directory `<tmp>/triton-admin-key-<HTTP port>-<random>`",
 )
 # Triton's own default is 30 s; in 2.51 it also waits that long for idle keep-alive HTTP clients
 # and open gRPC streams to a decoupled model, so a short bound keeps SIGTERM prompt.

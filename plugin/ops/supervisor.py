@@ -41,6 +41,7 @@ from pathlib import Path
 
 from . import settings
 from .probe import ProbeResult, http_request, probe_model
+from .secret_files import remove_secret_file
 from .server_process import (
     ADMIN_HEADER,
     end_process_group,
@@ -462,7 +463,7 @@ class Supervisor:
             return self._run()
         finally:
             if self.config.admin_key_file is not None:
-                self.config.admin_key_file.unlink(missing_ok=True)
+                remove_secret_file(self.config.admin_key_file)
 
     def _run(self) -> int:
         for signum in (signal.SIGTERM, signal.SIGINT):
