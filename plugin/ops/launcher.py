@@ -35,6 +35,7 @@ from .server_process import (
     ADMIN_APIS,
     ADMIN_HEADER,
     GRPC_ADMIN_HEADER,
+    SERVER_UMASK,
     admin_args,
     hardening_args,
     redact,
@@ -140,6 +141,7 @@ def main(argv: list[str] | None = None) -> None:
             hardening_args(extra, ports["http"], admin_key, args.exit_timeout) + extra,
         )
         print("+ " + " ".join(redact(command, admin_key)), flush=True)
+        os.umask(SERVER_UMASK)
         os.execve(command[0], command, server_environment())
     config = SupervisorConfig(
         model_repository=Path(args.model_repository),

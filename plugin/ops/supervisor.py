@@ -44,6 +44,7 @@ from .probe import ProbeResult, http_request, probe_model
 from .secret_files import remove_secret_file
 from .server_process import (
     ADMIN_HEADER,
+    SERVER_UMASK,
     end_process_group,
     hardening_args,
     redact,
@@ -429,7 +430,7 @@ class Supervisor:
         self.watchdog.reset()
         # Its own session: a terminal's Ctrl-C reaches the supervisor only, which forwards it.
         self.child = subprocess.Popen(
-            command, env=server_environment(), start_new_session=True, preexec_fn=_child_setup
+            command, env=server_environment(), start_new_session=True, preexec_fn=_child_setup, umask=SERVER_UMASK
         )
 
     def _clean_up_after(self, child: subprocess.Popen) -> None:
