@@ -32,6 +32,7 @@ import ctypes
 import json
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -356,6 +357,7 @@ class Watchdog:
 
 class _ProbeHandler(BaseHTTPRequestHandler):
     supervisor: Supervisor  # set on the subclass made per server
+    timeout = 10.0  # a client that sends nothing holds a thread this long, not for good
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's name)
         path = self.path.split("?", 1)[0].rstrip("/")
@@ -389,6 +391,18 @@ class _ProbeHandler(BaseHTTPRequestHandler):
         pass
 
 
+class _ProbeServer(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 128  # a burst of connections waits to be accepted (the default 5 drops SYNs)
+
+    def handle_error(self, request, client_address) -> None:
+        """One line for a connection that failed, none for a client that reset or left (the
+        default prints a traceback for each)."""
+        error = sys.exc_info()[1]
+        if not isinstance(error, ConnectionError):
+            log(f"probe port: connection from {client_address[0]} failed: {type(error).__name__}: {error}")
+
+
 class Supervisor:
     """Runs tritonserver as a child until SIGTERM/SIGINT (see the module docstring)."""
 
@@ -416,8 +430,7 @@ class Supervisor:
         if not self.config.probe_port:
             return
         handler = type("ProbeHandler", (_ProbeHandler,), {"supervisor": self})
-        self._probe_server = ThreadingHTTPServer(("0.0.0.0", self.config.probe_port), handler)
-        self._probe_server.daemon_threads = True
+        self._probe_server = _ProbeServer(("0.0.0.0", self.config.probe_port), handler)
         threading.Thread(target=self._probe_server.serve_forever, daemon=True, name="probe-http").start()
         log(
             f"readiness on http://0.0.0.0:{self.config.probe_port}/ready (a real inference per model), "
