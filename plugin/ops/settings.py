@@ -134,6 +134,13 @@ SHM_DEFAULT_BYTES = Setting(
 SHM_GROWTH_BYTES = Setting(
     int, 64 * MIB, "step by which a stub's /dev/shm pool grows: the largest request takes at most 4 steps"
 )
+# tritonserver never unmaps the region of a stub that died once a request reached it; only its exit
+# returns that memory. Eight default-sized regions, or two that grew to the largest request.
+TRITON_SHM_LEAK_LIMIT_BYTES = Setting(
+    int,
+    512 * MIB,
+    "dead stubs' /dev/shm regions tritonserver may keep mapped; beyond it the supervisor drains and restarts it",
+)
 # Room for two largest requests a GPU: one being sampled while the next is handed over.
 CUDA_POOL_BYTES = Setting(
     int,

@@ -13,6 +13,11 @@ What it answers, with Triton 2.51 / Python backend r24.10:
   when a sampler-like model times out twice in a row without finishing any request in between
   (its statistics did not move). A decoupled generator is never reloaded for a timeout: it runs
   one batch at a time, so a long generation legitimately holds the probe past any timeout.
+- A stub that died after a request reached it is never released: tritonserver keeps its /dev/shm
+  region (64 MiB and up) mapped until it exits, even after the reload. The supervisor unlinks
+  such a region at once (`shm_cleanup.DeadStubRegions`) and, when what tritonserver still maps
+  of them exceeds TRITON_SHM_LEAK_LIMIT_BYTES, drains it (/ready 503 for one interval) and
+  restarts it cleanly, without the crash backoff.
 - One HTTP body can kill tritonserver itself (deeply nested JSON, a JSON shape of 2**40). The
   supervisor restarts it with backoff (0.5 s, doubling up to 30 s; back to 0.5 s once a server
   ran a minute) and removes the dead server's /dev/shm stub regions first.
@@ -47,12 +52,13 @@ from .server_process import (
     ADMIN_HEADER,
     SERVER_UMASK,
     end_process_group,
+    group_members,
     hardening_args,
     redact,
     server_command,
     server_environment,
 )
-from .shm_cleanup import remove_unused_regions, server_shm_prefix
+from .shm_cleanup import DeadStubRegions, leaked_regions, remove_unused_regions, server_shm_prefix
 
 RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
 STABLE_RUN_S = 60.0  # a server that ran this long resets the restart backoff
@@ -102,6 +108,8 @@ class SupervisorConfig:
     probe_timeout_s: float = 5.0
     exit_timeout_s: int = settings.TRITON_EXIT_TIMEOUT_S.default
     admin_key_file: Path | None = None  # a generated key's file, removed at exit
+    # dead stubs' regions tritonserver may keep mapped before it is drained and restarted
+    shm_leak_limit_bytes: int = field(default_factory=settings.TRITON_SHM_LEAK_LIMIT_BYTES.value)
 
     @property
     def http_url(self) -> str:
@@ -370,6 +378,7 @@ class _ProbeHandler(BaseHTTPRequestHandler):
                 "ready": ready,
                 "server_running": self.supervisor.server_running(),
                 "restarts": self.supervisor.restarts,
+                "drain_restarts": self.supervisor.drain_restarts,
                 "reloads": self.supervisor.watchdog.reloads_done,
             }
             ready = ready and report["server_running"]
@@ -414,11 +423,15 @@ class Supervisor:
         self.child: subprocess.Popen | None = None
         self.restarts = 0
         self._probe_server: ThreadingHTTPServer | None = None
+        self.draining = False  # a planned restart is under way: /ready answers 503
+        self.drain_restarts = 0
+        self._dead_regions: DeadStubRegions | None = None
+        self._next_region_sweep = 0.0
 
     def server_running(self) -> bool:
         """Whether tritonserver runs and no stop was asked for."""
         child = self.child
-        return child is not None and child.poll() is None and not self.stopping.is_set()
+        return child is not None and child.poll() is None and not self.stopping.is_set() and not self.draining
 
     def _on_signal(self, signum, frame) -> None:
         if self.stop_requested_at is None:
@@ -445,6 +458,40 @@ class Supervisor:
         self.child = subprocess.Popen(
             command, env=server_environment(), start_new_session=True, preexec_fn=_child_setup, umask=SERVER_UMASK
         )
+        self._dead_regions = DeadStubRegions(self.config.shm_prefix)
+
+    def _sweep_dead_regions(self) -> bool:
+        """Every watchdog interval: unlink dead stubs' regions; whether what tritonserver still
+        maps of them is above the bound (it releases them only when it exits)."""
+        now = time.monotonic()
+        if now < self._next_region_sweep:
+            return False
+        self._next_region_sweep = now + self.config.watchdog_interval_s
+        pid = self.child.pid
+        removed = self._dead_regions.sweep(pid, [member for member in group_members(pid) if member != pid])
+        if removed:
+            log(f"removed the /dev/shm region(s) of {len(removed)} dead stub(s): {', '.join(removed)}")
+        count, size = leaked_regions(pid, self.config.shm_prefix)
+        if size <= self.config.shm_leak_limit_bytes:
+            return False
+        log(
+            f"tritonserver still maps {count} dead stub region(s), {size / 2**20:.0f} MiB, above "
+            f"{settings.TRITON_SHM_LEAK_LIMIT_BYTES.name} ({self.config.shm_leak_limit_bytes / 2**20:.0f} MiB): "
+            "draining and restarting it"
+        )
+        return True
+
+    def _drain_and_stop(self) -> None:
+        """A planned restart: /ready answers 503 for one watchdog interval, so load balancers stop
+        sending, then tritonserver stops cleanly (in-flight requests finish within its exit timeout)."""
+        self.draining = True
+        self.stopping.wait(self.config.watchdog_interval_s)
+        if self.stopping.is_set():
+            return  # a stop request: the supervisor's own stop follows
+        self._stop_child()
+        self.draining = False
+        self.drain_restarts += 1
+        log(f"restarting tritonserver (planned restart #{self.drain_restarts}, to release dead stubs' regions)")
 
     def _clean_up_after(self, child: subprocess.Popen) -> None:
         end_process_group(child.pid)  # stubs a dead or timed-out server left running
@@ -502,8 +549,13 @@ class Supervisor:
             while not self.stopping.is_set():
                 started = time.monotonic()
                 self._start_child()  # in the main thread: the parent-death signal follows this thread
-                while not self.stopping.is_set() and self.child.poll() is None:
+                leaking = False
+                while not self.stopping.is_set() and self.child.poll() is None and not leaking:
                     self.stopping.wait(0.2)
+                    leaking = self._sweep_dead_regions()
+                if leaking:
+                    self._drain_and_stop()
+                    continue
                 if self.stopping.is_set():
                     break
                 ran = time.monotonic() - started
