@@ -22,8 +22,12 @@ What it answers, with Triton 2.51 / Python backend r24.10:
   supervisor restarts it with backoff (0.5 s, doubling up to 30 s; back to 0.5 s once a server
   ran a minute) and removes the dead server's /dev/shm stub regions first.
 - Readiness: `GET :probe_port/ready` is 200 only while the last watchdog round, at most a few
-  intervals old, got a correct answer from every model; `/live` is 200 while the supervisor
-  runs; `/status` is the last round as JSON.
+  intervals old, got a correct answer from every model, and no model of the round under way has
+  left its probe unanswered for an interval without finishing any request (a stopped stub:
+  503 one interval into the round, not at the probe's timeout); `/live` is 200 while the
+  supervisor runs; `/status` is the last round as JSON.
+- tritonserver and its stubs run with umask 077 (their /dev/shm regions are 0600) and without
+  TRITON_ADMIN_KEY in their environment.
 - SIGTERM/SIGINT: the watchdog stops, tritonserver gets SIGTERM (its --exit-timeout-secs bounds
   the wait for in-flight requests, idle keep-alive clients and open decoupled streams), then
   SIGKILL for its whole process group at `exit_timeout_s + 3` s; the stub regions no live
@@ -41,7 +45,8 @@ import sys
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass, field, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -169,6 +174,7 @@ class Watchdog:
         self._reload_failures: Counter = Counter()
         self._next_reload: dict[str, float] = {}
         self._generation = 0  # which tritonserver process the state belongs to
+        self._stalled: dict[str, dict] = {}  # models of the round under way that stopped answering
 
     @property
     def max_age_s(self) -> float:
@@ -185,15 +191,20 @@ class Watchdog:
             self._progress_seen.clear()
             self._next_reload.clear()
             self._reload_failures.clear()
+            self._stalled.clear()
             self.last = None
 
     def ready(self) -> tuple[bool, dict]:
-        """(whether the last round passed and is fresh, its report)."""
+        """(whether the last round passed, is fresh and no model of the round under way stopped
+        answering, its report)."""
         with self.lock:
-            last = self.last
+            last, stalled = self.last, dict(self._stalled)
         if last is None:
             return False, {"passed": False, "note": "no watchdog round yet (tritonserver starting)", "models": {}}
         report = last.as_json(self.max_age_s)
+        if stalled:
+            report.update(passed=False, note=f"stopped answering: {', '.join(sorted(stalled))}")
+            report["models"] = {**report["models"], **stalled}
         return report["passed"] and report["fresh"], report
 
     def _url(self, path: str) -> str:
@@ -210,6 +221,7 @@ class Watchdog:
     def run_round(self) -> RoundReport:
         """Probe every expected model once; start reloads where a stub is dead or hung."""
         generation = self._generation
+        started = time.monotonic()
         try:
             index = self._index()
         except (ConnectionError, TimeoutError, ValueError) as error:
@@ -225,6 +237,7 @@ class Watchdog:
                     self._expected.discard(name)  # an admin unloaded it: not ours to bring back
             expected = sorted(self._expected)
         results: dict[str, dict] = {}
+        ready_models = []
         for name in expected:
             if name not in states:  # gone from the repository
                 with self.lock:
@@ -238,11 +251,58 @@ class Watchdog:
                 if state == "UNAVAILABLE":  # a failed (re)load: try again, with backoff
                     self._start_reload(name, f"it is unavailable ({reason})", generation)
             else:
-                probe = probe_model(self.config.http_url, name, self.config.probe_timeout_s, self._config_of(name))
-                results[name] = self._judge(name, probe, generation)
+                ready_models.append(name)
+        for name, probe in self._probe_all(ready_models, started, generation).items():
+            results[name] = self._judge(name, probe, generation)
         report = RoundReport(time.monotonic(), results, "" if expected else "no model loaded")
         self._publish(report, generation)
         return report
+
+    def _probe_all(self, names: list[str], round_started: float, generation: int) -> dict[str, ProbeResult]:
+        """Probe the models at once, so a hung one delays no other. A model that finished no request
+        since the round began is stuck, not busy: one interval into the round, its unanswered probe
+        makes /ready 503 at once (before the probe times out), and a probe its queue policy shed
+        counts as unanswered (a hung stub's queue sheds every request)."""
+        if not names:
+            return {}
+        before = {name: self._progress(name) for name in names}
+        interval = self.config.watchdog_interval_s
+
+        def stuck(name: str) -> bool:
+            progress = self._progress(name, interval)
+            return progress is None or progress == before[name]
+
+        with ThreadPoolExecutor(max_workers=len(names), thread_name_prefix="probe") as pool:
+            futures = {
+                name: pool.submit(
+                    probe_model, self.config.http_url, name, self.config.probe_timeout_s, self._config_of(name)
+                )
+                for name in names
+            }
+            _, pending = wait(futures.values(), timeout=max(0.0, round_started + interval - time.monotonic()))
+            detail = f"no answer within {interval:g} s and no request finished meanwhile"
+            stalled = {
+                name: {"ok": False, "detail": detail} for name, f in futures.items() if f in pending and stuck(name)
+            }
+            if stalled:
+                with self.lock:
+                    if generation == self._generation:
+                        self._stalled = stalled
+                log(f"watchdog: not ready: {', '.join(stalled)}: {detail}")
+        probes = {name: future.result() for name, future in futures.items()}
+        shed = [name for name, probe in probes.items() if probe.shed]
+        if shed:  # a full queue sheds at once: judge over an interval, in which a busy model finishes something
+            time.sleep(max(0.0, round_started + interval - time.monotonic()))
+        for name in shed:
+            if stuck(name):
+                probes[name] = replace(
+                    probes[name],
+                    ok=False,
+                    shed=False,
+                    timed_out=True,
+                    detail=f"{probes[name].detail}; no request finished meanwhile",
+                )
+        return probes
 
     def _config_of(self, name: str) -> dict | None:
         if name not in self._configs:
@@ -256,20 +316,22 @@ class Watchdog:
                 pass
         return self._configs.get(name)
 
-    def _progress(self, name: str) -> tuple | None:
-        """(requests finished, executions) of a model from its statistics, None if unreadable."""
+    def _progress(self, name: str, timeout_s: float | None = None) -> tuple | None:
+        """(requests inferred, executions) of a model from its statistics, None if unreadable. Not
+        failures: a hung model's queue still rejects requests (a request that fails inside an
+        execution moves the executions)."""
         try:
             status, body = http_request(
-                "GET", self._url(f"/v2/models/{name}/stats"), timeout_s=self.config.probe_timeout_s
+                "GET", self._url(f"/v2/models/{name}/stats"), timeout_s=timeout_s or self.config.probe_timeout_s
             )
             if status != 200:
                 return None
             stats = json.loads(body).get("model_stats", [])
             return (
-                sum(int(s.get("inference_count", 0)) + int(s["inference_stats"]["fail"]["count"]) for s in stats),
+                sum(int(s.get("inference_count", 0)) for s in stats),
                 sum(int(s.get("execution_count", 0)) for s in stats),
             )
-        except (ConnectionError, TimeoutError, ValueError, KeyError, TypeError):
+        except (ConnectionError, TimeoutError, ValueError, TypeError):
             return None
 
     def _judge(self, name: str, probe: ProbeResult, generation: int) -> dict:
@@ -294,8 +356,9 @@ class Watchdog:
         with self.lock:
             if generation != self._generation:
                 return  # the server this round talked to is gone
-            was_ready = self.last is not None and self.last.passed
+            was_ready = self.last is not None and self.last.passed and not self._stalled
             self.last = report
+            self._stalled = {}
         if report.passed and not was_ready:
             log(f"watchdog: every model answers ({', '.join(sorted(report.results))}): ready")
         elif was_ready and not report.passed:
