@@ -507,7 +507,10 @@ class Supervisor:
             return
         handler = type("ProbeHandler", (_ProbeHandler,), {"supervisor": self})
         self._probe_server = _ProbeServer(("0.0.0.0", self.config.probe_port), handler)
-        threading.Thread(target=self._probe_server.serve_forever, daemon=True, name="probe-http").start()
+        # A short poll: shutdown() waits up to one for the serving loop, at every stop.
+        threading.Thread(
+            target=self._probe_server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True, name="probe-http"
+        ).start()
         log(
             f"readiness on http://0.0.0.0:{self.config.probe_port}/ready (a real inference per model), "
             f"liveness on /live"
@@ -615,7 +618,7 @@ class Supervisor:
                 leaking = False
                 while not self.stopping.is_set() and self.child.poll() is None and not leaking:
                     self.stopping.wait(0.2)
-                    leaking = self._sweep_dead_regions()
+                    leaking = not self.stopping.is_set() and self._sweep_dead_regions()
                 if leaking:
                     self._drain_and_stop()
                     continue
