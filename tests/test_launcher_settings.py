@@ -99,3 +99,9 @@ def test_a_newer_server_holds_the_largest_request_and_allows_client_shm(tmp_path
 
 def test_a_server_that_lists_only_old_flags_gets_none(tmp_path):
     assert server_process.compatibility_args(fake_server(tmp_path, "--grpc-port")) == []
+
+
+def test_the_admin_key_stays_out_of_the_servers_and_stubs_environment(monkeypatch):
+    monkeypatch.setenv("TRITON_ADMIN_KEY", "secret-key")
+    env = server_process.server_environment()
+    assert "TRITON_ADMIN_KEY" not in env and "secret-key" not in env.values()

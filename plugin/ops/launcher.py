@@ -27,14 +27,15 @@ import argparse
 import os
 import secrets
 import sys
-import tempfile
 from pathlib import Path
 
 from . import settings
+from .secret_files import check_chosen_path, private_directory, write_secret_file
 from .server_process import (
     ADMIN_APIS,
     ADMIN_HEADER,
     GRPC_ADMIN_HEADER,
+    SERVER_UMASK,
     admin_args,
     hardening_args,
     redact,
@@ -46,18 +47,24 @@ from .supervisor import Supervisor, SupervisorConfig
 
 def resolve_admin_key(http_port: int) -> tuple[str, str, Path | None]:
     """(key, where it comes from, the file it was written to): TRITON_ADMIN_KEY, else a fresh
-    random key written, readable by this user only, to TRITON_ADMIN_KEY_FILE (default
-    <tmp>/triton-admin-key-<http port>). The key itself is never printed."""
+    random key written, readable by this user only, to a file created for it (`secret_files`):
+    TRITON_ADMIN_KEY_FILE, or `admin-key` in a new private directory. The key is never printed."""
     key = settings.TRITON_ADMIN_KEY.value()
     if key:
         admin_args(key)  # refuse a key the flags cannot carry, before anything starts
         return key, "from TRITON_ADMIN_KEY", None
-    path = Path(settings.TRITON_ADMIN_KEY_FILE.value() or Path(tempfile.gettempdir()) / f"triton-admin-key-{http_port}")
+    chosen = settings.TRITON_ADMIN_KEY_FILE.value()
     key = secrets.token_urlsafe(32)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "w") as handle:
-        os.fchmod(handle.fileno(), 0o600)
-        handle.write(key + "\n")
+    try:
+        if chosen:
+            path = Path(chosen)
+            check_chosen_path(path)
+        else:
+            path = private_directory(f"admin-key-{http_port}") / "admin-key"
+        write_secret_file(path, key + "\n")
+    except (ValueError, OSError) as error:
+        where = f"TRITON_ADMIN_KEY_FILE={chosen}" if chosen else "the admin key file"
+        raise SystemExit(f"[launcher] {where}: {error}") from None
     return key, f"generated and written to {path} (mode 0600; set TRITON_ADMIN_KEY to choose it)", path
 
 
@@ -134,6 +141,7 @@ def main(argv: list[str] | None = None) -> None:
             hardening_args(extra, ports["http"], admin_key, args.exit_timeout) + extra,
         )
         print("+ " + " ".join(redact(command, admin_key)), flush=True)
+        os.umask(SERVER_UMASK)
         os.execve(command[0], command, server_environment())
     config = SupervisorConfig(
         model_repository=Path(args.model_repository),

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from . import settings
 from .allocator import with_allocator
+from .private_shm import with_private_shm
 from .shm_cleanup import remove_unused_regions, server_shm_prefix
 
 PORT_NAMES = ("http", "grpc", "metrics")
@@ -35,6 +36,9 @@ PORT_NAMES = ("http", "grpc", "metrics")
 ADMIN_APIS = ("shared-memory", "model-repository")
 ADMIN_HEADER = "triton-admin-key"
 GRPC_ADMIN_HEADER = "triton-grpc-protocol-" + ADMIN_HEADER
+# tritonserver and its stubs create files for this user only (their /dev/shm regions need more:
+# the Python backend sets their mode explicitly, see ops.private_shm).
+SERVER_UMASK = 0o077
 
 
 def pytriton_root() -> Path:
@@ -95,7 +99,9 @@ def server_environment() -> dict[str, str]:
     # A short OpenMP spin in the stubs (settings.GOMP_SPINCOUNT); a user's wait policy or spin wins.
     if "OMP_WAIT_POLICY" not in env:
         env["GOMP_SPINCOUNT"] = settings.GOMP_SPINCOUNT.value(env)
-    return with_allocator(env)  # jemalloc where installed: glibc's malloc fragments under load
+    env.pop(settings.TRITON_ADMIN_KEY.name, None)  # a secret neither tritonserver nor a stub reads
+    env = with_allocator(env)  # jemalloc where installed: glibc's malloc fragments under load
+    return with_private_shm(env)  # the stubs' /dev/shm regions 0600
 
 
 # Half the cores for Triton's HTTP threads, within these bounds (why: settings.TRITON_HTTP_THREAD_COUNT).
@@ -294,7 +300,12 @@ class TritonServer(LoopbackUrls):
         """Start the server and wait until every model is ready; raises with the log tail if not."""
         self._log = open(self.log_path, "w")  # noqa: SIM115 (open while the server runs)
         self.process = subprocess.Popen(
-            self.command(), stdout=self._log, stderr=subprocess.STDOUT, env=server_environment(), start_new_session=True
+            self.command(),
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=server_environment(),
+            start_new_session=True,
+            umask=SERVER_UMASK,
         )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

@@ -88,8 +88,9 @@ TRITON_ADMIN_KEY = Setting(
 TRITON_ADMIN_KEY_FILE = Setting(
     str,
     None,
-    "where a generated admin key is written (mode 0600; the supervisor removes it at exit)",
-    shown_default="`<tmp>/triton-admin-key-<HTTP port>`",
+    "where a generated admin key is written: a new file (mode 0600), refused if the path exists or its "
+    "directory is writable by other users; the supervisor removes it at exit",
+    shown_default="`admin-key` in a new private directory `<tmp>/triton-admin-key-<HTTP port>-<random>`",
 )
 # Triton's own default is 30 s; in 2.51 it also waits that long for idle keep-alive HTTP clients
 # and open gRPC streams to a decoupled model, so a short bound keeps SIGTERM prompt.
@@ -132,6 +133,13 @@ SHM_DEFAULT_BYTES = Setting(
 )
 SHM_GROWTH_BYTES = Setting(
     int, 64 * MIB, "step by which a stub's /dev/shm pool grows: the largest request takes at most 4 steps"
+)
+# tritonserver never unmaps the region of a stub that died once a request reached it; only its exit
+# returns that memory. Eight default-sized regions, or two that grew to the largest request.
+TRITON_SHM_LEAK_LIMIT_BYTES = Setting(
+    int,
+    512 * MIB,
+    "dead stubs' /dev/shm regions tritonserver may keep mapped; beyond it the supervisor drains and restarts it",
 )
 # Room for two largest requests a GPU: one being sampled while the next is handed over.
 CUDA_POOL_BYTES = Setting(

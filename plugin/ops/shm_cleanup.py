@@ -8,6 +8,13 @@ removes the regions with that prefix that no live process maps or holds open; a 
 process still uses is never touched, so another server's regions are safe even under a shared
 prefix.
 
+A stub that dies while its server lives on is a second case: Triton 2.51 never releases the dead
+instance once a request has reached it, so tritonserver keeps the region mapped (and its memory
+held) until it exits, even after the model is reloaded; a stub that hung or stopped and was
+replaced by a reload lingers the same way. `DeadStubRegions` unlinks such a region as soon as no
+current stub names it, and `leaked_regions` measures what tritonserver still maps of unlinked
+regions, for the supervisor to restart it past a bound.
+
     python -m triton_sampling_mask.ops.shm_cleanup PREFIX [--dry-run]
 """
 
@@ -15,11 +22,15 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 SHM_DIR = Path("/dev/shm")
 # The Python backend's own default prefix (--backend-config=python,shm-region-prefix-name=...).
 DEFAULT_STUB_PREFIX = "triton_python_backend_shm_region_"
+# The Python backend's stub binary; it is started as `STUB_BINARY <model.py> <region name> ...`.
+STUB_BINARY = "triton_python_backend_stub"
 
 
 def server_shm_prefix(http_port: int) -> str:
@@ -78,6 +89,112 @@ def remove_unused_regions(prefix: str, shm_dir: Path = SHM_DIR) -> list[str]:
         except FileNotFoundError:  # its server unlinked it meanwhile
             pass
     return removed
+
+
+@dataclass
+class Stub:
+    """A live Python-backend stub process: the region it was started with, the model instance it
+    serves (e.g. `sampler_0_0`) and when it started (clock ticks since boot)."""
+
+    pid: int
+    region: str
+    instance: str
+    started: int
+
+
+def stub_process(pid: int) -> Stub | None:
+    """The stub `pid` is (from /proc: it is started as `STUB_BINARY <model.py> <region> <default
+    size> <growth size> <parent pid> <library dir> <ipc handle> <instance> ...`), or None when
+    `pid` is not a live stub."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        started = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+    if len(argv) < 3 or os.path.basename(argv[0]) != STUB_BINARY.encode():
+        return None
+    instance = argv[8] if len(argv) > 8 else str(pid).encode()
+    return Stub(pid, argv[2].decode(errors="replace"), instance.decode(errors="replace"), started)
+
+
+def current_stubs(stub_pids: Iterable[int]) -> list[Stub]:
+    """The live stubs among `stub_pids` that serve their instance now: of two stubs of one
+    instance (a reload replaced one that hung or stopped; Triton never ends it), the newer."""
+    newest: dict[str, Stub] = {}
+    for stub in filter(None, map(stub_process, stub_pids)):
+        if stub.instance not in newest or stub.started > newest[stub.instance].started:
+            newest[stub.instance] = stub
+    return list(newest.values())
+
+
+@dataclass
+class MappedRegion:
+    """A stub region as one process maps it: a region that grew is mapped once per size, so its
+    largest mapping is its size; `deleted`: its file was unlinked while the process maps it."""
+
+    name: str
+    size: int
+    deleted: bool
+
+
+def mapped_regions(pid: int, prefix: str, shm_dir: Path = SHM_DIR) -> dict[int, MappedRegion]:
+    """The regions named `prefix*` that process `pid` maps, by inode (from /proc/<pid>/maps)."""
+    base = str(shm_dir).rstrip("/") + "/" + prefix
+    regions: dict[int, MappedRegion] = {}
+    try:
+        with open(f"/proc/{pid}/maps", errors="replace") as maps:
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                if len(fields) < 6 or not fields[5].startswith(base):
+                    continue
+                start, end = (int(bound, 16) for bound in fields[0].split("-"))
+                path = fields[5].rstrip("\n")
+                deleted = path.endswith(" (deleted)")
+                name = path.removesuffix(" (deleted)").rsplit("/", 1)[1]
+                inode = int(fields[4])
+                size = max(end - start, regions[inode].size if inode in regions else 0)
+                regions[inode] = MappedRegion(name, size, deleted)
+    except OSError:  # the process is gone
+        pass
+    return regions
+
+
+def leaked_regions(server_pid: int, prefix: str, shm_dir: Path = SHM_DIR) -> tuple[int, int]:
+    """(count, bytes) of the unlinked regions tritonserver `server_pid` still maps: dead stubs'
+    regions, whose memory only its exit returns."""
+    leaked = [region for region in mapped_regions(server_pid, prefix, shm_dir).values() if region.deleted]
+    return len(leaked), sum(region.size for region in leaked)
+
+
+class DeadStubRegions:
+    """Unlinks the regions of stubs that died, or that a reload replaced, under a live tritonserver.
+
+    A region tritonserver maps that no current stub of it names (`current_stubs`) is a dead or
+    replaced stub's, unless it is being created for a stub about to start: so only a region seen
+    orphaned by two calls of `sweep` in a row (a watchdog interval apart) is unlinked. The
+    mappings stay (a replaced stub still works on them); the name is freed and `leaked_regions`
+    counts the region. One instance per tritonserver process."""
+
+    def __init__(self, prefix: str, shm_dir: Path = SHM_DIR):
+        if not prefix:
+            raise ValueError("a prefix is required: never sweep every region")
+        self.prefix = prefix
+        self.shm_dir = shm_dir
+        self._suspects: set[str] = set()
+
+    def sweep(self, server_pid: int, stub_pids: Iterable[int]) -> list[str]:
+        """Unlink the regions orphaned now and at the previous sweep; returns their names."""
+        named = {stub.region for stub in current_stubs(stub_pids)}
+        orphans = {
+            region.name
+            for region in mapped_regions(server_pid, self.prefix, self.shm_dir).values()
+            if not region.deleted and region.name not in named
+        }
+        dead = sorted(orphans & self._suspects)
+        self._suspects = orphans - set(dead)
+        for name in dead:
+            (self.shm_dir / name).unlink(missing_ok=True)
+        return dead
 
 
 def main(argv: list[str] | None = None) -> int:

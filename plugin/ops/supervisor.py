@@ -13,12 +13,21 @@ What it answers, with Triton 2.51 / Python backend r24.10:
   when a sampler-like model times out twice in a row without finishing any request in between
   (its statistics did not move). A decoupled generator is never reloaded for a timeout: it runs
   one batch at a time, so a long generation legitimately holds the probe past any timeout.
+- A stub that died after a request reached it is never released: tritonserver keeps its /dev/shm
+  region (64 MiB and up) mapped until it exits, even after the reload. The supervisor unlinks
+  such a region at once (`shm_cleanup.DeadStubRegions`) and, when what tritonserver still maps
+  of them exceeds TRITON_SHM_LEAK_LIMIT_BYTES, drains it (/ready 503 for one interval) and
+  restarts it cleanly, without the crash backoff.
 - One HTTP body can kill tritonserver itself (deeply nested JSON, a JSON shape of 2**40). The
   supervisor restarts it with backoff (0.5 s, doubling up to 30 s; back to 0.5 s once a server
   ran a minute) and removes the dead server's /dev/shm stub regions first.
 - Readiness: `GET :probe_port/ready` is 200 only while the last watchdog round, at most a few
-  intervals old, got a correct answer from every model; `/live` is 200 while the supervisor
-  runs; `/status` is the last round as JSON.
+  intervals old, got a correct answer from every model, and no model of the round under way has
+  left its probe unanswered for an interval without finishing any request (a stopped stub:
+  503 one interval into the round, not at the probe's timeout); `/live` is 200 while the
+  supervisor runs; `/status` is the last round as JSON.
+- tritonserver and its stubs run with umask 077 (their /dev/shm regions are 0600) and without
+  TRITON_ADMIN_KEY in their environment.
 - SIGTERM/SIGINT: the watchdog stops, tritonserver gets SIGTERM (its --exit-timeout-secs bounds
   the wait for in-flight requests, idle keep-alive clients and open decoupled streams), then
   SIGKILL for its whole process group at `exit_timeout_s + 3` s; the stub regions no live
@@ -32,24 +41,29 @@ import ctypes
 import json
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass, field, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from . import settings
 from .probe import ProbeResult, http_request, probe_model
+from .secret_files import remove_secret_file
 from .server_process import (
     ADMIN_HEADER,
+    SERVER_UMASK,
     end_process_group,
+    group_members,
     hardening_args,
     redact,
     server_command,
     server_environment,
 )
-from .shm_cleanup import remove_unused_regions, server_shm_prefix
+from .shm_cleanup import DeadStubRegions, leaked_regions, remove_unused_regions, server_shm_prefix
 
 RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
 STABLE_RUN_S = 60.0  # a server that ran this long resets the restart backoff
@@ -99,6 +113,8 @@ class SupervisorConfig:
     probe_timeout_s: float = 5.0
     exit_timeout_s: int = settings.TRITON_EXIT_TIMEOUT_S.default
     admin_key_file: Path | None = None  # a generated key's file, removed at exit
+    # dead stubs' regions tritonserver may keep mapped before it is drained and restarted
+    shm_leak_limit_bytes: int = field(default_factory=settings.TRITON_SHM_LEAK_LIMIT_BYTES.value)
 
     @property
     def http_url(self) -> str:
@@ -158,6 +174,7 @@ class Watchdog:
         self._reload_failures: Counter = Counter()
         self._next_reload: dict[str, float] = {}
         self._generation = 0  # which tritonserver process the state belongs to
+        self._stalled: dict[str, dict] = {}  # models of the round under way that stopped answering
 
     @property
     def max_age_s(self) -> float:
@@ -174,15 +191,20 @@ class Watchdog:
             self._progress_seen.clear()
             self._next_reload.clear()
             self._reload_failures.clear()
+            self._stalled.clear()
             self.last = None
 
     def ready(self) -> tuple[bool, dict]:
-        """(whether the last round passed and is fresh, its report)."""
+        """(whether the last round passed, is fresh and no model of the round under way stopped
+        answering, its report)."""
         with self.lock:
-            last = self.last
+            last, stalled = self.last, dict(self._stalled)
         if last is None:
             return False, {"passed": False, "note": "no watchdog round yet (tritonserver starting)", "models": {}}
         report = last.as_json(self.max_age_s)
+        if stalled:
+            report.update(passed=False, note=f"stopped answering: {', '.join(sorted(stalled))}")
+            report["models"] = {**report["models"], **stalled}
         return report["passed"] and report["fresh"], report
 
     def _url(self, path: str) -> str:
@@ -199,6 +221,7 @@ class Watchdog:
     def run_round(self) -> RoundReport:
         """Probe every expected model once; start reloads where a stub is dead or hung."""
         generation = self._generation
+        started = time.monotonic()
         try:
             index = self._index()
         except (ConnectionError, TimeoutError, ValueError) as error:
@@ -214,6 +237,7 @@ class Watchdog:
                     self._expected.discard(name)  # an admin unloaded it: not ours to bring back
             expected = sorted(self._expected)
         results: dict[str, dict] = {}
+        ready_models = []
         for name in expected:
             if name not in states:  # gone from the repository
                 with self.lock:
@@ -227,11 +251,58 @@ class Watchdog:
                 if state == "UNAVAILABLE":  # a failed (re)load: try again, with backoff
                     self._start_reload(name, f"it is unavailable ({reason})", generation)
             else:
-                probe = probe_model(self.config.http_url, name, self.config.probe_timeout_s, self._config_of(name))
-                results[name] = self._judge(name, probe, generation)
+                ready_models.append(name)
+        for name, probe in self._probe_all(ready_models, started, generation).items():
+            results[name] = self._judge(name, probe, generation)
         report = RoundReport(time.monotonic(), results, "" if expected else "no model loaded")
         self._publish(report, generation)
         return report
+
+    def _probe_all(self, names: list[str], round_started: float, generation: int) -> dict[str, ProbeResult]:
+        """Probe the models at once, so a hung one delays no other. A model that finished no request
+        since the round began is stuck, not busy: one interval into the round, its unanswered probe
+        makes /ready 503 at once (before the probe times out), and a probe its queue policy shed
+        counts as unanswered (a hung stub's queue sheds every request)."""
+        if not names:
+            return {}
+        before = {name: self._progress(name) for name in names}
+        interval = self.config.watchdog_interval_s
+
+        def stuck(name: str) -> bool:
+            progress = self._progress(name, interval)
+            return progress is None or progress == before[name]
+
+        with ThreadPoolExecutor(max_workers=len(names), thread_name_prefix="probe") as pool:
+            futures = {
+                name: pool.submit(
+                    probe_model, self.config.http_url, name, self.config.probe_timeout_s, self._config_of(name)
+                )
+                for name in names
+            }
+            _, pending = wait(futures.values(), timeout=max(0.0, round_started + interval - time.monotonic()))
+            detail = f"no answer within {interval:g} s and no request finished meanwhile"
+            stalled = {
+                name: {"ok": False, "detail": detail} for name, f in futures.items() if f in pending and stuck(name)
+            }
+            if stalled:
+                with self.lock:
+                    if generation == self._generation:
+                        self._stalled = stalled
+                log(f"watchdog: not ready: {', '.join(stalled)}: {detail}")
+        probes = {name: future.result() for name, future in futures.items()}
+        shed = [name for name, probe in probes.items() if probe.shed]
+        if shed:  # a full queue sheds at once: judge over an interval, in which a busy model finishes something
+            time.sleep(max(0.0, round_started + interval - time.monotonic()))
+        for name in shed:
+            if stuck(name):
+                probes[name] = replace(
+                    probes[name],
+                    ok=False,
+                    shed=False,
+                    timed_out=True,
+                    detail=f"{probes[name].detail}; no request finished meanwhile",
+                )
+        return probes
 
     def _config_of(self, name: str) -> dict | None:
         if name not in self._configs:
@@ -245,20 +316,22 @@ class Watchdog:
                 pass
         return self._configs.get(name)
 
-    def _progress(self, name: str) -> tuple | None:
-        """(requests finished, executions) of a model from its statistics, None if unreadable."""
+    def _progress(self, name: str, timeout_s: float | None = None) -> tuple | None:
+        """(requests inferred, executions) of a model from its statistics, None if unreadable. Not
+        failures: a hung model's queue still rejects requests (a request that fails inside an
+        execution moves the executions)."""
         try:
             status, body = http_request(
-                "GET", self._url(f"/v2/models/{name}/stats"), timeout_s=self.config.probe_timeout_s
+                "GET", self._url(f"/v2/models/{name}/stats"), timeout_s=timeout_s or self.config.probe_timeout_s
             )
             if status != 200:
                 return None
             stats = json.loads(body).get("model_stats", [])
             return (
-                sum(int(s.get("inference_count", 0)) + int(s["inference_stats"]["fail"]["count"]) for s in stats),
+                sum(int(s.get("inference_count", 0)) for s in stats),
                 sum(int(s.get("execution_count", 0)) for s in stats),
             )
-        except (ConnectionError, TimeoutError, ValueError, KeyError, TypeError):
+        except (ConnectionError, TimeoutError, ValueError, TypeError):
             return None
 
     def _judge(self, name: str, probe: ProbeResult, generation: int) -> dict:
@@ -283,8 +356,9 @@ class Watchdog:
         with self.lock:
             if generation != self._generation:
                 return  # the server this round talked to is gone
-            was_ready = self.last is not None and self.last.passed
+            was_ready = self.last is not None and self.last.passed and not self._stalled
             self.last = report
+            self._stalled = {}
         if report.passed and not was_ready:
             log(f"watchdog: every model answers ({', '.join(sorted(report.results))}): ready")
         elif was_ready and not report.passed:
@@ -354,6 +428,7 @@ class Watchdog:
 
 class _ProbeHandler(BaseHTTPRequestHandler):
     supervisor: Supervisor  # set on the subclass made per server
+    timeout = 10.0  # a client that sends nothing holds a thread this long, not for good
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's name)
         path = self.path.split("?", 1)[0].rstrip("/")
@@ -366,6 +441,7 @@ class _ProbeHandler(BaseHTTPRequestHandler):
                 "ready": ready,
                 "server_running": self.supervisor.server_running(),
                 "restarts": self.supervisor.restarts,
+                "drain_restarts": self.supervisor.drain_restarts,
                 "reloads": self.supervisor.watchdog.reloads_done,
             }
             ready = ready and report["server_running"]
@@ -387,6 +463,18 @@ class _ProbeHandler(BaseHTTPRequestHandler):
         pass
 
 
+class _ProbeServer(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 128  # a burst of connections waits to be accepted (the default 5 drops SYNs)
+
+    def handle_error(self, request, client_address) -> None:
+        """One line for a connection that failed, none for a client that reset or left (the
+        default prints a traceback for each)."""
+        error = sys.exc_info()[1]
+        if not isinstance(error, ConnectionError):
+            log(f"probe port: connection from {client_address[0]} failed: {type(error).__name__}: {error}")
+
+
 class Supervisor:
     """Runs tritonserver as a child until SIGTERM/SIGINT (see the module docstring)."""
 
@@ -398,11 +486,15 @@ class Supervisor:
         self.child: subprocess.Popen | None = None
         self.restarts = 0
         self._probe_server: ThreadingHTTPServer | None = None
+        self.draining = False  # a planned restart is under way: /ready answers 503
+        self.drain_restarts = 0
+        self._dead_regions: DeadStubRegions | None = None
+        self._next_region_sweep = 0.0
 
     def server_running(self) -> bool:
         """Whether tritonserver runs and no stop was asked for."""
         child = self.child
-        return child is not None and child.poll() is None and not self.stopping.is_set()
+        return child is not None and child.poll() is None and not self.stopping.is_set() and not self.draining
 
     def _on_signal(self, signum, frame) -> None:
         if self.stop_requested_at is None:
@@ -414,9 +506,11 @@ class Supervisor:
         if not self.config.probe_port:
             return
         handler = type("ProbeHandler", (_ProbeHandler,), {"supervisor": self})
-        self._probe_server = ThreadingHTTPServer(("0.0.0.0", self.config.probe_port), handler)
-        self._probe_server.daemon_threads = True
-        threading.Thread(target=self._probe_server.serve_forever, daemon=True, name="probe-http").start()
+        self._probe_server = _ProbeServer(("0.0.0.0", self.config.probe_port), handler)
+        # A short poll: shutdown() waits up to one for the serving loop, at every stop.
+        threading.Thread(
+            target=self._probe_server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True, name="probe-http"
+        ).start()
         log(
             f"readiness on http://0.0.0.0:{self.config.probe_port}/ready (a real inference per model), "
             f"liveness on /live"
@@ -428,8 +522,42 @@ class Supervisor:
         self.watchdog.reset()
         # Its own session: a terminal's Ctrl-C reaches the supervisor only, which forwards it.
         self.child = subprocess.Popen(
-            command, env=server_environment(), start_new_session=True, preexec_fn=_child_setup
+            command, env=server_environment(), start_new_session=True, preexec_fn=_child_setup, umask=SERVER_UMASK
         )
+        self._dead_regions = DeadStubRegions(self.config.shm_prefix)
+
+    def _sweep_dead_regions(self) -> bool:
+        """Every watchdog interval: unlink dead stubs' regions; whether what tritonserver still
+        maps of them is above the bound (it releases them only when it exits)."""
+        now = time.monotonic()
+        if now < self._next_region_sweep:
+            return False
+        self._next_region_sweep = now + self.config.watchdog_interval_s
+        pid = self.child.pid
+        removed = self._dead_regions.sweep(pid, [member for member in group_members(pid) if member != pid])
+        if removed:
+            log(f"removed the /dev/shm region(s) of {len(removed)} dead stub(s): {', '.join(removed)}")
+        count, size = leaked_regions(pid, self.config.shm_prefix)
+        if size <= self.config.shm_leak_limit_bytes:
+            return False
+        log(
+            f"tritonserver still maps {count} dead stub region(s), {size / 2**20:.0f} MiB, above "
+            f"{settings.TRITON_SHM_LEAK_LIMIT_BYTES.name} ({self.config.shm_leak_limit_bytes / 2**20:.0f} MiB): "
+            "draining and restarting it"
+        )
+        return True
+
+    def _drain_and_stop(self) -> None:
+        """A planned restart: /ready answers 503 for one watchdog interval, so load balancers stop
+        sending, then tritonserver stops cleanly (in-flight requests finish within its exit timeout)."""
+        self.draining = True
+        self.stopping.wait(self.config.watchdog_interval_s)
+        if self.stopping.is_set():
+            return  # a stop request: the supervisor's own stop follows
+        self._stop_child()
+        self.draining = False
+        self.drain_restarts += 1
+        log(f"restarting tritonserver (planned restart #{self.drain_restarts}, to release dead stubs' regions)")
 
     def _clean_up_after(self, child: subprocess.Popen) -> None:
         end_process_group(child.pid)  # stubs a dead or timed-out server left running
@@ -462,7 +590,7 @@ class Supervisor:
             return self._run()
         finally:
             if self.config.admin_key_file is not None:
-                self.config.admin_key_file.unlink(missing_ok=True)
+                remove_secret_file(self.config.admin_key_file)
 
     def _run(self) -> int:
         for signum in (signal.SIGTERM, signal.SIGINT):
@@ -487,8 +615,13 @@ class Supervisor:
             while not self.stopping.is_set():
                 started = time.monotonic()
                 self._start_child()  # in the main thread: the parent-death signal follows this thread
-                while not self.stopping.is_set() and self.child.poll() is None:
+                leaking = False
+                while not self.stopping.is_set() and self.child.poll() is None and not leaking:
                     self.stopping.wait(0.2)
+                    leaking = not self.stopping.is_set() and self._sweep_dead_regions()
+                if leaking:
+                    self._drain_and_stop()
+                    continue
                 if self.stopping.is_set():
                     break
                 ran = time.monotonic() - started
