@@ -14,6 +14,9 @@ from ..sampling.validation import MaskPolicy, SamplingRequestError, check_rows
 
 FINISH_LENGTH = "length"
 FINISH_STOP = "stop"
+# Most stop ids one request may carry: every id is read and checked on the instance's one thread,
+# so a list millions long would hold every other request's `execute` while it is.
+MAX_STOP_TOKEN_IDS = 1024
 
 
 @dataclass
@@ -52,6 +55,11 @@ def check_generation_request(
     """Raise SamplingRequestError (naming the field) for a prompt or budget the LM cannot serve."""
     if prompt.size == 0:
         raise SamplingRequestError("input_ids", "input_ids must hold at least one token id")
+    if stop_token_ids.size > MAX_STOP_TOKEN_IDS:
+        raise SamplingRequestError(
+            "stop_token_ids",
+            f"stop_token_ids holds {stop_token_ids.size} ids; at most {MAX_STOP_TOKEN_IDS} are accepted",
+        )
     for field, ids in (("input_ids", prompt), ("stop_token_ids", stop_token_ids)):
         if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
             bad = int(ids[(ids < 0) | (ids >= vocab_size)][0])
