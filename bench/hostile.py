@@ -226,12 +226,15 @@ def launch(
     cwd: Path | None = None,
     nofile: int | None = None,
     stack_memory_bytes: int | None = STACK_MEMORY_BYTES,
+    legacy: bool = False,
 ) -> Stack:
-    """Start a launcher on free ports and wait until the sampler answers through the public port.
+    """Start a launcher on free ports; wait until the sampler answers through the public port and
+    the supervisor's watchdog says ready.
 
     `launcher` replaces `python -m triton_sampling_mask.ops.launcher` (e.g. another checkout's,
-    with `cwd`); `nofile` is a soft descriptor limit for it (its server inherits it); with
-    `stack_memory_bytes` the whole stack runs in a memory cgroup of that size when one can be made."""
+    with `cwd`; `legacy`: one from before the front door, serving the public ports itself);
+    `nofile` is a soft descriptor limit for it (its server inherits it); with `stack_memory_bytes`
+    the whole stack runs in a memory cgroup of that size when one can be made."""
     ports = {name: free_port() for name in ("http", "grpc", "metrics", "probe")}
     internal_base = free_port_block(5)
     environment = {
@@ -246,7 +249,8 @@ def launch(
         **(env or {}),
     }
     command = list(launcher or [sys.executable, "-m", "triton_sampling_mask.ops.launcher"])
-    command += ["--model-repository", str(repository)] + ([] if proxied else ["--no-proxy"])
+    proxied = proxied and not legacy
+    command += ["--model-repository", str(repository)] + ([] if proxied or legacy else ["--no-proxy"])
     cage = None
     if stack_memory_bytes:
         cage = make_cage(f"hostile-stack-{os.getpid()}-{ports['http']}", stack_memory_bytes)
@@ -273,7 +277,7 @@ def launch(
         )
     stack = Stack(process, ports, internal_base if proxied else ports["http"], log_path, proxied, cage)
     deadline = time.monotonic() + START_LIMIT_S
-    while not stack.sampler_answers():
+    while not (stack.sampler_answers() and request(ports["probe"], "GET", "/ready")[0] == 200):
         if process.poll() is not None or time.monotonic() > deadline:
             stack.stop()
             raise RuntimeError(f"the stack did not come up:\n{stack.log_tail()}")
@@ -608,6 +612,9 @@ def main(argv: list[str] | None = None) -> int:
     """Run the attacks against a fresh stack and print a table; 1 if any got through."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--no-proxy", action="store_true", help="the launcher without its proxy (--no-proxy)")
+    parser.add_argument(
+        "--legacy", action="store_true", help="HOSTILE_LAUNCHER predates the front door (no --no-proxy flag)"
+    )
     parser.add_argument("--only", nargs="+", choices=list(ATTACKS), help="these attacks only")
     parser.add_argument("--stream-seconds", type=float, default=30.0, help="how long the unread stream runs")
     parser.add_argument("--connections", type=int, default=1500, help="idle connections of the flood")
@@ -625,6 +632,7 @@ def main(argv: list[str] | None = None) -> int:
         launcher=launcher,
         cwd=cwd,
         nofile=args.nofile,
+        legacy=args.legacy,
     )
     print(
         f"stack up: public {stack.ports}, tritonserver HTTP {stack.server_http_port}, log {stack.log_path}", flush=True

@@ -70,6 +70,11 @@ UNBOUNDED_MODEL_BODY_BYTES = 64 * 2**20
 JSON_TEXT_FACTOR = 3
 BODY_SLACK_BYTES = 64 * 1024  # scalars, tensor names and the rest of a body beside its largest inputs
 OTHER_BODY_BYTES = 64 * 1024  # any other route (admin JSON bodies)
+# What a client without the key reads (the header's name follows).
+RESTRICTED = "this API is restricted: it needs the header"
+# What a shed client reads: refused at once (the queue is full) or after waiting out the queue.
+QUEUE_FULL = "server busy: the queue for this model is full, retry with backoff"
+QUEUE_TIMEOUT = "server unavailable: no slot freed within the queue timeout, or the server is restarting; retry with backoff"
 SIDE_PORT_CONNECTIONS = 64  # the metrics and probe ports each: scrapers and kubelets
 
 
@@ -337,7 +342,7 @@ def render(plan: ProxyPlan) -> str:
         lines.append("    http-request set-var(txn.public) bool(true) if is_post r_generate")
     lines += [
         "    http-request deny deny_status 403 "
-        + _json_error(f"this API is restricted: it needs the header '{plan.admin_header}'")
+        + _json_error(f"{RESTRICTED} '{plan.admin_header}'")
         + " unless { var(txn.public) -m bool } or admin_ok",
         "    # the server's own stub regions are never a client's shared memory",
         "    http-request wait-for-body time " + _seconds(limits.request_timeout_s) + " if r_register",
@@ -393,13 +398,13 @@ def render(plan: ProxyPlan) -> str:
     if samplers:
         lines.append(
             "    http-request deny deny_status 503 "
-            + _json_error("server busy: retry with backoff")
+            + _json_error(QUEUE_FULL)
             + f" if r_sampler {{ queue(be_http_sampler) ge {limits.max_queue} }}"
         )
     if generators:
         lines.append(
             "    http-request deny deny_status 503 "
-            + _json_error("server busy: retry with backoff")
+            + _json_error(QUEUE_FULL)
             + f" if r_generate {{ queue(be_http_generate) ge {limits.max_queue} }}"
         )
     lines += [
@@ -413,7 +418,7 @@ def render(plan: ProxyPlan) -> str:
     if generators:
         lines.append("    use_backend be_http_generate if r_generate")
     lines += ["    default_backend be_http_other", ""]
-    shed_503 = "    http-error status 503 " + _json_error("server busy: retry with backoff")
+    shed_503 = "    http-error status 503 " + _json_error(QUEUE_TIMEOUT)
     lines += _shed_backend("be_http_sampler", internal["http"], limits, limits.queue_timeout_s, extra=(shed_503,))
     lines += _shed_backend("be_http_generate", internal["http"], limits, limits.server_timeout_s, extra=(shed_503,))
     lines += _shed_backend("be_http_other", internal["http"], limits, limits.queue_timeout_s, extra=(shed_503,))
@@ -436,20 +441,14 @@ def render(plan: ProxyPlan) -> str:
         "    acl g_identity req.hdr(grpc-encoding) identity",
         "    # a compressed message would hide its body from the checks below",
         "    " + _grpc_error(3, "compressed gRPC messages are not accepted") + " if g_compressed !g_identity",
-        "    "
-        + _grpc_error(7, f"this API is restricted: it needs the header '{plan.grpc_admin_header}'")
-        + " unless g_public or admin_ok",
+        "    " + _grpc_error(7, f"{RESTRICTED} '{plan.grpc_admin_header}'") + " unless g_public or admin_ok",
         f"    http-request wait-for-body time {_seconds(limits.request_timeout_s)} if g_register",
         "    "
         + _grpc_error(7, "the server's own shared-memory regions cannot be registered")
         # hex: the body is a binary gRPC frame, and as a string it would end at its first zero byte
         + f" if g_register {{ req.body,hex -m sub {STUB_REGION_PREFIX.encode().hex().upper()} }}",
-        "    "
-        + _grpc_error(14, "server busy: retry with backoff")
-        + f" if g_infer {{ queue(be_grpc_infer) ge {limits.max_queue} }}",
-        "    "
-        + _grpc_error(14, "server busy: retry with backoff")
-        + f" if g_stream {{ queue(be_grpc_stream) ge {limits.max_queue} }}",
+        "    " + _grpc_error(14, QUEUE_FULL) + f" if g_infer {{ queue(be_grpc_infer) ge {limits.max_queue} }}",
+        "    " + _grpc_error(14, QUEUE_FULL) + f" if g_stream {{ queue(be_grpc_stream) ge {limits.max_queue} }}",
         # decided once: the set-header below changes what admin_ok reads
         "    http-request set-var(txn.admin) bool(true) if admin_ok",
         f"    http-request set-header {plan.grpc_admin_header} {plan.internal_key} if {{ var(txn.admin) -m bool }}",
@@ -461,7 +460,7 @@ def render(plan: ProxyPlan) -> str:
     ]
     # One client's stalled stream blocks the whole HTTP/2 connection it rides on toward the server:
     # no backend connection is ever shared between two clients.
-    grpc_503 = '    http-error status 503 hdr grpc-status 14 hdr grpc-message "server busy: retry with backoff"'
+    grpc_503 = f'    http-error status 503 hdr grpc-status 14 hdr grpc-message "{QUEUE_TIMEOUT}"'
     reuse = "    http-reuse never"
     lines += _shed_backend(
         "be_grpc_infer", internal["grpc"], limits, limits.queue_timeout_s, h2=True, extra=(reuse, grpc_503)
