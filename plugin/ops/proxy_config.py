@@ -74,8 +74,16 @@ OTHER_BODY_BYTES = 64 * 1024  # any other route (admin JSON bodies)
 RESTRICTED = "this API is restricted: it needs the header"
 # What a shed client reads: refused at once (the queue is full) or after waiting out the queue.
 QUEUE_FULL = "server busy: the queue for this model is full, retry with backoff"
-QUEUE_TIMEOUT = "server unavailable: no slot freed within the queue timeout, or the server is restarting; retry with backoff"
+QUEUE_TIMEOUT = (
+    "server unavailable: no slot freed within the queue timeout, or the server is restarting; retry with backoff"
+)
 SIDE_PORT_CONNECTIONS = 64  # the metrics and probe ports each: scrapers and kubelets
+# HAProxy's buffer per direction of a connection, taken only while data passes, and the HTTP/2
+# window it grants each stream: with 2.6's defaults (16 KiB, 64 KiB) a large gRPC call spends most
+# of its extra time through the proxy waiting on window updates and buffer turns. Memory stays
+# bounded: a stream whose buffer is full stops its connection's reads.
+BUFFER_BYTES = 65536
+H2_WINDOW_BYTES = 2**20
 
 
 @dataclass(frozen=True)
@@ -280,7 +288,8 @@ def render(plan: ProxyPlan) -> str:
         "global",
         f"    maxconn {limits.total_connections}",
         f"    log stdout format raw sample 1:{max(1, limits.log_sample)} local0 info",
-        "    tune.bufsize 16384",
+        f"    tune.bufsize {BUFFER_BYTES}",
+        f"    tune.h2.initial-window-size {H2_WINDOW_BYTES}",
         f"    tune.h2.max-concurrent-streams {limits.streams_per_connection}",
         "    tune.lua.maxmem 64",
         f"    lua-load-per-thread {LUA_CHECKS}",
