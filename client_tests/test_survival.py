@@ -384,6 +384,10 @@ def _kill_with_json(served: Supervised, body: bytes, attack: str, refusal: tuple
     assert_recovers(served, lambda: sampler_answers(served), attack)
     assert served.process.poll() is None, "the launcher itself died"
     assert generate_answers(served)[0], "generate did not come back with the restarted server"
+    if served.server_http_port != served.ports["http"]:
+        # a server that had served was killed by a request: restarted at once, the backoff not escalated
+        deaths = [line for line in served.log_tail(200_000).splitlines() if "tritonserver died" in line]
+        assert deaths and "of serving; restart" in deaths[-1] and deaths[-1].endswith("in 0.5 s"), deaths
 
 
 def test_deeply_nested_json_kills_tritonserver_and_it_comes_back(served):
