@@ -15,8 +15,8 @@ with perf_analyzer as the client where it runs (bench/perf_analyzer.py), then th
 the same server (bench/step_latency.py: 10,000 calls per point of B=1 and B=8 rows at concurrency
 1/8/16, gRPC with and without shared memory, every call timed; generate's inter-token gaps at 32
 streams), and what the front door (HAProxy) adds to the one call and to a B=1 step
-(bench/proxy_cost.py). --tiny shrinks it all to seconds. The JSON is rewritten after every case ("complete":
-false until the end), so a run cut short keeps what finished.
+(bench/proxy_cost.py). --tiny shrinks it all to seconds. The JSON is rewritten after every case
+("complete": false until the end), so a run cut short keeps what finished.
 """
 
 from __future__ import annotations

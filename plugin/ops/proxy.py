@@ -112,9 +112,7 @@ class FrontDoor:
         if self.admin_key is not None:
             write_private(self.directory / "admin.key", self.admin_key + "\n")
         write_private(self.config_path, proxy_config.render(self.plan()))
-        check = subprocess.run(
-            [binary, "-c", "-q", "-f", str(self.config_path)], capture_output=True, text=True, timeout=60
-        )
+        check = subprocess.run([binary, "-c", "-f", str(self.config_path)], capture_output=True, text=True, timeout=60)
         if check.returncode != 0:
             raise ProxyError(f"haproxy refuses the generated config {self.config_path}:\n{check.stderr.strip()}")
 
@@ -304,3 +302,36 @@ class FrontedTritonServer(LoopbackUrls):
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Generate the config `make serve` would run for a repository and check it with `haproxy -c`
+    (the image's build runs this); --print shows it, with a placeholder internal key."""
+    import argparse
+
+    from . import settings
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--model-repository", type=Path, default=Path(settings.MODEL_REPOSITORY.value()))
+    parser.add_argument("--print", action="store_true", help="print the generated config")
+    args = parser.parse_args(argv)
+    public = {
+        "http": settings.TRITON_HTTP_PORT.value(),
+        "grpc": settings.TRITON_GRPC_PORT.value(),
+        "metrics": settings.TRITON_METRICS_PORT.value(),
+        "probe": settings.TRITON_PROBE_PORT.value(),
+    }
+    door = FrontDoor(args.model_repository, public, secrets.token_urlsafe(32), internal_key="INTERNAL-KEY-PLACEHOLDER")
+    try:
+        door.prepare()
+        if args.print:
+            print(door.config_path.read_text(), end="")
+        print(f"haproxy accepts the config generated for {args.model_repository}", file=sys.stderr)
+    except ProxyError as error:
+        raise SystemExit(str(error)) from None
+    finally:
+        door.clean_up()
+
+
+if __name__ == "__main__":
+    main()
