@@ -32,6 +32,8 @@ HAPROXY_PATHS = ("/usr/sbin/haproxy", "/usr/local/sbin/haproxy")
 # The supervisor's children behind the proxy, in the order of their loopback ports.
 INTERNAL_PORTS = ("http", "grpc", "metrics", "stream_gate", "probe")
 PR_SET_PDEATHSIG = 1
+RESTART_DELAYS_S = (0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0)  # since the last start, by quick deaths in a row
+STABLE_RUN_S = 60.0
 
 
 class ProxyError(RuntimeError):
@@ -170,9 +172,23 @@ class Child:
     log_path: Path | None = None  # where its output goes (default: the supervisor's own)
     process: subprocess.Popen | None = None
     restarts: int = 0
+    started_at: float = 0.0
+    quick_deaths: int = 0  # deaths in a row, each less than STABLE_RUN_S after its start
+
+    def restart_due(self) -> bool:
+        """Whether a dead process may start again: at once after a run of a minute or more, else
+        after 1 s doubling to 30 s (a process that cannot start, e.g. its port taken, is not spun)."""
+        if self.process is None:
+            return True
+        delay = RESTART_DELAYS_S[min(self.quick_deaths, len(RESTART_DELAYS_S) - 1)]
+        return time.monotonic() >= self.started_at + delay
 
     def start(self) -> None:
         """Start (or restart) the process."""
+        if self.process is not None:
+            ran = time.monotonic() - self.started_at
+            self.quick_deaths = 0 if ran >= STABLE_RUN_S else self.quick_deaths + 1
+        self.started_at = time.monotonic()
         log = open(self.log_path, "ab") if self.log_path else None  # noqa: SIM115 (the child keeps it)
         try:
             self.process = subprocess.Popen(

@@ -513,7 +513,7 @@ class Supervisor:
     def _tend_helpers(self) -> None:
         """Start the proxy and the gate, or restart whichever died."""
         for helper in self.helpers:
-            if helper.running():
+            if helper.running() or not helper.restart_due():
                 continue
             if helper.process is not None:
                 helper.restarts += 1
