@@ -123,7 +123,7 @@ PROXY_MAX_QUEUE = Setting(int, 32, "requests per model route waiting in the prox
 PROXY_QUEUE_TIMEOUT_S = Setting(float, 2.0, "seconds a sampler request may wait in the proxy before it is shed")
 PROXY_STREAM_MAX_OPEN = Setting(
     int,
-    16,
+    64,
     "requests one gRPC stream may have open (sent, not finally answered); the stream gate stops reading it beyond",
 )
 PROXY_REQUEST_TIMEOUT_S = Setting(float, 10.0, "seconds a client has to send a request's head (and an inspected body)")

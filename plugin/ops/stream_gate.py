@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--listen", required=True, help="host:port to serve ModelStreamInfer on")
     parser.add_argument("--upstream", required=True, help="tritonserver's gRPC host:port")
-    parser.add_argument("--max-open", type=int, default=16, help="open requests per stream (default %(default)s)")
+    parser.add_argument("--max-open", type=int, default=64, help="open requests per stream (default %(default)s)")
     parser.add_argument(
         "--max-message-bytes", type=int, default=2**31 - 1, help="largest request message (default %(default)s)"
     )
