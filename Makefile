@@ -6,7 +6,11 @@ PYTHON := $(VENV)/bin/python
 MODEL_REPOSITORY ?= model_repository
 PYTEST_ARGS ?=
 
-.PHONY: setup serve probe lint format test soak stress bench clean
+.PHONY: setup serve probe lint format test soak stress hostile bench clean
+
+# HAProxy, the front door of `make serve` (plugin/ops/proxy.py), installed like jemalloc: root + apt.
+INSTALL_HAPROXY = command -v haproxy >/dev/null || test -x /usr/sbin/haproxy || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  { apt-get update -qq >/dev/null && apt-get install -y -qq haproxy >/dev/null; } ; }
 
 setup: $(VENV)/.installed
 
@@ -22,12 +26,16 @@ $(VENV)/.installed: pyproject.toml
 	@ldconfig -p 2>/dev/null | grep -q libjemalloc.so.2 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 	  { apt-get update -qq >/dev/null && apt-get install -y -qq libjemalloc2 >/dev/null; } ; } || \
 	  echo "note: libjemalloc2 not installed; tritonserver runs with glibc malloc"
+	@$(INSTALL_HAPROXY) || echo "note: haproxy not installed; the front-door tests skip and make serve needs SERVE_ARGS=--no-proxy"
 	touch $@
 
-# tritonserver under the supervisor (restarts, model watchdog, :8003/ready, admin APIs locked);
-# SERVE_ARGS=--no-supervise execs tritonserver itself. Environment variables: docs/settings.md.
+# tritonserver under the supervisor (restarts, model watchdog, :8003/ready, admin APIs locked) behind
+# HAProxy on the public ports (installed here where root and apt allow; without it the launcher
+# refuses to start unless SERVE_ARGS=--no-proxy); SERVE_ARGS=--no-supervise execs tritonserver itself.
+# Environment variables: docs/settings.md.
 SERVE_ARGS ?=
 serve: setup
+	@$(INSTALL_HAPROXY) || true
 	exec $(PYTHON) -m triton_sampling_mask.ops.launcher --model-repository $(MODEL_REPOSITORY) $(SERVE_ARGS)
 
 # One real inference per model against a running server (exit 0/1), as a Kubernetes exec probe runs it.
@@ -47,10 +55,18 @@ format: setup
 test: lint
 	$(PYTHON) -m pytest $(PYTEST_ARGS)
 
-# 128 clients x 16 x 151936 rows for 3 rounds of 30 s: shed share, p99 and RSS per round (docs/operations.md, "Stress").
+# 128 clients x 16 x 151936 rows for 3 rounds of 30 s through the front door: shed share, p99 and RSS
+# per round (docs/operations.md, "Stress").
 STRESS_ARGS ?= --clients 128 --rows 16 --vocab 151936 --rounds 3 --duration 30
 stress: setup
 	$(PYTHON) -m bench.load.stress --model-repository $(MODEL_REPOSITORY) $(STRESS_ARGS)
+
+# Each attack of bench/hostile.py against a fresh `make serve` stack (in a memory cgroup where one can be
+# made): outcome, what was measured, time until it answered again; exit 1 if one got through.
+HOSTILE_ARGS ?=
+hostile: setup
+	@$(INSTALL_HAPROXY) || true
+	$(PYTHON) -m bench.hostile $(HOSTILE_ARGS)
 
 # 32 clients (HTTP and gRPC) for 60 s against a fresh server; prints the report, fails on loss/5xx/RSS growth.
 SOAK_ARGS ?= --clients 32 --duration 60

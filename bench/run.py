@@ -1,7 +1,7 @@
 """`make bench`: kernel benchmark, then the served one; prints tables, writes JSON and the plot.
 
     python -m bench.run [--device cpu|cuda] [--grid cpu|gpu] [--tiny] [--skip-served] [--skip-top-p]
-                        [--skip-served-call] [--call-requests N] [--no-perf-analyzer]
+                        [--skip-served-call] [--skip-proxy-cost] [--call-requests N] [--no-perf-analyzer]
                         [--skip-step-latency] [--step-calls N] [--skip-itl]
                         [--output PATH] [--plot PATH] [--no-plot] [--flashinfer-timeout S] [--note TEXT]
 
@@ -14,8 +14,9 @@ B=64 x V=151936 over gRPC, HTTP and system shared memory, FP32 and BF16 logits (
 with perf_analyzer as the client where it runs (bench/perf_analyzer.py), then the step latency on
 the same server (bench/step_latency.py: 10,000 calls per point of B=1 and B=8 rows at concurrency
 1/8/16, gRPC with and without shared memory, every call timed; generate's inter-token gaps at 32
-streams). --tiny shrinks it all to seconds. The JSON is rewritten after every case ("complete":
-false until the end), so a run cut short keeps what finished.
+streams), and what the front door (HAProxy) adds to the one call and to a B=1 step
+(bench/proxy_cost.py). --tiny shrinks it all to seconds. The JSON is rewritten after every case
+("complete": false until the end), so a run cut short keeps what finished.
 """
 
 from __future__ import annotations
@@ -54,6 +55,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--skip-top-p", action="store_true", help="no top-p-without-mask case")
     parser.add_argument("--served-seconds", type=float, default=4.0, help="measured seconds per served point")
     parser.add_argument("--skip-served-call", action="store_true", help="no one-call B=64 x V=151936 table")
+    parser.add_argument(
+        "--skip-proxy-cost", action="store_true", help="no front-door cost (bench/proxy_cost.py: direct vs HAProxy)"
+    )
     parser.add_argument(
         "--call-requests",
         type=int,
@@ -162,7 +166,21 @@ def main(argv: list[str] | None = None) -> dict:
             results["served_call"] = served_call
         if step is not None:
             results["step_latency"] = step
+    if not args.skip_served and not args.skip_proxy_cost and device.type == "cpu":
+        from triton_sampling_mask.ops.proxy import find_haproxy
+
+        from . import proxy_cost
+
+        if find_haproxy() is None:
+            results["proxy_cost_skipped"] = "haproxy is not installed"
+        else:
+            print("front-door cost (the same calls straight to tritonserver and through HAProxy)", flush=True)
+            results["proxy_cost"] = proxy_cost.run(args.tiny, progress)
     results["targets"] = report.verdicts(results["kernel"], served, served_call, step)
+    if results.get("proxy_cost"):
+        from .proxy_cost import verdicts as proxy_verdicts
+
+        results["targets"].update(proxy_verdicts(results["proxy_cost"]))
     results["machine"]["load_average_1m_after"] = machine_facts()["load_average_1m"]
     results["wall_s"] = time.perf_counter() - started
     results["complete"] = True

@@ -36,6 +36,8 @@ _outcomes: dict[str, tuple[str, str]] = {}  # nodeid -> (outcome, skip reason)
 def _place(item, external: ExternalTritonServer | None) -> str:
     if "served" in item.fixturenames:  # test_survival: a launcher of its own, crashed and SIGTERMed
         return "nowhere (needs a local launcher of its own)" if external else "a local supervised launcher of its own"
+    if "stack" in item.fixturenames:  # test_front_door: the launcher's front door, attacked
+        return "nowhere (needs a local launcher of its own)" if external else "a local launcher behind its front door"
     if external is not None and item.nodeid.split("[")[0] in OWN_SERVER_TESTS:
         return "nowhere (needs a local server of its own)"
     if external is not None and any(name in item.fixturenames for name in SERVER_FIXTURES):
@@ -49,10 +51,13 @@ def _place(item, external: ExternalTritonServer | None) -> str:
             "client_tests/test_generate_engine.py",
             "client_tests/test_speculative.py",
             "client_tests/test_checkpoints.py",
-            "client_tests/test_load_shedding.py::test_a_burst",
         )
     ):
         return "a local CPU server of its own"
+    if "slow_server" in item.fixturenames:  # test_load_shedding
+        return (
+            "nowhere (needs a local server of its own)" if external else "a local CPU server behind a proxy of its own"
+        )
     if "explicit_server" in item.fixturenames or item.nodeid.split("[")[0] in OWN_SERVER_TESTS:
         return "a local CPU server of its own"
     return "no server (client side only)"
@@ -71,6 +76,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(
                 pytest.mark.skip(reason="crashes and SIGTERMs the server it tests: needs a local launcher of its own")
             )
+        elif external is not None and "stack" in item.fixturenames:
+            item.add_marker(pytest.mark.skip(reason="attacks the launcher's own front door: needs a local launcher"))
 
 
 def pytest_runtest_logreport(report):

@@ -1,5 +1,5 @@
 """A sampling backend for the load-shedding test: the real sampler, 0.5 s slower per execute, so a
-burst of requests fills the queue the shipped config.pbtxt bounds.
+burst of requests fills what the proxy lets through and then its queue.
 
 test_load_shedding.py copies this file into a test model's version folder (on the stub's sys.path)
 and names it as sampling_backend "slow_backend:SlowBackend".

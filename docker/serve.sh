@@ -24,9 +24,12 @@ for ((gpu = 0; gpu < GPU_COUNT; gpu++)); do
     pools+=("--cuda-memory-pool-byte-size=${gpu}:${CUDA_POOL_BYTES}")
 done
 
-# The launcher's supervisor runs the image's tritonserver: restarts it when it dies, reloads a model
-# whose stub died, serves :8003/ready (a real inference works) and locks the admin APIs with
-# TRITON_ADMIN_KEY (a random one when unset). Flags after "--" go to tritonserver and win.
+# The launcher's supervisor runs the image's tritonserver on loopback behind HAProxy, which owns
+# ports 8000-8003 (the front door: connection caps, timeouts, body limits, load shedding, the admin
+# APIs locked with TRITON_ADMIN_KEY, a random one when unset); it restarts tritonserver when it
+# dies, reloads a model whose stub died and serves :8003/ready (a real inference works). The pod's
+# or container's memory limit bounds tritonserver (no cgroup of its own can be made in one).
+# Flags after "--" go to tritonserver and win.
 command=(
     python3 -m triton_sampling_mask.ops.launcher
     --model-repository "${MODEL_REPOSITORY}"

@@ -156,6 +156,15 @@ def test_tiny_benchmark_writes_results(tmp_path):
     assert all(p["calls"] == step["calls_per_point"] and _positive_finite(p["max_ms"]) for p in step["points"])
     assert step["itl"]["calls"] > 0 and _positive_finite(step["itl"]["p50_ms"])
     assert {"h", "i"} <= set(results["targets"]) and _positive_finite(results["targets"]["i"]["value"])
+    # The front door's cost: every point timed both ways, both targets reported.
+    if "proxy_cost_skipped" not in results:
+        points = results["proxy_cost"]["points"]
+        assert set(points) == {"call_grpc", "call_grpc_shm", "step_grpc", "step_http"}
+        assert all(
+            _positive_finite(p["direct_p50_ms"]) and _positive_finite(p["proxy_p50_ms"]) for p in points.values()
+        )
+        assert _positive_finite(results["targets"]["proxy_call"]["value"])
+        assert "proxy_step" in results["targets"]
     assert plot_args == ["--no-plot"] or plot.stat().st_size > 0
 
 

@@ -277,7 +277,9 @@ def test_the_image_runs_unprivileged_with_a_healthcheck():
     for name in ("HOME", "XDG_CACHE_HOME", "TRITON_CACHE_DIR"):
         assert env[name].startswith("/tmp"), name
     for command in run_commands(DOCKERFILE.read_text()):
-        assert "apt-get" not in command, "the image installs nothing with apt (NGC ships jemalloc and curl)"
+        if "apt-get" in command:  # HAProxy, the front door, and nothing else (NGC ships jemalloc and curl)
+            assert re.search(r"apt-get install -y --no-install-recommends haproxy\s*&&", command), command
+            assert "rm -rf /var/lib/apt/lists/*" in command, command
         if "pip" in command and "install" in command:
             assert "--no-cache-dir" in command, command
 
@@ -387,3 +389,12 @@ def test_server_flags_hold_the_largest_request_of_the_config(monkeypatch):
     assert [pool.split(":")[0] for pool in pools] == ["0", "1", "2"], pools
     assert all(int(pool.split(":")[1]) >= largest_request for pool in pools), pools
     assert not any(arg.startswith("--cuda-memory-pool") for arg in serve_command(gpu_count=0))
+
+
+def test_the_image_runs_the_front_door():
+    """HAProxy is installed, and the build checks that it accepts the config the launcher generates
+    for the image's repository (the launcher runs it by default: serve.sh passes no --no-proxy)."""
+    commands = run_commands(DOCKERFILE.read_text())
+    assert any("--no-install-recommends haproxy" in command for command in commands), commands
+    assert any("-m triton_sampling_mask.ops.proxy --model-repository /models" in command for command in commands)
+    assert "--no-proxy" not in (REPO_ROOT / "docker" / "serve.sh").read_text()

@@ -4,9 +4,13 @@
                                              [--rounds 3] [--duration 30]     # starts its own server
     python -m bench.load.stress --http-url H:P --pid PID ...      # an existing one
 
-Closed-loop HTTP clients (one keep-alive connection each) send the same prebuilt binary request
-(rows x vocab float32 logits, top_k 50 with masks) for `rounds` rounds of `duration` seconds.
-Each answer is 200 (admitted), 503 (shed by the queue policy) or a failure. A client answered 503
+The server started here runs behind its own front door, the HAProxy of `make serve` with its
+settings (`--no-proxy`: tritonserver alone); `--http-url` names the proxy's port of a running
+stack and `--pid` its tritonserver. Closed-loop HTTP clients (one keep-alive connection each)
+send the same prebuilt binary request (rows x vocab float32 logits, top_k 50 with masks) for
+`rounds` rounds of `duration` seconds. Each answer is 200 (admitted), 503 (shed by the proxy:
+refused at once with its queue full, or after waiting out its queue timeout; without a proxy,
+by the model's queue policy, if any) or a failure. A client answered 503
 waits before its next request, as docs/operations.md asks of clients (`--backoff`: 0.5 s doubling to 5 s
 while it keeps being shed, jittered, reset by a 200); `--backoff 0` resends at once (a retry
 storm: every request, shed or not, then waits its turn behind all the others' uploads).
@@ -40,6 +44,8 @@ import numpy as np
 
 from triton_sampling_mask.client.replicas import DEFAULT_EJECT_BACKOFF_S, DEFAULT_MAX_EJECT_BACKOFF_S
 from triton_sampling_mask.ops import settings
+from triton_sampling_mask.ops.proxy import FrontedTritonServer
+from triton_sampling_mask.ops.proxy_config import QUEUE_TIMEOUT
 from triton_sampling_mask.ops.server_process import TritonServer
 from triton_sampling_mask.sampling.outputs import SAMPLING_MASK_LOGPROBS, TOKEN_OUTPUT_NAMES
 
@@ -98,6 +104,7 @@ class RoundReport:
     sent: int = 0
     admitted: int = 0
     shed: int = 0
+    shed_waited: int = 0  # of the shed: after waiting out the proxy's queue timeout (the rest: at once)
     failed: int = 0
     p50_s: float = 0.0
     p99_s: float = 0.0
@@ -139,6 +146,7 @@ class _Client(threading.Thread):
         self.admitted: list[float] = []
         self.admitted_send: list[float] = []  # seconds to hand each admitted body to the socket
         self.shed: list[float] = []
+        self.shed_waited = 0
         self.failures: list[str] = []
         self.sent = 0
 
@@ -172,6 +180,7 @@ class _Client(threading.Thread):
                     consecutive_shed = 0
                 elif response.status == 503:
                     self.shed.append(seconds)
+                    self.shed_waited += QUEUE_TIMEOUT.encode() in payload
                     consecutive_shed += 1
                     self.stop.wait(self.backoff(consecutive_shed))
                 else:
@@ -250,6 +259,7 @@ def run_round(
     shed = np.array([s for t in threads for s in t.shed])
     report.sent = sum(t.sent for t in threads)
     report.admitted, report.shed = admitted.size, shed.size
+    report.shed_waited = sum(t.shed_waited for t in threads)
     report.failures = [f for t in threads for f in t.failures]
     report.failed = len(report.failures) + sum(t.is_alive() for t in threads)
     if admitted.size:
@@ -300,12 +310,13 @@ def table(rounds: list[RoundReport], rss_idle_mb: float, pss_idle_mb: float | No
     idle = f"server RSS before traffic: {rss_idle_mb:.0f} MB" + (f" (PSS {pss_idle_mb:.0f} MB)" if pss_idle_mb else "")
     lines = [
         idle,
-        "| round | sent | admitted | shed (503) | failed | p50 admitted | p99 admitted | p99 shed | RSS after round | PSS after round |",
+        "| round | sent | admitted | shed (503; after the queue timeout) | failed | p50 admitted | p99 admitted "
+        "| p99 shed | RSS after round | PSS after round |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rounds:
         lines.append(
-            f"| {r.round} | {r.sent} | {r.admitted} | {r.shed} ({r.shed_share:.0%}) | {r.failed} | "
+            f"| {r.round} | {r.sent} | {r.admitted} | {r.shed} ({r.shed_share:.0%}; {r.shed_waited}) | {r.failed} | "
             f"{r.p50_s:.2f} s | {r.p99_s:.2f} s | {r.shed_p99_s:.2f} s | {r.rss_mb:.0f} MB | {r.pss_mb:.0f} MB |"
         )
     lines += [
@@ -359,6 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--max-backoff", type=float, default=MAX_BACKOFF_S, help="longest wait after a 503 (default %(default)s)"
     )
+    parser.add_argument("--no-proxy", action="store_true", help="the server started here without its front door")
     parser.add_argument("--http-url")
     parser.add_argument("--metrics-url", help="Triton's metrics URL, http://H:P/metrics (with --http-url)")
     parser.add_argument("--pid", type=int, help="tritonserver pid, for RSS (with --http-url)")
@@ -403,9 +415,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.http_url:
         rounds, idle, idle_pss = stress(args.http_url, args.pid, args.metrics_url)
     else:
-        with TritonServer(Path(args.model_repository), extra_args=args.extra) as server:
-            print("+ tritonserver " + " ".join(server.command()[1:]), flush=True)
-            rounds, idle, idle_pss = stress(server.http_url, server.process.pid, server.metrics_url)
+        kind = TritonServer if args.no_proxy else FrontedTritonServer
+        with kind(Path(args.model_repository), extra_args=args.extra) as server:
+            direct = server if args.no_proxy else server.server
+            print("+ tritonserver " + " ".join(direct.command()[1:]), flush=True)
+            if not args.no_proxy:
+                print(f"behind HAProxy on {server.http_url} ({server.front_door.config_path})", flush=True)
+            rounds, idle, idle_pss = stress(server.http_url, server.process.pid, direct.metrics_url)
     print(
         f"load average after the run (this machine's {len(os.sched_getaffinity(0))} cores): "
         + " ".join(f"{v:.2f}" for v in os.getloadavg())

@@ -3,9 +3,12 @@
 Owns `launcher` (the command line of `make serve` and the image), `server_process` (the
 `tritonserver` of `nvidia-pytriton` or of a Triton image: its environment, flags and locked admin
 APIs, and `TritonServer`, a child server for tests and benchmarks), `supervisor` (restarts, a
-model watchdog, the readiness endpoint), `settings` (every environment variable with its default
-and meaning), `probe` (one real inference, for Kubernetes exec probes), `shm_cleanup` (removes a
-dead server's /dev/shm regions), `allocator` (jemalloc for tritonserver) and `gpu_repository`
-(derives the KIND_GPU model repository from the CPU one). It talks to the server over HTTP and
+model watchdog, the readiness endpoint), `proxy` and `proxy_config` (the front door: HAProxy on
+the public ports, its config generated from the settings and the model configs), `stream_gate`
+(bounds the requests a gRPC stream has open), `memory_limit` (a cgroup or address-space limit
+around tritonserver), `settings` (every environment variable with its default and meaning),
+`probe` (one real inference, for Kubernetes exec probes), `shm_cleanup` (removes a dead server's
+/dev/shm regions), `allocator` (jemalloc for tritonserver) and `gpu_repository` (derives the
+KIND_GPU model repository from the CPU one). It talks to the server over HTTP and
 imports nothing from the client (tests/test_layout.py); the load tools live in `bench/load/`.
 """

@@ -5,8 +5,8 @@ embeds the system libpython, ignores PYTHONPATH and finds packages through the `
 PATH, so the server runs with this virtual environment's bin/ first on PATH.
 
     python -m triton_sampling_mask.ops.launcher [--model-repository DIR] [--no-supervise]
-        [--probe-port N] [--watchdog-interval S] [--exit-timeout S] [--open-admin-apis]
-        [-- extra tritonserver flags]
+        [--no-proxy] [--probe-port N] [--watchdog-interval S] [--exit-timeout S]
+        [--open-admin-apis] [-- extra tritonserver flags]
 
 By default tritonserver runs as the child of a supervisor (`ops.supervisor`): it is restarted
 with backoff when it dies, a watchdog sends every loaded model a tiny real inference every few
@@ -14,8 +14,15 @@ seconds and reloads a model whose stub died, `http://:TRITON_PROBE_PORT/ready` (
 answers 200 only while those inferences work, SIGTERM stops everything within 10 s, and the
 stubs' /dev/shm regions are removed after any exit. `--no-supervise` execs tritonserver instead
 (same flags, none of that). Either way the server runs hardened (`hardening_args`): every model
-loaded in explicit model-control mode, a bounded exit timeout, and the shared-memory and
-model-repository APIs locked behind the admin key (TRITON_ADMIN_KEY; generated when unset).
+loaded in explicit model-control mode, a bounded exit timeout, and the shared-memory,
+model-repository, logging and trace APIs locked behind the admin key (TRITON_ADMIN_KEY;
+generated when unset), under a memory limit (`ops.memory_limit`).
+
+Under the supervisor HAProxy is the front door (`ops.proxy`): it owns the public ports and checks
+the admin key, tritonserver listens on loopback and gets a random internal key instead, so the
+user's key is in no process's command line. Where haproxy is not installed the launcher refuses
+to start unless `--no-proxy` (tritonserver then owns the public ports, and its command line
+carries the admin key); `make serve` installs it first where it can (root and apt).
 
 The environment variables it reads (ports, the admin key, timeouts, pool sizes) are declared,
 with their defaults, in `ops.settings` (docs/settings.md).
@@ -30,6 +37,8 @@ import sys
 from pathlib import Path
 
 from . import settings
+from .memory_limit import make_cage
+from .proxy import FrontDoor, ProxyError, find_haproxy, internal_ports
 from .secret_files import check_chosen_path, private_directory, write_secret_file
 from .server_process import (
     ADMIN_APIS,
@@ -111,7 +120,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--open-admin-apis",
         action="store_true",
-        help="leave the shared-memory and model-repository APIs open to anyone (not recommended)",
+        help="leave the shared-memory, model-repository, logging and trace APIs open to anyone (not recommended)",
+    )
+    parser.add_argument(
+        "--no-proxy",
+        action="store_true",
+        default=settings.TRITON_PROXY.value() == "none",
+        help="no HAProxy in front: tritonserver owns the public ports (TRITON_PROXY=none)",
     )
     parser.add_argument("extra", nargs=argparse.REMAINDER, help="flags passed to tritonserver after --")
     args = parser.parse_args(argv)
@@ -121,28 +136,60 @@ def main(argv: list[str] | None = None) -> None:
             args.exit_timeout = int(arg.split("=", 1)[1])
 
     ports = ports_from_environment()
+    proxied = not (args.no_proxy or args.no_supervise)
+    if proxied and find_haproxy() is None:
+        sys.exit(
+            "[launcher] haproxy is not installed, and without it tritonserver would face clients itself: install it "
+            "(`apt-get install haproxy`; `make serve` does as root) or pass --no-proxy (TRITON_PROXY=none)"
+        )
     admin_key, key_file = None, None
     if args.open_admin_apis:
         print(
-            "[launcher] WARNING: the shared-memory and model-repository APIs are open to anyone (--open-admin-apis)",
+            f"[launcher] WARNING: the {', '.join(ADMIN_APIS)} APIs are open to anyone (--open-admin-apis)",
             flush=True,
         )
     else:
         admin_key, where, key_file = resolve_admin_key(ports["http"])
         print(
-            f"[launcher] the {' and '.join(ADMIN_APIS)} APIs need the header '{ADMIN_HEADER}' "
+            f"[launcher] the {', '.join(ADMIN_APIS)} APIs need the header '{ADMIN_HEADER}' "
             f"(gRPC: '{GRPC_ADMIN_HEADER}'); key {where}",
             flush=True,
         )
+    cage = make_cage(f"triton-server-{ports['http']}-{os.getpid()}")
     if args.no_supervise:
         command = server_command(
             Path(args.model_repository),
             ports,
             hardening_args(extra, ports["http"], admin_key, args.exit_timeout) + extra,
         )
+        print(f"[launcher] {cage.describe()}", flush=True)
         print("+ " + " ".join(redact(command, admin_key)), flush=True)
         os.umask(SERVER_UMASK)
+        cage.enter()
         os.execve(command[0], command, server_environment())
+    front_door = None
+    if proxied:
+        public = {**ports, "probe": args.probe_port}
+        front_door = FrontDoor(
+            Path(args.model_repository), public, admin_key, internal_ports(settings.TRITON_INTERNAL_PORT_BASE.value())
+        )
+        try:
+            front_door.prepare()
+        except ProxyError as error:
+            front_door.clean_up()
+            cage.remove()
+            sys.exit(f"[launcher] {error}")
+        internal = front_door.internal
+        print(
+            f"[launcher] HAProxy owns the public ports (HTTP {ports['http']}, gRPC {ports['grpc']}, metrics "
+            f"{ports['metrics']}, probe {args.probe_port}); tritonserver listens on 127.0.0.1 (HTTP {internal['http']}, "
+            f"gRPC {internal['grpc']}, metrics {internal['metrics']}) with an internal key of its own",
+            flush=True,
+        )
+        ports = {name: internal[name] for name in ports}
+        admin_key = front_door.internal_key if admin_key is not None else None
+    elif not args.no_supervise:
+        print("[launcher] WARNING: no proxy (--no-proxy): tritonserver faces clients itself", flush=True)
     config = SupervisorConfig(
         model_repository=Path(args.model_repository),
         ports=ports,
@@ -153,6 +200,8 @@ def main(argv: list[str] | None = None) -> None:
         probe_timeout_s=args.probe_timeout,
         exit_timeout_s=args.exit_timeout,
         admin_key_file=key_file,
+        front_door=front_door,
+        memory_cage=cage,
     )
     sys.exit(Supervisor(config).run())
 

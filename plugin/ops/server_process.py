@@ -30,10 +30,11 @@ from .private_shm import with_private_shm
 from .shm_cleanup import remove_unused_regions, server_shm_prefix
 
 PORT_NAMES = ("http", "grpc", "metrics")
-# The admin surfaces: anyone who reaches them can map host shared memory into the server or
-# load and unload models. Requests to them must carry ADMIN_HEADER: <key>; over gRPC Triton
-# expects the header as GRPC_ADMIN_HEADER. The client's copy is client.sampler_client.ADMIN_HEADER.
-ADMIN_APIS = ("shared-memory", "model-repository")
+# The admin surfaces: anyone who reaches them can map host shared memory into the server, load
+# and unload models, or change what the server logs and traces (verbosity costs throughput).
+# Requests to them must carry ADMIN_HEADER: <key>; over gRPC Triton expects the header as
+# GRPC_ADMIN_HEADER. The client's copy is client.sampler_client.ADMIN_HEADER.
+ADMIN_APIS = ("shared-memory", "model-repository", "logging", "trace")
 ADMIN_HEADER = "triton-admin-key"
 GRPC_ADMIN_HEADER = "triton-grpc-protocol-" + ADMIN_HEADER
 # tritonserver and its stubs create files for this user only (their /dev/shm regions need more:
@@ -232,6 +233,11 @@ def hardening_args(
     if admin_key is not None:
         args += admin_args(admin_key)
     return args
+
+
+def loopback_args() -> list[str]:
+    """The flags that keep tritonserver's HTTP, gRPC and metrics endpoints on loopback (behind the proxy)."""
+    return ["--http-address=127.0.0.1", "--grpc-address=127.0.0.1", "--metrics-address=127.0.0.1"]
 
 
 def redact(command: list[str], secret: str | None) -> list[str]:

@@ -74,14 +74,28 @@ LARGEST_REQUEST_BYTES = 256 * 262144 * 4
 MODEL_REPOSITORY = Setting(
     str, "model_repository", "the model repository to serve (the image's is /models, set by docker/serve.sh)"
 )
-TRITON_HTTP_PORT = Setting(_port, 8000, "tritonserver's HTTP port")
-TRITON_GRPC_PORT = Setting(_port, 8001, "tritonserver's gRPC port")
-TRITON_METRICS_PORT = Setting(_port, 8002, "tritonserver's metrics port (/metrics)")
-TRITON_PROBE_PORT = Setting(_port, 8003, "the supervisor's /ready, /live and /status; 0: none")
+TRITON_HTTP_PORT = Setting(_port, 8000, "the public HTTP port (the proxy's; tritonserver's own with `--no-proxy`)")
+TRITON_GRPC_PORT = Setting(_port, 8001, "the public gRPC port (the proxy's; tritonserver's own with `--no-proxy`)")
+TRITON_METRICS_PORT = Setting(
+    _port, 8002, "the public metrics port, GET /metrics only (the proxy's; tritonserver's own with `--no-proxy`)"
+)
+TRITON_PROBE_PORT = Setting(_port, 8003, "the supervisor's /ready, /live and /status (through the proxy); 0: none")
+TRITON_PROXY = Setting(
+    str.lower,
+    "haproxy",
+    "the front door: `haproxy` owns the public ports and tritonserver listens on loopback; `none` (or `--no-proxy`) "
+    "exposes tritonserver itself",
+)
+TRITON_INTERNAL_PORT_BASE = Setting(
+    _port,
+    0,
+    "behind the proxy: the first of five loopback ports for tritonserver's HTTP, gRPC and metrics, the stream gate "
+    "and the probe; 0: free ports chosen at start",
+)
 TRITON_ADMIN_KEY = Setting(
     str,
     "",
-    "the key that unlocks the shared-memory and model-repository APIs (letters, digits and ._~+/-); "
+    "the key that unlocks the shared-memory, model-repository, logging and trace APIs (letters, digits and ._~+/-); "
     "empty: a random key, written to `TRITON_ADMIN_KEY_FILE`",
     shown_default="a random key",
 )
@@ -92,6 +106,51 @@ TRITON_ADMIN_KEY_FILE = Setting(
     "directory is writable by other users; the supervisor removes it at exit",
     shown_default="`admin-key` in a new private directory `<tmp>/triton-admin-key-<HTTP port>-<random>`",
 )
+# The proxy's limits (docs/operations.md, "The front door"). Each model route has its own budget of
+# requests in flight to tritonserver; beyond it requests wait in the proxy, which sheds them (503 /
+# UNAVAILABLE) at once past PROXY_MAX_QUEUE waiting or after PROXY_QUEUE_TIMEOUT_S in the queue.
+PROXY_MAX_CONNECTIONS = Setting(
+    int,
+    2000,
+    "connections the proxy holds at once, half on the HTTP port and half on the gRPC port (about 2 descriptors each)",
+)
+PROXY_CONNECTIONS_PER_IP = Setting(int, 256, "HTTP connections one client address may hold at once")
+# gRPC clients multiplex their calls over a connection or two; a silent connection that never
+# sends the HTTP/2 preface lasts PROXY_SERVER_TIMEOUT_S on HAProxy 2.6, hence a lower cap.
+PROXY_GRPC_CONNECTIONS_PER_IP = Setting(int, 32, "gRPC connections one client address may hold at once")
+PROXY_STREAMS_PER_CONNECTION = Setting(int, 64, "concurrent HTTP/2 (gRPC) streams per connection")
+PROXY_MAX_IN_FLIGHT = Setting(int, 64, "requests (or gRPC streams) per model route in flight to tritonserver at once")
+PROXY_MAX_QUEUE = Setting(int, 32, "requests per model route waiting in the proxy; beyond it a request is shed at once")
+PROXY_QUEUE_TIMEOUT_S = Setting(float, 2.0, "seconds a sampler request may wait in the proxy before it is shed")
+PROXY_STREAM_MAX_OPEN = Setting(
+    int,
+    64,
+    "requests one gRPC stream may have open (sent, not finally answered); the stream gate stops reading it beyond",
+)
+PROXY_REQUEST_TIMEOUT_S = Setting(float, 10.0, "seconds a client has to send a request's head (and an inspected body)")
+PROXY_IDLE_TIMEOUT_S = Setting(float, 10.0, "seconds an idle keep-alive HTTP connection stays open")
+PROXY_CLIENT_TIMEOUT_S = Setting(
+    float, 60.0, "seconds of client silence, mid-request, before the proxy closes the connection"
+)
+PROXY_SERVER_TIMEOUT_S = Setting(
+    float, 600.0, "seconds of silence from tritonserver (or on a gRPC stream) before the proxy gives up on a request"
+)
+PROXY_JSON_HEADER_BYTES = Setting(
+    int,
+    12288,
+    "largest JSON part of an HTTP /infer body (the whole body without the binary tensor extension); the proxy reads it",
+)
+PROXY_LOG_SAMPLE = Setting(int, 20, "the proxy logs one request in this many (never blocking on its log)")
+# A cgroup memory limit for tritonserver and its stubs (ops.memory_limit), so that a request that
+# blows up the server's memory kills the server, not a random process of the host.
+TRITON_MEMORY_LIMIT_BYTES = Setting(
+    int,
+    None,
+    "memory limit of tritonserver and its stubs (a cgroup where one can be made, else the address-space fallback); "
+    "0: none",
+    shown_default="three quarters of the host's memory",
+)
+
 # Triton's own default is 30 s; in 2.51 it also waits that long for idle keep-alive HTTP clients
 # and open gRPC streams to a decoupled model, so a short bound keeps SIGTERM prompt.
 TRITON_EXIT_TIMEOUT_S = Setting(

@@ -33,6 +33,14 @@ What it answers, with Triton 2.51 / Python backend r24.10:
   SIGKILL for its whole process group at `exit_timeout_s + 3` s; the stub regions no live
   process maps are removed after every exit, clean or not. tritonserver runs in a session of
   its own with a parent-death signal, so it cannot outlive a killed supervisor.
+- The front door (`ops.proxy`, unless `--no-proxy`): HAProxy on the public ports and the stream
+  gate run as children too, each restarted at once when it dies; tritonserver and the probe
+  endpoint listen on loopback behind them. On stop the proxy stops accepting while tritonserver
+  finishes what is in flight, then both exit.
+- A memory limit (`ops.memory_limit`) around tritonserver and its stubs. A server that died
+  after it had served (a watchdog round passed), an OOM kill under the limit included, is
+  restarted after the shortest delay: a crash a request caused does not escalate the backoff,
+  which is for servers that die before they ever serve.
 """
 
 from __future__ import annotations
@@ -51,7 +59,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from . import settings
+from .memory_limit import MemoryCage
 from .probe import ProbeResult, http_request, probe_model
+from .proxy import FrontDoor
 from .secret_files import remove_secret_file
 from .server_process import (
     ADMIN_HEADER,
@@ -59,6 +69,7 @@ from .server_process import (
     end_process_group,
     group_members,
     hardening_args,
+    loopback_args,
     redact,
     server_command,
     server_environment,
@@ -83,6 +94,16 @@ def _child_setup() -> None:
     """In the forked tritonserver, before exec: die with the supervisor (SIGKILL)."""
     if _prctl is not None:
         _prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def _caged_child_setup(cage: MemoryCage):
+    """`_child_setup`, then enter the memory cage (the stubs tritonserver forks inherit it)."""
+
+    def setup() -> None:
+        _child_setup()
+        cage.enter()
+
+    return setup
 
 
 def log(message: str) -> None:
@@ -115,6 +136,10 @@ class SupervisorConfig:
     admin_key_file: Path | None = None  # a generated key's file, removed at exit
     # dead stubs' regions tritonserver may keep mapped before it is drained and restarted
     shm_leak_limit_bytes: int = field(default_factory=settings.TRITON_SHM_LEAK_LIMIT_BYTES.value)
+    # HAProxy and the stream gate on the public ports; `ports` are then tritonserver's loopback
+    # ones and `admin_key` the internal key the proxy sets on admin requests.
+    front_door: FrontDoor | None = None
+    memory_cage: MemoryCage | None = None
 
     @property
     def http_url(self) -> str:
@@ -122,13 +147,20 @@ class SupervisorConfig:
         return f"127.0.0.1:{self.ports['http']}"
 
     @property
+    def public_http_port(self) -> int:
+        """The HTTP port clients use: the proxy's, or tritonserver's own without one."""
+        return self.front_door.public["http"] if self.front_door else self.ports["http"]
+
+    @property
     def shm_prefix(self) -> str:
         """The /dev/shm prefix of this server's stub regions."""
-        return server_shm_prefix(self.ports["http"])
+        return server_shm_prefix(self.public_http_port)
 
     def command(self) -> list[str]:
         """The tritonserver command line: hardening flags, then the caller's."""
-        args = hardening_args(self.extra_args, self.ports["http"], self.admin_key, self.exit_timeout_s)
+        args = hardening_args(self.extra_args, self.public_http_port, self.admin_key, self.exit_timeout_s)
+        if self.front_door:
+            args = loopback_args() + args
         return server_command(self.model_repository, self.ports, args + self.extra_args)
 
 
@@ -490,6 +522,7 @@ class Supervisor:
         self.drain_restarts = 0
         self._dead_regions: DeadStubRegions | None = None
         self._next_region_sweep = 0.0
+        self.helpers = config.front_door.children() if config.front_door else []
 
     def server_running(self) -> bool:
         """Whether tritonserver runs and no stop was asked for."""
@@ -506,23 +539,28 @@ class Supervisor:
         if not self.config.probe_port:
             return
         handler = type("ProbeHandler", (_ProbeHandler,), {"supervisor": self})
-        self._probe_server = _ProbeServer(("0.0.0.0", self.config.probe_port), handler)
+        # Behind the proxy, which owns the public probe port, it listens on loopback.
+        address = ("127.0.0.1", front_door.internal["probe"]) if (front_door := self.config.front_door) else None
+        self._probe_server = _ProbeServer(address or ("0.0.0.0", self.config.probe_port), handler)
         # A short poll: shutdown() waits up to one for the serving loop, at every stop.
         threading.Thread(
             target=self._probe_server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True, name="probe-http"
         ).start()
-        log(
-            f"readiness on http://0.0.0.0:{self.config.probe_port}/ready (a real inference per model), "
-            f"liveness on /live"
-        )
+        host, port = self._probe_server.server_address[:2]
+        log(f"readiness on http://{host}:{port}/ready (a real inference per model), liveness on /live")
 
     def _start_child(self) -> None:
         command = self.config.command()
         log("+ " + " ".join(redact(command, self.config.admin_key)))
         self.watchdog.reset()
         # Its own session: a terminal's Ctrl-C reaches the supervisor only, which forwards it.
+        cage = self.config.memory_cage
         self.child = subprocess.Popen(
-            command, env=server_environment(), start_new_session=True, preexec_fn=_child_setup, umask=SERVER_UMASK
+            command,
+            env=server_environment(),
+            start_new_session=True,
+            preexec_fn=_caged_child_setup(cage) if cage else _child_setup,
+            umask=SERVER_UMASK,
         )
         self._dead_regions = DeadStubRegions(self.config.shm_prefix)
 
@@ -570,6 +608,9 @@ class Supervisor:
         if child is None:
             return
         asked = self.stop_requested_at or time.monotonic()
+        for helper in self.helpers:  # the proxy stops accepting; what is in flight goes on
+            if helper.soft_stop != signal.SIGTERM:
+                helper.signal(helper.soft_stop)
         if child.poll() is None:
             child.send_signal(signal.SIGTERM)
             kill_at = asked + self.config.exit_timeout_s + KILL_MARGIN_S
@@ -589,8 +630,24 @@ class Supervisor:
         try:
             return self._run()
         finally:
+            for helper in self.helpers:
+                helper.stop()
+            if self.config.front_door is not None:
+                self.config.front_door.clean_up()
+            if self.config.memory_cage is not None:
+                self.config.memory_cage.remove()
             if self.config.admin_key_file is not None:
                 remove_secret_file(self.config.admin_key_file)
+
+    def _tend_helpers(self) -> None:
+        """Start the proxy and the gate, or restart whichever died."""
+        for helper in self.helpers:
+            if helper.running() or not helper.restart_due():
+                continue
+            if helper.process is not None:
+                helper.restarts += 1
+                log(f"{helper.name} died ({describe_exit(helper.process.returncode)}): restart #{helper.restarts}")
+            helper.start()
 
     def _run(self) -> int:
         for signum in (signal.SIGTERM, signal.SIGINT):
@@ -610,14 +667,20 @@ class Supervisor:
             target=self.watchdog.loop, args=(self.stopping, self.server_running), daemon=True, name="watchdog"
         )
         watchdog.start()
+        if self.config.memory_cage is not None:
+            log(self.config.memory_cage.describe())
+        self._tend_helpers()  # the proxy answers 503 until tritonserver is up
         backoff = 0
         try:
             while not self.stopping.is_set():
                 started = time.monotonic()
+                oom_kills = self.config.memory_cage.oom_kills() if self.config.memory_cage else 0
                 self._start_child()  # in the main thread: the parent-death signal follows this thread
-                leaking = False
+                served = leaking = False
                 while not self.stopping.is_set() and self.child.poll() is None and not leaking:
                     self.stopping.wait(0.2)
+                    served = served or self.watchdog.ready()[0]
+                    self._tend_helpers()
                     leaking = not self.stopping.is_set() and self._sweep_dead_regions()
                 if leaking:
                     self._drain_and_stop()
@@ -626,19 +689,23 @@ class Supervisor:
                     break
                 ran = time.monotonic() - started
                 self._clean_up_after(self.child)
-                if ran >= STABLE_RUN_S:
-                    backoff = 0
+                out_of_memory = self.config.memory_cage is not None and self.config.memory_cage.oom_kills() > oom_kills
+                if ran >= STABLE_RUN_S or served:
+                    backoff = 0  # it served: a request killed it, not a broken start
                 delay = RESTART_BACKOFF_S[min(backoff, len(RESTART_BACKOFF_S) - 1)]
                 backoff += 1
                 self.restarts += 1
                 log(
-                    f"tritonserver died ({describe_exit(self.child.returncode)}) after {ran:.1f} s; "
-                    f"restart #{self.restarts} in {delay:g} s"
+                    f"tritonserver died ({describe_exit(self.child.returncode)}"
+                    f"{', killed by its memory limit' if out_of_memory else ''}) after {ran:.1f} s"
+                    f"{' of serving' if served else ', before it served'}; restart #{self.restarts} in {delay:g} s"
                 )
                 self.stopping.wait(delay)
         finally:
             self.stopping.set()
             self._stop_child()
+            for helper in self.helpers:
+                helper.stop()
             if self._probe_server is not None:
                 self._probe_server.shutdown()
                 self._probe_server.server_close()

@@ -1,0 +1,240 @@
+"""The front door of `make serve`, attacked through the real launcher (supervisor, HAProxy, stream
+gate, tritonserver on loopback): the non-destructive attacks of bench/hostile.py, the admin
+surface, the request checks the proxy makes before any byte reaches the server, and the proxy's
+own supervision.
+
+HOSTILE_LAUNCHER (a command) and HOSTILE_LAUNCHER_CWD run the attack tests against another
+launcher, e.g. one from before the front door (HOSTILE_LAUNCHER_LEGACY=1: it serves the public
+ports itself); each attack test must then fail. The stack always runs inside a memory cgroup of
+its own where this host can make one; tests that would be destructive without the proxy skip
+when it cannot.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import shlex
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+import tritonclient.utils.shared_memory as shm
+from tritonclient.utils import InferenceServerException
+
+from bench import hostile
+from triton_sampling_mask.client import SamplerClient
+from triton_sampling_mask.client.sampling_params import SamplingParams
+
+from .server import ExternalTritonServer
+
+LEGACY = os.environ.get("HOSTILE_LAUNCHER_LEGACY") == "1"
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    """`sampler` and `generate` behind the launcher's front door, on free ports."""
+    if ExternalTritonServer.from_environment() is not None:
+        pytest.skip("attacks the launcher's own front door: needs a local launcher")
+    work = tmp_path_factory.mktemp("front-door")
+    launcher = shlex.split(os.environ.get("HOSTILE_LAUNCHER", "")) or None
+    cwd = Path(os.environ["HOSTILE_LAUNCHER_CWD"]) if os.environ.get("HOSTILE_LAUNCHER_CWD") else None
+    running = hostile.launch(
+        hostile.shipped_repository(work / "model_repository"),
+        work / "launcher.log",
+        launcher=launcher,
+        cwd=cwd,
+        nofile=1024,  # a common container default: without the proxy ~1,100 idle connections suffice
+        legacy=LEGACY,
+    )
+    yield running
+    running.stop()
+
+
+def assert_held(outcome: hostile.Outcome, stack: hostile.Stack) -> None:
+    print(f"\n{outcome.row()}")
+    assert outcome.held, f"{outcome.attack}: {outcome.detail}\n{stack.log_tail()}"
+
+
+def test_admin_apis_logging_and_trace_need_the_key_and_stub_regions_are_never_registered(stack):
+    assert_held(hostile.admin_surface(stack), stack)
+
+
+def test_the_admin_key_is_on_no_command_line_and_the_front_door_files_are_private(stack):
+    assert_held(hostile.secrets_exposed(stack), stack)
+
+
+def test_a_json_shape_larger_than_its_body_is_refused_before_the_server(stack):
+    if not stack.proxied and stack.cage is None:
+        pytest.skip("without the proxy this body takes the host's memory, and no memory cgroup can hold it here")
+    assert_held(hostile.json_shape(stack), stack)
+
+
+def test_an_idle_connection_flood_from_one_address_leaves_others_served(stack):
+    assert_held(hostile.idle_flood(stack, connections=1200, hold_s=4.0), stack)
+
+
+def test_an_unread_stream_of_tiny_requests_pins_no_memory_and_sheds_no_one(stack):
+    assert_held(hostile.unread_stream(stack, seconds=8.0), stack)
+
+
+def post(port: int, path: str, body: bytes, headers: dict | None = None) -> tuple[int | None, str]:
+    return hostile.request(port, "POST", path, body, {"Content-Type": "application/json", **(headers or {})})
+
+
+@pytest.mark.parametrize(
+    "body, headers, status, message",
+    [
+        (b'{"inputs":[' * 40 + b"]}" * 40, {}, 400, "nests more than"),
+        (
+            rb'{"inputs":[{"name":"logits","\u0073hape":[1,1099511627776],"datatype":"FP32","data":[1.0]}]}',
+            {},
+            400,
+            "escapes",
+        ),
+        (
+            json.dumps({"inputs": [{"name": "logits", "shape": [1, 2**40]}]}).encode(),
+            {},
+            400,
+            "more than the request body",
+        ),
+        (json.dumps({"inputs": [{"name": "logits", "shape": [1, -5]}]}).encode(), {}, 400, "non-negative integers"),
+        (b"{" + b" " * 20000 + b"}", {}, 413, "send tensors as binary data"),
+        (b"{}", {"Content-Encoding": "gzip"}, 400, "compressed"),
+    ],
+    ids=["nested", "escaped-key", "huge-shape", "negative-shape", "json-over-cap", "compressed"],
+)
+def test_the_proxy_refuses_what_tritonserver_would_choke_on(stack, body, headers, status, message):
+    if not stack.proxied:
+        pytest.skip("the proxy's own checks")
+    answer = post(stack.ports["http"], "/v2/models/sampler/infer", body, headers)
+    assert answer[0] == status and message in answer[1], answer
+    assert stack.sampler_answers()
+
+
+def test_chunked_and_oversized_bodies_are_refused_before_they_are_read(stack):
+    if not stack.proxied:
+        pytest.skip("the proxy's own checks")
+    conn = http.client.HTTPConnection("127.0.0.1", stack.ports["http"], timeout=10)
+    conn.putrequest("POST", "/v2/models/sampler/infer")
+    conn.putheader("Content-Length", str(2**31))  # no body follows: the cap is checked on the header
+    conn.endheaders()
+    response = conn.getresponse()
+    assert response.status == 413 and "request body over" in response.read().decode()
+    conn.close()
+    conn = http.client.HTTPConnection("127.0.0.1", stack.ports["http"], timeout=10)
+    conn.putrequest("POST", "/v2/models/sampler/infer")
+    conn.putheader("Transfer-Encoding", "chunked")
+    conn.endheaders()
+    conn.send(b"2\r\n{}\r\n0\r\n\r\n")
+    response = conn.getresponse()
+    assert response.status == 400 and "chunked" in response.read().decode()
+    conn.close()
+
+
+def test_metrics_and_probe_ports_answer_reads_only(stack):
+    if not stack.proxied:
+        pytest.skip("the proxy's own routes")
+    assert hostile.request(stack.ports["metrics"], "GET", "/metrics")[0] == 200
+    assert hostile.request(stack.ports["metrics"], "POST", "/metrics", b"x")[0] == 403
+    assert hostile.request(stack.ports["probe"], "GET", "/ready")[0] == 200
+    assert hostile.request(stack.ports["probe"], "DELETE", "/ready")[0] == 403
+
+
+def listening_addresses(port: int) -> set[str]:
+    """The local IPv4 addresses (dotted) that listen on `port`, IPv4-mapped IPv6 ones included."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, hex_port = local.split(":")
+            if state != "0A" or int(hex_port, 16) != port:
+                continue
+            if len(address) == 32 and address.startswith("0000000000000000FFFF0000"):
+                address = address[24:]  # ::ffff:a.b.c.d
+            if len(address) == 8:
+                found.add(".".join(str(b) for b in reversed(bytes.fromhex(address))))
+            else:
+                found.add(f"ipv6 {address}")
+    return found
+
+
+def test_tritonserver_listens_on_loopback_only_and_checks_its_own_internal_key(stack):
+    if not stack.proxied:
+        pytest.skip("behind the proxy only")
+    for port in (stack.server_http_port, stack.server_http_port + 1, stack.server_http_port + 2):  # HTTP, gRPC, metrics
+        assert listening_addresses(port) == {"127.0.0.1"}, port
+    [pid] = hostile.pids_with_argument(f"--http-port={stack.server_http_port}")
+    argv = (Path(f"/proc/{pid}/cmdline").read_bytes()).decode().split("\0")
+    restricted = [arg for arg in argv if arg.startswith("--http-restricted-api=")]
+    assert len(restricted) == 1 and "shared-memory,model-repository,logging,trace:" in restricted[0]
+    assert hostile.ADMIN_KEY not in restricted[0]
+    # the user's key does not open tritonserver's own port: only the proxy's internal key does
+    status, _ = post(stack.server_http_port, "/v2/logging", b"{}", {hostile.ADMIN_HEADER: hostile.ADMIN_KEY})
+    assert status == 403
+
+
+def test_system_shared_memory_works_through_the_proxy_with_the_key(stack):
+    logits = np.random.default_rng(0).standard_normal((2, 64)).astype(np.float32)
+    params = SamplingParams(temperature=0.8, top_k=8, seed=3, return_sampling_mask=True)
+    for protocol, url in (("http", stack.http_url), ("grpc", stack.grpc_url)):
+        with SamplerClient(url, protocol=protocol) as plain:
+            expected = plain.sample(logits, params).output_ids
+        with SamplerClient(url, protocol=protocol, admin_key=hostile.ADMIN_KEY) as keyed:
+            np.testing.assert_array_equal(keyed.sample(logits, params, use_shared_memory=True).output_ids, expected)
+    # a region of the client's own, registered and unregistered by hand with the key
+    name, key = f"front-door-{os.getpid()}", f"/front-door-{os.getpid()}"
+    region = shm.create_shared_memory_region(name, key, 64)
+    client = httpclient.InferenceServerClient(stack.http_url)
+    try:
+        client.register_system_shared_memory(name, key, 64, headers={hostile.ADMIN_HEADER: hostile.ADMIN_KEY})
+        client.unregister_system_shared_memory(name, headers={hostile.ADMIN_HEADER: hostile.ADMIN_KEY})
+        with pytest.raises(InferenceServerException) as refusal:
+            client.register_system_shared_memory(name, key, 64)
+        assert refusal.value.status() == "403"
+    finally:
+        client.close()
+        shm.destroy_shared_memory_region(region)
+
+
+def test_grpc_admin_methods_need_the_key(stack):
+    client = grpcclient.InferenceServerClient(stack.grpc_url)
+    try:
+        with pytest.raises(InferenceServerException) as refusal:
+            client.get_model_repository_index()
+        assert refusal.value.status() in ("StatusCode.PERMISSION_DENIED", "StatusCode.UNAVAILABLE")
+        index = client.get_model_repository_index(headers={hostile.GRPC_ADMIN_HEADER: hostile.ADMIN_KEY})
+        assert {model.name for model in index.models} == {"sampler", "generate"}
+    finally:
+        client.close()
+
+
+def proxy_pid(stack: hostile.Stack) -> int | None:
+    """The pid of the stack's HAProxy (the one whose config names this stack's ports)."""
+    for pid in hostile.pids_with_argument("-db"):
+        try:
+            config = Path(Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")[-2])
+            if f":{stack.ports['http']}\n" in config.read_text():
+                return pid
+        except (OSError, IndexError):
+            continue
+    return None
+
+
+def test_a_dead_proxy_is_restarted_by_the_supervisor(stack):
+    if not stack.proxied:
+        pytest.skip("behind the proxy only")
+    pid = proxy_pid(stack)
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 20
+    while not stack.sampler_answers():
+        assert time.monotonic() < deadline, stack.log_tail()
+        time.sleep(0.2)
+    assert proxy_pid(stack) not in (None, pid)
+    assert "haproxy died (signal SIGKILL): restart #1" in stack.log_tail(20000)

@@ -1,0 +1,504 @@
+"""The front door's HAProxy configuration, generated from the settings and the model configs.
+
+HAProxy owns the public ports; tritonserver, the stream gate and the supervisor's probe listen
+on loopback behind it. What each part of the generated config defends (docs/operations.md, "The
+front door"):
+
+- connection caps (all ports together, and per client address per port) and timeouts on the
+  request head, idle keep-alive connections and silent clients: idle-connection floods;
+- an allow-list of routes: everything but health, metadata, statistics and inference needs the
+  admin key, which the proxy checks against a 0600 file and replaces with tritonserver's
+  internal key; no client can register the server's own stub regions as shared memory;
+- no chunked or compressed bodies, a body cap per route (derived from each model's
+  config.pbtxt), and the JSON part of HTTP /infer bodies read and checked before any byte
+  reaches the server (json_checks.lua: declared shapes larger than the body, deep nesting);
+- per model route, at most PROXY_MAX_IN_FLIGHT requests in tritonserver: the next ones wait in
+  the proxy, which sheds them with 503 / UNAVAILABLE beyond PROXY_MAX_QUEUE waiting or after
+  PROXY_QUEUE_TIMEOUT_S, before their bodies reach the server;
+- gRPC ModelStreamInfer goes through the stream gate (ops.stream_gate), which bounds the
+  requests a stream has open; HTTP/2 streams per connection are capped;
+- access logs sampled 1 in PROXY_LOG_SAMPLE, never blocking the proxy.
+
+`render(plan)` is a pure function of a `ProxyPlan`; `ops.proxy` writes it and runs HAProxy.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import settings
+
+LUA_CHECKS = Path(__file__).resolve().parent / "haproxy" / "json_checks.lua"
+GRPC_SERVICE = "/inference.GRPCInferenceService/"
+# Methods anyone may call; every other method needs the admin key.
+GRPC_PUBLIC_METHODS = (
+    "ServerLive",
+    "ServerReady",
+    "ModelReady",
+    "ServerMetadata",
+    "ModelMetadata",
+    "ModelConfig",
+    "ModelStatistics",
+    "ModelInfer",
+    "ModelStreamInfer",
+)
+# The Python backend's stub regions: their names all start with this (shm_cleanup.DEFAULT_STUB_PREFIX).
+STUB_REGION_PREFIX = "triton_python_backend_shm_region"
+DTYPE_BYTES = {
+    "TYPE_BOOL": 1,
+    "TYPE_UINT8": 1,
+    "TYPE_INT8": 1,
+    "TYPE_UINT16": 2,
+    "TYPE_INT16": 2,
+    "TYPE_FP16": 2,
+    "TYPE_BF16": 2,
+    "TYPE_UINT32": 4,
+    "TYPE_INT32": 4,
+    "TYPE_FP32": 4,
+    "TYPE_UINT64": 8,
+    "TYPE_INT64": 8,
+    "TYPE_FP64": 8,
+}
+# The config parameters that bound a variable (-1) input dimension, by preference.
+VARIABLE_DIM_BOUNDS = ("max_vocab_size", "kv_budget_tokens")
+# A model whose config bounds no variable dimension: its bodies may be this large.
+UNBOUNDED_MODEL_BODY_BYTES = 64 * 2**20
+# Bytes an integer may take as JSON text (sign, 10 digits, comma) against 4 as binary: decoupled
+# models take JSON bodies on HTTP /generate.
+JSON_TEXT_FACTOR = 3
+BODY_SLACK_BYTES = 64 * 1024  # scalars, tensor names and the rest of a body beside its largest inputs
+OTHER_BODY_BYTES = 64 * 1024  # any other route (admin JSON bodies)
+# What a client without the key reads (the header's name follows).
+RESTRICTED = "this API is restricted: it needs the header"
+# What a shed client reads: refused at once (the queue is full) or after waiting out the queue.
+QUEUE_FULL = "server busy: the queue for this model is full, retry with backoff"
+QUEUE_TIMEOUT = (
+    "server unavailable: no slot freed within the queue timeout, or the server is restarting; retry with backoff"
+)
+SIDE_PORT_CONNECTIONS = 64  # the metrics and probe ports each: scrapers and kubelets
+# HAProxy's buffer per direction of a connection, taken only while data passes, and the HTTP/2
+# window it grants each stream: with 2.6's defaults (16 KiB, 64 KiB) a large gRPC call spends most
+# of its extra time through the proxy waiting on window updates and buffer turns. Memory stays
+# bounded: a stream whose buffer is full stops its connection's reads.
+BUFFER_BYTES = 65536
+H2_WINDOW_BYTES = 2**20
+
+
+@dataclass(frozen=True)
+class ModelRoute:
+    """What the proxy needs of one model: its name, whether it is decoupled (generate-like, long
+    requests on their own route) and the largest body a request to it may carry."""
+
+    name: str
+    decoupled: bool
+    body_limit_bytes: int
+
+
+def _strip_comments(text: str) -> str:
+    lines = []
+    for line in text.splitlines():
+        in_string = False
+        for i, char in enumerate(line):
+            if char == '"':
+                in_string = not in_string
+            elif char == "#" and not in_string:
+                line = line[:i]
+                break
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def _block(text: str, key: str) -> str:
+    """The text inside `key [ ... ]` (brackets matched), or ''."""
+    match = re.search(rf"\b{key}\s*\[", text)
+    if not match:
+        return ""
+    depth, start = 0, match.end() - 1
+    for i in range(start, len(text)):
+        depth += {"[": 1, "]": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[start + 1 : i]
+    raise ValueError(f"unbalanced brackets after {key!r}")
+
+
+def model_route(config_path: Path, json_header_bytes: int) -> ModelRoute:
+    """A model's route from its config.pbtxt: max_batch_size rows of every input at its largest
+    (a -1 dimension bounded by `max_vocab_size` or `kv_budget_tokens`), times the JSON text factor
+    for decoupled models, plus slack for the JSON header and scalars."""
+    text = _strip_comments(Path(config_path).read_text())
+    name = Path(config_path).parent.name  # Triton requires the folder's name
+    batch = re.search(r"\bmax_batch_size\s*:\s*(\d+)", text)
+    rows = max(1, int(batch.group(1)) if batch else 1)
+    decoupled = re.search(r"\bdecoupled\s*:\s*true\b", text) is not None
+    parameters = dict(re.findall(r'key\s*:\s*"([^"]+)"\s*,?\s*value\s*:\s*\{\s*string_value\s*:\s*"([^"]*)"', text))
+    bound = next((int(parameters[key]) for key in VARIABLE_DIM_BOUNDS if parameters.get(key, "").isdigit()), None)
+    row_bytes = 0
+    for entry in re.findall(r"\{([^{}]*)\}", _block(text, "input")):
+        data_type = re.search(r"data_type\s*:\s*(TYPE_\w+)", entry)
+        dims = re.search(r"dims\s*:\s*\[([^\]]*)\]", entry)
+        if not data_type or not dims:
+            continue
+        elements = 1
+        for dim in (int(d) for d in dims.group(1).replace(",", " ").split()):
+            if dim < 0 and bound is None:
+                return ModelRoute(name, decoupled, UNBOUNDED_MODEL_BODY_BYTES)
+            elements *= bound if dim < 0 else dim
+        row_bytes += elements * DTYPE_BYTES.get(data_type.group(1), 8)
+    factor = JSON_TEXT_FACTOR if decoupled else 1
+    return ModelRoute(name, decoupled, rows * row_bytes * factor + json_header_bytes + BODY_SLACK_BYTES)
+
+
+def model_routes(repository: Path, json_header_bytes: int) -> list[ModelRoute]:
+    """Every model of a repository (each folder with a config.pbtxt), by name."""
+    return [model_route(path, json_header_bytes) for path in sorted(Path(repository).glob("*/config.pbtxt"))]
+
+
+@dataclass(frozen=True)
+class ProxyLimits:
+    """The proxy's numbers, from the PROXY_* settings (docs/settings.md)."""
+
+    max_connections: int = settings.PROXY_MAX_CONNECTIONS.default
+    connections_per_ip: int = settings.PROXY_CONNECTIONS_PER_IP.default
+    grpc_connections_per_ip: int = settings.PROXY_GRPC_CONNECTIONS_PER_IP.default
+    streams_per_connection: int = settings.PROXY_STREAMS_PER_CONNECTION.default
+    max_in_flight: int = settings.PROXY_MAX_IN_FLIGHT.default
+    max_queue: int = settings.PROXY_MAX_QUEUE.default
+    queue_timeout_s: float = settings.PROXY_QUEUE_TIMEOUT_S.default
+    request_timeout_s: float = settings.PROXY_REQUEST_TIMEOUT_S.default
+    idle_timeout_s: float = settings.PROXY_IDLE_TIMEOUT_S.default
+    client_timeout_s: float = settings.PROXY_CLIENT_TIMEOUT_S.default
+    server_timeout_s: float = settings.PROXY_SERVER_TIMEOUT_S.default
+    json_header_bytes: int = settings.PROXY_JSON_HEADER_BYTES.default
+    log_sample: int = settings.PROXY_LOG_SAMPLE.default
+    stream_max_open: int = settings.PROXY_STREAM_MAX_OPEN.default
+
+    @classmethod
+    def from_settings(cls) -> ProxyLimits:
+        """The limits the environment sets."""
+        return cls(
+            max_connections=settings.PROXY_MAX_CONNECTIONS.value(),
+            connections_per_ip=settings.PROXY_CONNECTIONS_PER_IP.value(),
+            grpc_connections_per_ip=settings.PROXY_GRPC_CONNECTIONS_PER_IP.value(),
+            streams_per_connection=settings.PROXY_STREAMS_PER_CONNECTION.value(),
+            max_in_flight=settings.PROXY_MAX_IN_FLIGHT.value(),
+            max_queue=settings.PROXY_MAX_QUEUE.value(),
+            queue_timeout_s=settings.PROXY_QUEUE_TIMEOUT_S.value(),
+            request_timeout_s=settings.PROXY_REQUEST_TIMEOUT_S.value(),
+            idle_timeout_s=settings.PROXY_IDLE_TIMEOUT_S.value(),
+            client_timeout_s=settings.PROXY_CLIENT_TIMEOUT_S.value(),
+            server_timeout_s=settings.PROXY_SERVER_TIMEOUT_S.value(),
+            json_header_bytes=settings.PROXY_JSON_HEADER_BYTES.value(),
+            log_sample=settings.PROXY_LOG_SAMPLE.value(),
+            stream_max_open=settings.PROXY_STREAM_MAX_OPEN.value(),
+        )
+
+    @property
+    def total_connections(self) -> int:
+        """The global cap: the HTTP and gRPC ports' shares plus the metrics and probe ports'."""
+        return self.max_connections + 2 * SIDE_PORT_CONNECTIONS
+
+    def descriptors_needed(self) -> int:
+        """File descriptors HAProxy needs for all its connections (a client and a server side each)."""
+        return 2 * self.total_connections + 200
+
+
+@dataclass(frozen=True)
+class ProxyPlan:
+    """Everything the generated config names: ports, key files, model routes and limits.
+
+    `public` and `internal` map "http", "grpc", "metrics" and "probe" (0: none) to ports; internal
+    also has "stream_gate". The admin key file holds the user's key (one line, 0600; None: the
+    admin APIs are open to anyone); the internal key is what tritonserver's restricted APIs expect,
+    so the config file holding it is 0600 too."""
+
+    public: dict[str, int]
+    internal: dict[str, int]
+    admin_key_file: Path | None
+    internal_key: str
+    routes: list[ModelRoute]
+    limits: ProxyLimits = field(default_factory=ProxyLimits)
+    admin_header: str = "triton-admin-key"
+    bind_address: str = "0.0.0.0"
+
+    @property
+    def grpc_admin_header(self) -> str:
+        """The header gRPC clients send the key in (Triton's restricted-protocol form)."""
+        return "triton-grpc-protocol-" + self.admin_header
+
+
+def _seconds(value: float) -> str:
+    return f"{max(1, round(value * 1000))}ms"
+
+
+def _json_error(message: str) -> str:
+    """A `content-type ... string ...` clause answering Triton's JSON error shape."""
+    return f'content-type application/json string "{{\\"error\\":\\"{message}\\"}}"'
+
+
+def _grpc_error(code: int, message: str) -> str:
+    """An `http-request return` answering a gRPC call with status `code` (trailers-only)."""
+    return f'http-request return status 200 hdr grpc-status {code} hdr grpc-message "{message}"'
+
+
+def _model_path(names: list[str], suffix: str) -> str:
+    escaped = "|".join(re.escape(name) for name in names)
+    return f"^/v2/models/({escaped})(/versions/[0-9]+)?{suffix}$"
+
+
+def _frontend_head(
+    name: str, address: str, port: int, table: str, maxconn: int, per_ip: int, h2: bool = False
+) -> list[str]:
+    return [
+        f"frontend {name}",
+        f"    bind {address}:{port}" + (" proto h2" if h2 else ""),
+        f"    maxconn {maxconn}",
+        f"    tcp-request connection track-sc0 src table {table}",
+        f"    tcp-request connection reject if {{ sc0_conn_cur({table}) gt {per_ip} }}",
+    ]
+
+
+def _table(name: str) -> list[str]:
+    return [f"backend {name}", "    stick-table type ip size 100k expire 60s store conn_cur", ""]
+
+
+def _shed_backend(
+    name: str, port: int, limits: ProxyLimits, queue_timeout_s: float, h2: bool = False, extra: tuple = ()
+) -> list[str]:
+    """A model route's backend: at most max_in_flight requests at tritonserver, the rest queued."""
+    return [
+        f"backend {name}",
+        f"    timeout queue {_seconds(queue_timeout_s)}",
+        *extra,
+        f"    server triton 127.0.0.1:{port}" + (" proto h2" if h2 else "") + f" maxconn {limits.max_in_flight}",
+        "",
+    ]
+
+
+def render(plan: ProxyPlan) -> str:
+    """The haproxy.cfg text for `plan` (HAProxy 2.6; `haproxy -c` validates it)."""
+    limits, public, internal = plan.limits, plan.public, plan.internal
+    routes = plan.routes
+    samplers = [route.name for route in routes if not route.decoupled]
+    generators = [route.name for route in routes if route.decoupled]
+    key_file = plan.admin_key_file
+    lines = [
+        "# Generated by triton_sampling_mask.ops.proxy_config: edit the settings, not this file.",
+        "global",
+        f"    maxconn {limits.total_connections}",
+        f"    log stdout format raw sample 1:{max(1, limits.log_sample)} local0 info",
+        f"    tune.bufsize {BUFFER_BYTES}",
+        f"    tune.h2.initial-window-size {H2_WINDOW_BYTES}",
+        f"    tune.h2.max-concurrent-streams {limits.streams_per_connection}",
+        "    tune.lua.maxmem 64",
+        f"    lua-load-per-thread {LUA_CHECKS}",
+        "    hard-stop-after 10s",
+        "    # no stats socket: its 'show acl' would print the admin key",
+        "",
+        "defaults",
+        "    mode http",
+        "    log global",
+        "    option dontlognull",
+        '    log-format "%ci [%tr] %ft %b %TR/%Tw/%Tc/%Tr/%Ta %ST %U/%B %tsc %ac/%fc/%bc/%sc %{+Q}r"',
+        "    timeout connect 5s",
+        f"    timeout http-request {_seconds(limits.request_timeout_s)}",
+        f"    timeout http-keep-alive {_seconds(limits.idle_timeout_s)}",
+        f"    timeout client {_seconds(limits.client_timeout_s)}",
+        f"    timeout server {_seconds(limits.server_timeout_s)}",
+        f"    timeout queue {_seconds(limits.queue_timeout_s)}",
+        "    timeout client-fin 5s",
+        "    timeout server-fin 5s",
+        "",
+        *_table("st_http"),
+        *_table("st_grpc"),
+        *_table("st_side"),
+    ]
+
+    # ---- HTTP ----
+    half = max(1, limits.max_connections // 2)
+    lines += _frontend_head("fe_http", plan.bind_address, public["http"], "st_http", half, limits.connections_per_ip)
+    lines += [
+        f"    acl admin_ok req.fhdr({plan.admin_header}) -m str -f {key_file}"
+        if key_file
+        else "    acl admin_ok always_true",
+        "    acl is_read method GET HEAD",
+        "    acl is_post method POST",
+        "    acl has_ihcl req.fhdr(inference-header-content-length) -m found",
+        "    acl r_read path /v2 /v2/health/live /v2/health/ready /v2/models/stats",
+        r"    acl r_read path_reg ^/v2/models/[^/]+(/versions/[0-9]+)?(/ready|/config|/stats)?$",
+    ]
+    if samplers:
+        lines.append(f"    acl r_sampler path_reg {_model_path(samplers, '/infer')}")
+    if generators:
+        lines.append(f"    acl r_generate path_reg {_model_path(generators, '/(infer|generate|generate_stream)')}")
+    lines += [
+        *([f"    acl r_infer path_reg {_model_path([r.name for r in routes], '/infer')}"] if routes else []),
+        r"    acl r_register path_reg ^/v2/(system|cuda)sharedmemory/region/[^/]+/register$",
+        "    # framing no cap can see: chunked bodies, and compressed ones (Triton would inflate them)",
+        "    http-request deny deny_status 400 "
+        + _json_error("chunked request bodies are not accepted: send Content-Length")
+        + " if { req.hdr(transfer-encoding) -m found }",
+        "    http-request deny deny_status 400 "
+        + _json_error("compressed request bodies are not accepted")
+        + " if { req.hdr(content-encoding) -m found }",
+        "    # the allow-list: anything but reads and inference needs the admin key",
+        "    http-request set-var(txn.public) bool(true) if is_read r_read",
+    ]
+    if samplers:
+        lines.append("    http-request set-var(txn.public) bool(true) if is_post r_sampler")
+    if generators:
+        lines.append("    http-request set-var(txn.public) bool(true) if is_post r_generate")
+    lines += [
+        "    http-request deny deny_status 403 "
+        + _json_error(f"{RESTRICTED} '{plan.admin_header}'")
+        + " unless { var(txn.public) -m bool } or admin_ok",
+        "    # the server's own stub regions are never a client's shared memory",
+        "    http-request wait-for-body time " + _seconds(limits.request_timeout_s) + " if r_register",
+        "    http-request deny deny_status 403 "
+        + _json_error("the server's own shared-memory regions cannot be registered")
+        + f" if r_register {{ req.body -m sub {STUB_REGION_PREFIX} }} or r_register {{ path -m sub {STUB_REGION_PREFIX} }}",
+        "    http-request deny deny_status 400 "
+        + _json_error("\\\\u escapes are not accepted in request JSON")
+        + ' if r_register { req.body -m sub "\\\\u" }',
+        "    # body caps, checked on Content-Length before any byte is read",
+    ]
+    for index, route in enumerate(routes):
+        suffix = "/(infer|generate|generate_stream)" if route.decoupled else "/infer"
+        lines += [
+            f"    acl r_model_{index} path_reg {_model_path([route.name], suffix)}",
+            "    http-request deny deny_status 413 "
+            + _json_error(f"request body over {route.body_limit_bytes} bytes for model '{route.name}'")
+            + f" if r_model_{index} {{ req.body_size gt {route.body_limit_bytes} }}",
+        ]
+    model_acls = " ".join(f"!r_model_{index}" for index in range(len(routes)))
+    lines += [
+        "    http-request deny deny_status 413 "
+        + _json_error(f"request body over {OTHER_BODY_BYTES} bytes")
+        + f" if {model_acls} {{ req.body_size gt {OTHER_BODY_BYTES} }}",
+    ]
+    if routes:
+        header_cap = limits.json_header_bytes
+        lines += [
+            "    # the JSON part of an /infer body is read and checked first; tensors beyond it go binary",
+            f"    http-request wait-for-body time {_seconds(limits.request_timeout_s)} if r_infer",
+            "    http-request set-var(txn.json_bytes) req.fhdr(inference-header-content-length) if r_infer has_ihcl",
+            "    http-request set-var(txn.json_bytes) req.body_size if r_infer !has_ihcl",
+            "    http-request deny deny_status 413 "
+            + _json_error(
+                f"the JSON part of an /infer body may be {header_cap} bytes at most: send tensors as binary data"
+            )
+            + f" if r_infer {{ var(txn.json_bytes) -m int gt {header_cap} }}",
+            "    http-request deny deny_status 408 "
+            + _json_error("the JSON part of the body did not arrive in time")
+            + " if r_infer { req.body_len,sub(txn.json_bytes) lt 0 }",
+            "    http-request lua.check_infer_json if r_infer",
+        ]
+    if generators:
+        lines += [
+            f"    http-request wait-for-body time {_seconds(limits.request_timeout_s)} if r_generate !r_infer",
+            "    http-request lua.check_generate_json if r_generate !r_infer",
+        ]
+    lines += [
+        "    http-request deny deny_status 400 content-type application/json "
+        + 'lf-string "{\\"error\\":\\"%[var(txn.json_error)]\\"}" if { var(txn.json_error) -m found }',
+        "    # shedding: beyond max_queue waiting a request is refused at once, before its body is read",
+    ]
+    if samplers:
+        lines.append(
+            "    http-request deny deny_status 503 "
+            + _json_error(QUEUE_FULL)
+            + f" if r_sampler {{ queue(be_http_sampler) ge {limits.max_queue} }}"
+        )
+    if generators:
+        lines.append(
+            "    http-request deny deny_status 503 "
+            + _json_error(QUEUE_FULL)
+            + f" if r_generate {{ queue(be_http_generate) ge {limits.max_queue} }}"
+        )
+    lines += [
+        # decided once: the set-header below changes what admin_ok reads
+        "    http-request set-var(txn.admin) bool(true) if admin_ok",
+        f"    http-request set-header {plan.admin_header} {plan.internal_key} if {{ var(txn.admin) -m bool }}",
+        f"    http-request del-header {plan.admin_header} unless {{ var(txn.admin) -m bool }}",
+    ]
+    if samplers:
+        lines.append("    use_backend be_http_sampler if r_sampler")
+    if generators:
+        lines.append("    use_backend be_http_generate if r_generate")
+    lines += ["    default_backend be_http_other", ""]
+    shed_503 = "    http-error status 503 " + _json_error(QUEUE_TIMEOUT)
+    lines += _shed_backend("be_http_sampler", internal["http"], limits, limits.queue_timeout_s, extra=(shed_503,))
+    lines += _shed_backend("be_http_generate", internal["http"], limits, limits.server_timeout_s, extra=(shed_503,))
+    lines += _shed_backend("be_http_other", internal["http"], limits, limits.queue_timeout_s, extra=(shed_503,))
+
+    # ---- gRPC ----
+    public_methods = " ".join(GRPC_SERVICE + method for method in GRPC_PUBLIC_METHODS)
+    lines += _frontend_head(
+        "fe_grpc", plan.bind_address, public["grpc"], "st_grpc", half, limits.grpc_connections_per_ip, h2=True
+    )
+    lines += [
+        f"    timeout client {_seconds(limits.server_timeout_s)}",
+        f"    acl admin_ok req.fhdr({plan.grpc_admin_header}) -m str -f {key_file}"
+        if key_file
+        else "    acl admin_ok always_true",
+        f"    acl g_public path {public_methods}",
+        f"    acl g_infer path {GRPC_SERVICE}ModelInfer",
+        f"    acl g_stream path {GRPC_SERVICE}ModelStreamInfer",
+        f"    acl g_register path {GRPC_SERVICE}SystemSharedMemoryRegister {GRPC_SERVICE}CudaSharedMemoryRegister",
+        "    acl g_compressed req.hdr(grpc-encoding) -m found",
+        "    acl g_identity req.hdr(grpc-encoding) identity",
+        "    # a compressed message would hide its body from the checks below",
+        "    " + _grpc_error(3, "compressed gRPC messages are not accepted") + " if g_compressed !g_identity",
+        "    " + _grpc_error(7, f"{RESTRICTED} '{plan.grpc_admin_header}'") + " unless g_public or admin_ok",
+        f"    http-request wait-for-body time {_seconds(limits.request_timeout_s)} if g_register",
+        "    "
+        + _grpc_error(7, "the server's own shared-memory regions cannot be registered")
+        # hex: the body is a binary gRPC frame, and as a string it would end at its first zero byte
+        + f" if g_register {{ req.body,hex -m sub {STUB_REGION_PREFIX.encode().hex().upper()} }}",
+        "    " + _grpc_error(14, QUEUE_FULL) + f" if g_infer {{ queue(be_grpc_infer) ge {limits.max_queue} }}",
+        "    " + _grpc_error(14, QUEUE_FULL) + f" if g_stream {{ queue(be_grpc_stream) ge {limits.max_queue} }}",
+        # decided once: the set-header below changes what admin_ok reads
+        "    http-request set-var(txn.admin) bool(true) if admin_ok",
+        f"    http-request set-header {plan.grpc_admin_header} {plan.internal_key} if {{ var(txn.admin) -m bool }}",
+        f"    http-request del-header {plan.grpc_admin_header} unless {{ var(txn.admin) -m bool }}",
+        "    use_backend be_grpc_infer if g_infer",
+        "    use_backend be_grpc_stream if g_stream",
+        "    default_backend be_grpc_other",
+        "",
+    ]
+    # One client's stalled stream blocks the whole HTTP/2 connection it rides on toward the server:
+    # no backend connection is ever shared between two clients.
+    grpc_503 = f'    http-error status 503 hdr grpc-status 14 hdr grpc-message "{QUEUE_TIMEOUT}"'
+    reuse = "    http-reuse never"
+    lines += _shed_backend(
+        "be_grpc_infer", internal["grpc"], limits, limits.queue_timeout_s, h2=True, extra=(reuse, grpc_503)
+    )
+    lines += _shed_backend(
+        "be_grpc_stream",
+        internal["stream_gate"],
+        limits,
+        limits.queue_timeout_s,
+        h2=True,
+        extra=(reuse, grpc_503, f"    timeout server {_seconds(limits.server_timeout_s)}"),
+    )
+    lines += _shed_backend(
+        "be_grpc_other", internal["grpc"], limits, limits.queue_timeout_s, h2=True, extra=(reuse, grpc_503)
+    )
+
+    # ---- metrics and probe: GET only ----
+    for name, paths in (("metrics", "/metrics"), ("probe", "/ready /live /status")):
+        if not public.get(name):
+            continue
+        lines += _frontend_head(
+            f"fe_{name}", plan.bind_address, public[name], "st_side", SIDE_PORT_CONNECTIONS, SIDE_PORT_CONNECTIONS // 2
+        )
+        lines += [
+            f"    http-request deny deny_status 403 unless {{ method GET HEAD }} {{ path {paths} }}",
+            f"    default_backend be_{name}",
+            "",
+            f"backend be_{name}",
+            f"    server local 127.0.0.1:{internal[name]} maxconn 16",
+            "",
+        ]
+    return "\n".join(lines) + "\n"
