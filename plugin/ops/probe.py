@@ -41,7 +41,7 @@ NOT_READY_STATUS = 400
 class ProbeResult:
     """The outcome of one probe. `unhealthy`: the model's stub is dead (reload the model);
     `timed_out`: no answer within the timeout; `unreachable`: the server itself did not answer;
-    `shed`: the model's queue policy refused the probe (it is alive but saturated: counts as ok)."""
+    `shed`: a full queue refused the probe with 503 (alive but saturated: counts as ok)."""
 
     model: str
     kind: str  # "sampler", "generate" or "ready"
@@ -183,8 +183,8 @@ def probe_model(url: str, model: str, timeout_s: float = DEFAULT_TIMEOUT_S, conf
         return result(False, f"no answer within {timeout_s:g} s", timed_out=True)
     except ConnectionError as error:
         return result(False, f"server unreachable: {error}", unreachable=True)
-    if status == 503:  # the queue policy shed it: the model runs, the server is saturated
-        return result(True, f"shed by the queue policy: {_error_text(body)}", shed=True)
+    if status == 503:  # a full queue shed it (the front proxy's): the model runs, the server is saturated
+        return result(True, f"shed by a full queue: {_error_text(body)}", shed=True)
     if status != 200:
         message = _error_text(body) if body else f"HTTP {status}"
         stub_dead = UNHEALTHY_STUB in message or (kind == "ready" and status == NOT_READY_STATUS)

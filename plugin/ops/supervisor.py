@@ -293,7 +293,7 @@ class Watchdog:
     def _probe_all(self, names: list[str], round_started: float, generation: int) -> dict[str, ProbeResult]:
         """Probe the models at once, so a hung one delays no other. A model that finished no request
         since the round began is stuck, not busy: one interval into the round, its unanswered probe
-        makes /ready 503 at once (before the probe times out), and a probe its queue policy shed
+        makes /ready 503 at once (before the probe times out), and a probe a full queue shed
         counts as unanswered (a hung stub's queue sheds every request)."""
         if not names:
             return {}
