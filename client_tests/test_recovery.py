@@ -82,7 +82,8 @@ def served(tmp_path_factory):
     command = [sys.executable, "-m", "triton_sampling_mask.ops.launcher", "--model-repository", str(repository)]
     with open(log_path, "w") as log:
         process = subprocess.Popen(
-            [*command, "--probe-timeout", str(PROBE_TIMEOUT_S)],
+            # The supervisor's own behaviour is under test: tritonserver faces the tests directly.
+            [*command, "--probe-timeout", str(PROBE_TIMEOUT_S), "--no-proxy"],
             cwd=REPO_ROOT,
             env=env,
             stdout=log,
@@ -90,7 +91,7 @@ def served(tmp_path_factory):
             start_new_session=True,
             umask=0o022,
         )
-    server = Supervised(process, ports, log_path)
+    server = Supervised(process, ports, log_path, ports["http"])
     try:
         assert_ready(server, 180.0)
         yield server
