@@ -86,6 +86,14 @@ def ports_from_environment() -> dict[str, int]:
     }
 
 
+# Command-line flags that override a setting: flag, setting, meaning.
+SETTING_FLAGS = (
+    ("--probe-port", settings.TRITON_PROBE_PORT, "port of the supervisor's /ready and /live (0: none)"),
+    ("--watchdog-interval", settings.TRITON_WATCHDOG_INTERVAL_S, "seconds between watchdog rounds"),
+    ("--exit-timeout", settings.TRITON_EXIT_TIMEOUT_S, "tritonserver's --exit-timeout-secs"),
+)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Serve a model repository in the foreground (`make serve`, the container's command): under
     the supervisor by default, or exec'd with --no-supervise."""
@@ -96,26 +104,11 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="exec tritonserver: no restarts, no watchdog, no probe endpoint, no /dev/shm cleanup",
     )
-    parser.add_argument(
-        "--probe-port",
-        type=int,
-        default=settings.TRITON_PROBE_PORT.value(),
-        help="port of the supervisor's /ready and /live (TRITON_PROBE_PORT; 0: none; default %(default)s)",
-    )
-    parser.add_argument(
-        "--watchdog-interval",
-        type=float,
-        default=settings.TRITON_WATCHDOG_INTERVAL_S.value(),
-        help="seconds between watchdog rounds (TRITON_WATCHDOG_INTERVAL_S; default %(default)s)",
-    )
+    for flag, setting, meaning in SETTING_FLAGS:  # a flag beats its variable, which beats the default
+        help_text = f"{meaning} ({setting.name}; default %(default)s)"
+        parser.add_argument(flag, type=setting.parse, default=setting.value(), help=help_text)
     parser.add_argument(
         "--probe-timeout", type=float, default=5.0, help="seconds a watchdog inference may take (default %(default)s)"
-    )
-    parser.add_argument(
-        "--exit-timeout",
-        type=int,
-        default=settings.TRITON_EXIT_TIMEOUT_S.value(),
-        help="tritonserver's --exit-timeout-secs (TRITON_EXIT_TIMEOUT_S; default %(default)s)",
     )
     parser.add_argument(
         "--open-admin-apis",

@@ -290,17 +290,6 @@ class FrontedTritonServer(LoopbackUrls):
             raise
         return self
 
-    def is_ready(self) -> bool:
-        """Whether /v2/health/ready answers 200 through the proxy."""
-        import urllib.error
-        import urllib.request
-
-        try:
-            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as response:
-                return response.status == 200
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            return False
-
     def stop(self) -> int | None:
         """Stop the proxy and the gate, then tritonserver; returns tritonserver's exit code."""
         for helper in self.helpers:

@@ -272,6 +272,14 @@ class LoopbackUrls:
         """The full URL of the Prometheus metrics."""
         return f"http://127.0.0.1:{self.ports['metrics']}/metrics"
 
+    def is_ready(self) -> bool:
+        """Whether /v2/health/ready answers 200 on the HTTP endpoint."""
+        try:
+            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as response:
+                return response.status == 200
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            return False
+
 
 class TritonServer(LoopbackUrls):
     """A tritonserver child process on free ports, for tests and benchmarks (a context manager).
@@ -324,14 +332,6 @@ class TritonServer(LoopbackUrls):
             time.sleep(0.25)
         self.stop()
         raise RuntimeError(f"tritonserver not ready within {timeout_s}s:\n{self.log_tail()}")
-
-    def is_ready(self) -> bool:
-        """Whether /v2/health/ready answers 200."""
-        try:
-            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as response:
-                return response.status == 200
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            return False
 
     def stop(self, timeout_s: float = 30.0) -> int | None:
         """SIGTERM (Triton's clean shutdown), then SIGKILL if it lingers; returns the exit code.

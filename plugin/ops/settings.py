@@ -109,11 +109,7 @@ TRITON_ADMIN_KEY_FILE = Setting(
 # The proxy's limits (docs/operations.md, "The front door"). Each model route has its own budget of
 # requests in flight to tritonserver; beyond it requests wait in the proxy, which sheds them (503 /
 # UNAVAILABLE) at once past PROXY_MAX_QUEUE waiting or after PROXY_QUEUE_TIMEOUT_S in the queue.
-PROXY_MAX_CONNECTIONS = Setting(
-    int,
-    2000,
-    "connections the proxy holds at once, half on the HTTP port and half on the gRPC port (about 2 descriptors each)",
-)
+PROXY_MAX_CONNECTIONS = Setting(int, 2000, "connections the proxy holds at once, half on each of HTTP and gRPC")
 PROXY_CONNECTIONS_PER_IP = Setting(int, 256, "HTTP connections one client address may hold at once")
 # gRPC clients multiplex their calls over a connection or two; a silent connection that never
 # sends the HTTP/2 preface lasts PROXY_SERVER_TIMEOUT_S on HAProxy 2.6, hence a lower cap.
@@ -122,11 +118,8 @@ PROXY_STREAMS_PER_CONNECTION = Setting(int, 64, "concurrent HTTP/2 (gRPC) stream
 PROXY_MAX_IN_FLIGHT = Setting(int, 64, "requests (or gRPC streams) per model route in flight to tritonserver at once")
 PROXY_MAX_QUEUE = Setting(int, 32, "requests per model route waiting in the proxy; beyond it a request is shed at once")
 PROXY_QUEUE_TIMEOUT_S = Setting(float, 2.0, "seconds a sampler request may wait in the proxy before it is shed")
-PROXY_STREAM_MAX_OPEN = Setting(
-    int,
-    64,
-    "requests one gRPC stream may have open (sent, not finally answered); the stream gate stops reading it beyond",
-)
+# Open: sent, not finally answered; beyond it the stream gate stops reading the stream.
+PROXY_STREAM_MAX_OPEN = Setting(int, 64, "requests one gRPC stream may have open at once")
 PROXY_REQUEST_TIMEOUT_S = Setting(float, 10.0, "seconds a client has to send a request's head (and an inspected body)")
 PROXY_IDLE_TIMEOUT_S = Setting(float, 10.0, "seconds an idle keep-alive HTTP connection stays open")
 PROXY_CLIENT_TIMEOUT_S = Setting(
