@@ -81,8 +81,10 @@ SIDE_PORT_CONNECTIONS = 64  # the metrics and probe ports each: scrapers and kub
 # HAProxy's buffer per direction of a connection, taken only while data passes, and the HTTP/2
 # window it grants each stream: with 2.6's defaults (16 KiB, 64 KiB) a large gRPC call spends most
 # of its extra time through the proxy waiting on window updates and buffer turns. Memory stays
-# bounded: a stream whose buffer is full stops its connection's reads.
-BUFFER_BYTES = 65536
+# bounded (2 x 256 KiB per connection moving data, under maxconn): a stream whose buffer is full
+# stops its connection's reads. Larger buffers gained little more; larger HTTP/2 frames cost the
+# small step calls (a frame is forwarded only once whole).
+BUFFER_BYTES = 262144
 H2_WINDOW_BYTES = 2**20
 
 
