@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import inspect
 import itertools
 import random
 import threading
@@ -41,7 +42,13 @@ from ..sampling.outputs import BY_NAME, FINISH_REASON, SAMPLING_MASK, TOKEN_OUTP
 from ..sampling.params import PARAM_SPECS, SEED, RowParams
 from ..sampling.validation import MaskPolicy, SamplingRequestError
 from .generate_transport import GenerateError, GrpcConnection, HttpConnection, WireRequest
-from .replicas import DEFAULT_EJECT_BACKOFF_S, DEFAULT_MAX_EJECT_BACKOFF_S, Attempts, ReplicaSet, split_urls
+from .replicas import (
+    DEFAULT_EJECT_BACKOFF_S,
+    DEFAULT_MAX_EJECT_BACKOFF_S,
+    ReplicatedClient,
+    split_urls,
+    start_probe_tasks,
+)
 from .sampler_client import SampleResult
 from .sampling_params import SamplingParams, check_rows_like_server, rows_to_params
 from .wire import INPUT_DTYPES
@@ -249,7 +256,7 @@ _CLIENT_ARGS_DOC = """
     each gRPC channel."""
 
 
-class AsyncGenerateClient:
+class AsyncGenerateClient(ReplicatedClient):
     """asyncio client for the generate model over gRPC streams (default) or HTTP /generate."""
 
     __doc__ += _CLIENT_ARGS_DOC
@@ -273,23 +280,19 @@ class AsyncGenerateClient:
         if protocol not in _PROTOCOLS:
             raise ValueError(f"protocol must be one of {_PROTOCOLS}, got {protocol!r}")
         self.protocol, self.model_name = protocol, model_name
-        self.urls = split_urls(url)
-        self.max_in_flight = max_in_flight or DEFAULT_MAX_IN_FLIGHT_PER_REPLICA * len(self.urls)
-        if max_attempts is None:  # one URL: a failed server fails the request, as with SamplerClient
-            max_attempts = 1 if len(self.urls) == 1 else 2 * len(self.urls)
-        if self.max_in_flight < 1 or max_attempts < 1:
-            raise ValueError("max_in_flight and max_attempts must be at least 1")
+        urls = split_urls(url)
+        self.max_in_flight = max_in_flight or DEFAULT_MAX_IN_FLIGHT_PER_REPLICA * len(urls)
+        if self.max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be at least 1, got {self.max_in_flight}")
         if not 0 < backoff_s <= max_backoff_s or busy_timeout_s < 0:
             raise ValueError("need 0 < backoff_s <= max_backoff_s and busy_timeout_s >= 0")
-        self.max_attempts = max_attempts
         self.backoff_s, self.max_backoff_s, self.busy_timeout_s = backoff_s, max_backoff_s, busy_timeout_s
         self._mask_width = mask_width
         self._limits: GenerateLimits | None = None
         self._channel_options = tuple(channel_options)
-        self._replicas = ReplicaSet(self.urls, self._connect, True, eject_backoff_s, max_eject_backoff_s)
+        self._init_replicas(urls, self._connect, True, max_attempts, eject_backoff_s, max_eject_backoff_s)
         self._in_flight = asyncio.Semaphore(self.max_in_flight)
         self._random = random.Random()
-        self._probes: set = set()
         self._calls: set = set()  # tasks of calls in progress (cancelled by close)
         self.busy_refusals = 0  # refusals that said the server was busy (each retried after a backoff)
 
@@ -297,14 +300,6 @@ class AsyncGenerateClient:
         if self.protocol == "grpc":
             return GrpcConnection(url, self.model_name, self._channel_options)
         return HttpConnection(url, self.model_name, self.max_in_flight)
-
-    def replica_shares(self) -> dict[str, int]:
-        """Requests each replica answered so far, by URL."""
-        return self._replicas.served()
-
-    def healthy_replicas(self) -> list[str]:
-        """The URLs of the replicas not ejected right now."""
-        return self._replicas.healthy_urls()
 
     async def server_limits(self) -> GenerateLimits:
         """The deployment's mask rules, read once from the model config."""
@@ -335,25 +330,18 @@ class AsyncGenerateClient:
         jobs = await self._jobs(prompts, params, max_new_tokens, stop_token_ids, ignore_eos, outputs, stream=False)
         return await self._tracked(self._call(jobs, None, return_exceptions))
 
-    def stream(
-        self,
-        prompts: Sequence,
-        params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
-        max_new_tokens: int | Sequence[int] = 16,
-        *,
-        stop_token_ids: Sequence[int] = (),
-        ignore_eos: bool = False,
-        outputs: Sequence[str] | None = None,
-    ) -> AsyncGenerateStream:
-        """As `generate`, streamed: an async iterator of GenerateResult chunks (a token each,
-        `index` saying whose, `finish_reason` set on a request's last) in arrival order. Use it
-        as `async with`: leaving it early cancels the requests still running."""
-        return AsyncGenerateStream(
-            self._stream_chunks(prompts, params, max_new_tokens, stop_token_ids, ignore_eos, outputs)
-        )
+    def stream(self, prompts: Sequence, *args, **kwargs) -> AsyncGenerateStream:
+        """As `generate` (its arguments but `return_exceptions`), streamed: an async iterator of
+        GenerateResult chunks (a token each, `index` saying whose, `finish_reason` set on a
+        request's last) in arrival order. Use it as `async with`: leaving it early cancels the
+        requests still running."""
+        request = _STREAM_SIGNATURE.bind(self, prompts, *args, **kwargs)  # a TypeError here, not at first chunk
+        request.apply_defaults()
+        del request.arguments["self"]
+        return AsyncGenerateStream(self._stream_chunks(request.arguments))
 
-    async def _stream_chunks(self, prompts, params, max_new_tokens, stop_token_ids, ignore_eos, outputs):
-        jobs = await self._jobs(prompts, params, max_new_tokens, stop_token_ids, ignore_eos, outputs, stream=True)
+    async def _stream_chunks(self, request: dict):
+        jobs = await self._jobs(**request, stream=True)
         chunks: asyncio.Queue = asyncio.Queue()
         done = object()
 
@@ -469,29 +457,16 @@ class AsyncGenerateClient:
         step = min(self.max_backoff_s, self.backoff_s * 2**tries)
         return step / 2 + self._random.uniform(0, step / 2)
 
-    def _attempts(self) -> Attempts:
-        return Attempts(self._replicas, self.max_attempts, self._start_probes, _server_error)
+    @staticmethod
+    def _server_error(exc: BaseException) -> GenerateError | None:
+        return exc if isinstance(exc, GenerateError) else None
 
     async def _on_a_replica(self, work):
         """`await work(connection)` on a chosen replica, retried on another when the replica fails."""
-        attempts = self._attempts()
-        while True:
-            lease = attempts.next_lease()
-            if lease is None:
-                await asyncio.sleep(attempts.pause_s())
-                continue
-            try:
-                result = await work(lease[1])
-            except BaseException as exc:
-                attempts.failed(lease, exc)
-                continue
-            return attempts.served(lease, result, served=False)
+        return await self._attempts().acall(work)
 
     def _start_probes(self) -> None:
-        for replica in self._replicas.due_for_probe():
-            task = asyncio.ensure_future(self._probe(replica))
-            self._probes.add(task)
-            task.add_done_callback(self._probes.discard)
+        start_probe_tasks(self._replicas, self._probe, self._probes)
 
     async def _probe(self, replica) -> None:
         """Whether the replica's server and model are ready, on a short-lived connection."""
@@ -519,8 +494,12 @@ class AsyncGenerateClient:
         await self.close()
 
 
-def _server_error(exc: BaseException) -> GenerateError | None:
-    return exc if isinstance(exc, GenerateError) else None
+# stream takes generate's arguments, but return_exceptions: one signature for both (shown by help()).
+_STREAM_SIGNATURE = inspect.signature(AsyncGenerateClient.generate).replace(return_annotation="AsyncGenerateStream")
+_STREAM_SIGNATURE = _STREAM_SIGNATURE.replace(
+    parameters=[p for p in _STREAM_SIGNATURE.parameters.values() if p.name != "return_exceptions"]
+)
+AsyncGenerateClient.stream.__signature__ = _STREAM_SIGNATURE
 
 
 def _wire_inputs(prompt, budget: int, rows: RowParams, row: int, stops, ignore_eos: bool, stream: bool) -> dict:

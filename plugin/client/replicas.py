@@ -13,6 +13,7 @@ import beyond what the caller passes in.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -244,3 +245,79 @@ class Attempts:
         """Release the replica after a success and pass the result on."""
         self.replicas.release(*lease, reachable=True, served=served)
         return result
+
+    # The same loop twice, blocking and async: tritonclient's sync and aio flavours need both.
+    def call(self, work: Callable, served: bool = False):
+        """`work(client)` on a chosen replica, retried on another while `failed` allows; after a
+        round where every replica failed, a pause. `served` counts the answer for `served()`."""
+        while True:
+            lease = self.next_lease()
+            if lease is None:  # every replica failed this round: pause, then try them all again
+                time.sleep(self.pause_s())
+                continue
+            try:
+                result = work(lease[1])
+            except BaseException as exc:
+                self.failed(lease, exc)  # raises unless another replica should be tried
+                continue
+            return self.served(lease, result, served)
+
+    async def acall(self, work: Callable, served: bool = False):
+        """`call` with an async `work`, pausing without blocking the event loop."""
+        while True:
+            lease = self.next_lease()
+            if lease is None:
+                await asyncio.sleep(self.pause_s())
+                continue
+            try:
+                result = await work(lease[1])
+            except BaseException as exc:
+                self.failed(lease, exc)
+                continue
+            return self.served(lease, result, served)
+
+
+def start_probe_tasks(replicas: ReplicaSet, probe: Callable, tasks: set) -> None:
+    """Start `probe(replica)` as a task for every ejected replica that is due, kept in `tasks`
+    until it ends (the async clients' probes; `close` awaits them)."""
+    for replica in replicas.due_for_probe():
+        task = asyncio.ensure_future(probe(replica))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+
+class ReplicatedClient:
+    """What every client does with its replicas: the default number of attempts, the replica
+    set, the retry policy of a request and the probes of ejected replicas. A subclass calls
+    `_init_replicas` and defines `_start_probes`, `_server_error` and `_probe`."""
+
+    def _init_replicas(
+        self,
+        url: str | Sequence[str],
+        make_client: Callable[[str], object],
+        shared: bool,
+        max_attempts: int | None,
+        eject_backoff_s: float,
+        max_eject_backoff_s: float,
+    ) -> None:
+        self.urls = split_urls(url)
+        if max_attempts is None:  # one URL: fail at once, as a plain tritonclient would
+            max_attempts = 1 if len(self.urls) == 1 else 2 * len(self.urls)
+        if max_attempts < 1:
+            raise ValueError(f"max_attempts must be at least 1, got {max_attempts}")
+        self.max_attempts = max_attempts
+        self._probes: set = set()  # background health probes of ejected replicas (threads or tasks)
+        self._replicas = ReplicaSet(self.urls, make_client, shared, eject_backoff_s, max_eject_backoff_s)
+
+    def replica_shares(self) -> dict[str, int]:
+        """Requests each replica answered so far, by URL (the sampler client counts each chunk of
+        a split request)."""
+        return self._replicas.served()
+
+    def healthy_replicas(self) -> list[str]:
+        """The URLs of the replicas not ejected right now."""
+        return self._replicas.healthy_urls()
+
+    def _attempts(self) -> Attempts:
+        """The retry policy of one request over this client's replicas."""
+        return Attempts(self._replicas, self.max_attempts, self._start_probes, self._server_error)

@@ -41,9 +41,8 @@ from ..sampling.validation import MaskPolicy, SamplingRequestError
 from .replicas import (
     DEFAULT_EJECT_BACKOFF_S,
     DEFAULT_MAX_EJECT_BACKOFF_S,
-    Attempts,
-    ReplicaSet,
-    split_urls,
+    ReplicatedClient,
+    start_probe_tasks,
 )
 from .sampling_params import SamplingParams, check_rows_like_server, rows_to_params
 
@@ -316,7 +315,7 @@ class _ShmRegion:
         self._shm.destroy_shared_memory_region(self.handle)
 
 
-class _SamplerClientBase:
+class _SamplerClientBase(ReplicatedClient):
     _ASYNCHRONOUS = False  # which tritonclient flavour the subclass drives
 
     def __init__(
@@ -341,32 +340,11 @@ class _SamplerClientBase:
         self._mask_width = mask_width
         self._max_batch_size = max_batch_size
         self._limits: ServerLimits | None = None
-        self.urls = split_urls(url)
-        if max_attempts is None:  # one URL: fail at once, as a plain tritonclient would
-            max_attempts = 1 if len(self.urls) == 1 else 2 * len(self.urls)
-        if max_attempts < 1:
-            raise ValueError(f"max_attempts must be at least 1, got {max_attempts}")
-        self.max_attempts = max_attempts
         self._client_kwargs = kwargs
         # gRPC clients and asyncio ones take concurrent requests; tritonclient.http's sync one does not.
         shared = asynchronous or protocol == "grpc"
-        self._replicas = ReplicaSet(
-            self.urls,
-            lambda u: self._module.InferenceServerClient(u, **kwargs),
-            shared,
-            eject_backoff_s,
-            max_eject_backoff_s,
-        )
-        self._probes: set = set()  # background health probes of ejected replicas (threads or tasks)
-
-    def replica_shares(self) -> dict[str, int]:
-        """Inference requests each replica answered so far, by URL (a request split into several
-        chunks counts each chunk)."""
-        return self._replicas.served()
-
-    def healthy_replicas(self) -> list[str]:
-        """The URLs of the replicas not ejected right now."""
-        return self._replicas.healthy_urls()
+        make_client = lambda u: self._module.InferenceServerClient(u, **kwargs)  # noqa: E731
+        self._init_replicas(url, make_client, shared, max_attempts, eject_backoff_s, max_eject_backoff_s)
 
     def _failure(self, exc: BaseException) -> SamplerError:
         return exc if isinstance(exc, SamplerError) else SamplerError.from_exception(exc)
@@ -376,10 +354,6 @@ class _SamplerClientBase:
         if isinstance(exc, (InferenceServerException, SamplerError, *_TRANSPORT_ERRORS)):
             return self._failure(exc)
         return None
-
-    def _attempts(self) -> Attempts:
-        """The retry policy of one request over this client's replicas."""
-        return Attempts(self._replicas, self.max_attempts, self._start_probes, self._server_error)
 
     def _config_kwargs(self) -> dict:
         return {"as_json": True} if self.protocol == "grpc" else {}
@@ -496,18 +470,7 @@ class SamplerClient(_SamplerClientBase):
 
     def _on_a_replica(self, work, served: bool = False):
         """`work(tritonclient)` on a chosen replica, retried on another when the replica fails."""
-        attempts = self._attempts()
-        while True:
-            lease = attempts.next_lease()
-            if lease is None:  # every replica failed this round: pause, then try them all again
-                time.sleep(attempts.pause_s())
-                continue
-            try:
-                result = work(lease[1])
-            except BaseException as exc:
-                attempts.failed(lease, exc)  # raises unless another replica should be tried
-                continue
-            return attempts.served(lease, result, served)
+        return self._attempts().call(work, served)
 
     def _start_probes(self) -> None:
         for replica in self._replicas.due_for_probe():
@@ -637,24 +600,10 @@ class AsyncSamplerClient(_SamplerClientBase):
 
     async def _on_a_replica(self, work, served: bool = False):
         """`await work(tritonclient)` on a chosen replica, retried on another when the replica fails."""
-        attempts = self._attempts()
-        while True:
-            lease = attempts.next_lease()
-            if lease is None:  # every replica failed this round: pause, then try them all again
-                await asyncio.sleep(attempts.pause_s())
-                continue
-            try:
-                result = await work(lease[1])
-            except BaseException as exc:
-                attempts.failed(lease, exc)  # raises unless another replica should be tried
-                continue
-            return attempts.served(lease, result, served)
+        return await self._attempts().acall(work, served)
 
     def _start_probes(self) -> None:
-        for replica in self._replicas.due_for_probe():
-            task = asyncio.get_running_loop().create_task(self._probe(replica))
-            self._probes.add(task)
-            task.add_done_callback(self._probes.discard)
+        start_probe_tasks(self._replicas, self._probe, self._probes)
 
     async def _probe(self, replica) -> None:
         """Whether the replica's server and model are ready, on a short-lived tritonclient."""
