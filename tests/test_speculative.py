@@ -159,9 +159,11 @@ def test_token_history_grows_and_drops_rows():
     assert history.lengths.tolist() == [4, 5] and history.tokens[1, :5].tolist() == [4] * 5
 
 
-@pytest.mark.parametrize("values", [dict(num_tokens=0), dict(min_n=0), dict(max_n=2, min_n=3)])
+@pytest.mark.parametrize(
+    "values", [dict(num_tokens=0), dict(min_n=0), dict(max_n=2, min_n=3), dict(disable_at_rows=-1)]
+)
 def test_drafter_parameters_are_checked(values):
-    with pytest.raises(ValueError, match="num_speculative_tokens|prompt_lookup"):
+    with pytest.raises(ValueError, match="num_speculative_tokens|prompt_lookup|speculative_disable_by_batch_size"):
         NgramDrafter(**values)
 
 
@@ -285,6 +287,16 @@ def test_greedy_loops_are_drafted_and_accepted():
     assert observer.tokens == 60 and observer.accepted > 30 and observer.drafted >= observer.accepted > 0
 
 
+def test_a_batch_at_the_disable_size_drafts_nothing_and_a_smaller_one_drafts():
+    reqs = [request([30 + i], 40, ignore_eos=True, temperature=0.0, return_sampling_mask=True) for i in range(3)]
+    plain, _ = run(BigramLM(), reqs)
+    for disable_at_rows, drafting in ((3, False), (4, True)):
+        spec, observer = run(SpeculativeBigramLM(), reqs, NgramDrafter(disable_at_rows=disable_at_rows))
+        for s, p in zip(spec, plain):
+            assert_same_generation(s, p)
+        assert (observer.drafts > 0) == drafting, disable_at_rows
+
+
 def test_a_stop_token_inside_an_accepted_draft_ends_generation_there():
     (plain,), _ = run(BigramLM(), [request([30], 60, ignore_eos=True, temperature=0.0)])
     ids = plain.ids()
@@ -394,6 +406,9 @@ def test_the_config_builds_the_drafter_and_the_load_line_says_how_it_decodes():
     )
     assert drafter == NgramDrafter(num_tokens=6, max_n=4, min_n=1)
     assert build_drafter(config(speculative_algorithm="ngram"), "generate/config.pbtxt") == NgramDrafter()
+    assert build_drafter(
+        config(speculative_algorithm="ngram", speculative_disable_by_batch_size="16"), "generate/config.pbtxt"
+    ) == NgramDrafter(disable_at_rows=16)
     with pytest.raises(ValueError, match=r"prompt_lookup_min.*\(config parameters in generate/config.pbtxt\)"):
         build_drafter(config(speculative_algorithm="ngram", prompt_lookup_min="5"), "generate/config.pbtxt")
     assert "ngram (up to 4 drafted tokens" in speculation_summary("ngram", NgramDrafter(), load_lm())

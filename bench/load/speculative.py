@@ -2,13 +2,14 @@
 (default tiny Llama) on a real tritonserver.
 
     .venv/bin/python -m bench.load.speculative [--streams 1 8 32] [--requests-per-stream 4]
-                                               [--max-new-tokens 128] [--tiny]
+                                               [--max-new-tokens 128] [--rounds 3] [--tiny]
 
 Starts one server holding each workload's LM twice, as the shipped `generate` model with
 speculative_algorithm "none" and with "ngram" (the shipped drafting parameters). For each
 workload and each number of concurrent streams, closed-loop streaming clients
 (bench.load.generate's, one gRPC stream each) send `requests-per-stream` requests of
-`max-new-tokens` tokens (EOS ignored, masks on, seeded) to each model in turn. Workloads:
+`max-new-tokens` tokens (EOS ignored, masks on, seeded) to each model in turn, in `rounds`
+interleaved rounds (the order swapped every round). Workloads:
 
 - repetitive: greedy, on `bench.load.looping_lm` (the default tiny Llama with its attention
   outputs zeroed: the same cost per pass, but its outputs soon cycle; the default LM's random
@@ -16,8 +17,9 @@ workload and each number of concurrent streams, closed-loop streaming clients
 - non-repetitive: the default tiny Llama at temperature 1, prompts of distinct random ids
   (drafts are rare and mostly rejected: what drafting costs when it does not help).
 
-Prints tokens/s, inter-token latency p50 / p99 / mean (the tokens of one step arrive together, so
-p50 falls under speculation while the mean tracks tokens/s), the speed-up, and the acceptance rate
+Prints tokens/s (median of the rounds), inter-token latency p50 / p99 / mean (the tokens of one step arrive together, so
+p50 falls under speculation while the mean tracks tokens/s), the speed-up (the median of the
+rounds' ratios), and the acceptance rate
 and accepted tokens per drafted step from the server's counters. The outputs of both models are
 the same token for token (client_tests/test_speculative.py checks it), so only speed differs.
 `--tiny` is a smoke run (streams 1 and 2, one short request each), not a measurement.
@@ -85,8 +87,9 @@ def build_repository(dest: Path) -> Path:
     return dest
 
 
-def measure(server, model: str, budgets: np.ndarray, workload: dict) -> tuple[LoadStats, str]:
-    """One closed-loop run (streaming) and what the server's speculation counters say of it."""
+def measure(server, model: str, budgets: np.ndarray, workload: dict) -> tuple[LoadStats, list]:
+    """One closed-loop run (streaming) and the server's speculation counters over it (drafts,
+    drafted tokens, accepted tokens)."""
     before = [counter(server.metrics_url, f"generate_spec_{c}_total", model) for c in SPEC_COUNTERS]
     tokens_before = counter(server.metrics_url, "generate_tokens_total", model)
     stats = closed_loop(server.grpc_url, model, budgets, True, **workload)
@@ -99,23 +102,32 @@ def measure(server, model: str, budgets: np.ndarray, workload: dict) -> tuple[Lo
         model=model,
     )
     after = [counter(server.metrics_url, f"generate_spec_{c}_total", model) for c in SPEC_COUNTERS]
-    drafts, drafted, accepted = (a - b for a, b in zip(after, before))
-    if not drafted:
-        return stats, ""
-    return stats, (
-        f"  acceptance {accepted / drafted:.0%} ({accepted:.0f}/{drafted:.0f} drafted), "
-        f"{accepted / drafts:.2f} accepted per drafted step"
-    )
+    return stats, [a - b for a, b in zip(after, before)]
 
 
-def row(label: str, stats: LoadStats) -> str:
-    def ms(values, q=None):
-        if not values:
+def rate(stats: LoadStats) -> float:
+    return stats.tokens / stats.seconds
+
+
+def row(label: str, runs: list[tuple[LoadStats, list]]) -> str:
+    """One algorithm's rounds: median tokens/s, inter-token latency over every round's gaps, the
+    speculation counters summed, and any client errors."""
+    itl = [gap for stats, _ in runs for gap in stats.itl]
+
+    def ms(q=None):
+        if not itl:
             return "       -"
-        return f"{1000 * (np.mean(values) if q is None else np.percentile(values, q)):8.2f}"
+        return f"{1000 * (np.mean(itl) if q is None else np.percentile(itl, q)):8.2f}"
 
-    rate = stats.tokens / stats.seconds
-    return f"{label:<34} {rate:9.1f} {ms(stats.itl, 50)} {ms(stats.itl, 99)} {ms(stats.itl)}"
+    line = f"{label:<34} {np.median([rate(stats) for stats, _ in runs]):9.1f} {ms(50)} {ms(99)} {ms()}"
+    drafts, drafted, accepted = (sum(counts[i] for _, counts in runs) for i in range(3))
+    if drafted:
+        line += (
+            f"  acceptance {accepted / drafted:.0%} ({accepted:.0f}/{drafted:.0f} drafted), "
+            f"{accepted / drafts:.2f} accepted per drafted step"
+        )
+    errors = [error for stats, _ in runs for error in stats.errors]
+    return line + (f"  ERRORS: {len(errors)} e.g. {errors[0]}" if errors else "")
 
 
 def main() -> None:
@@ -123,10 +135,11 @@ def main() -> None:
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--requests-per-stream", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per point (order swapped each)")
     parser.add_argument("--tiny", action="store_true", help="a smoke run: streams 1 2, one 48-token request each")
     args = parser.parse_args()
     if args.tiny:
-        args.streams, args.requests_per_stream, args.max_new_tokens = [1, 2], 1, 48
+        args.streams, args.requests_per_stream, args.max_new_tokens, args.rounds = [1, 2], 1, 48, 2
     workdir = Path(tempfile.mkdtemp())
     started = time.perf_counter()
     try:
@@ -148,13 +161,19 @@ def main() -> None:
             for workload_name, (_, workload) in WORKLOADS.items():
                 for streams in args.streams:
                     budgets = np.full((streams, args.requests_per_stream), args.max_new_tokens)
-                    rates = {}
+                    runs = {algorithm: [] for algorithm in ALGORITHMS}
+                    for round_ in range(args.rounds):  # interleaved, the order swapped every round
+                        for algorithm in ALGORITHMS[:: 1 if round_ % 2 == 0 else -1]:
+                            runs[algorithm].append(
+                                measure(server, model_name(workload_name, algorithm), budgets, workload)
+                            )
                     for algorithm in ALGORITHMS:
-                        stats, note = measure(server, model_name(workload_name, algorithm), budgets, workload)
-                        rates[algorithm] = stats.tokens / stats.seconds
-                        errors = f"  ERRORS: {len(stats.errors)} e.g. {stats.errors[0]}" if stats.errors else ""
-                        print(row(f"{workload_name} / {streams} / {algorithm}", stats) + note + errors, flush=True)
-                    print(f"{workload_name} / {streams}: ngram/none tokens/s x{rates['ngram'] / rates['none']:.2f}")
+                        print(row(f"{workload_name} / {streams} / {algorithm}", runs[algorithm]), flush=True)
+                    ratios = [rate(ngram[0]) / rate(none[0]) for none, ngram in zip(runs["none"], runs["ngram"])]
+                    print(
+                        f"{workload_name} / {streams}: ngram/none tokens/s x{np.median(ratios):.2f} "
+                        f"(median of {len(ratios)} interleaved rounds: {', '.join(f'{r:.2f}' for r in ratios)})"
+                    )
             print(f"load average after: {os.getloadavg()} ({os.cpu_count()} CPUs; the clients run on them too)")
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

@@ -33,15 +33,24 @@ class NgramDrafter:
     # Matching 2 tokens at least: a single token recurs by chance in any long sequence, and a draft
     # rejected at once costs a wider forward pass and more sampled positions for nothing.
     min_n: int = 2
+    # A step with this many rows in flight or more drafts nothing (0: always draft). A full batch
+    # already uses the hardware that drafting would fill; where that is depends on the device.
+    disable_at_rows: int = 0
 
     def __post_init__(self):
         if self.num_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_tokens}")
+        if self.disable_at_rows < 0:
+            raise ValueError(f"speculative_disable_by_batch_size must be >= 0, got {self.disable_at_rows}")
         if not 1 <= self.min_n <= self.max_n:
             raise ValueError(
                 f"prompt_lookup_min ({self.min_n}) and prompt_lookup_max ({self.max_n}) must satisfy "
                 "1 <= prompt_lookup_min <= prompt_lookup_max"
             )
+
+    def drafts_for(self, rows: int) -> bool:
+        """Whether a step with `rows` rows in flight drafts at all."""
+        return not self.disable_at_rows or rows < self.disable_at_rows
 
     def propose(self, history: np.ndarray, lengths: np.ndarray, limits: np.ndarray) -> np.ndarray:
         """Drafts [rows, num_tokens] (PAD where none) for the sequences `history[i, :lengths[i]]`

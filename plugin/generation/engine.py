@@ -278,7 +278,7 @@ class ContinuousEngine:
     def _draft(self) -> np.ndarray | None:
         """Each in-flight row's drafted tokens (at most what its budget can still use), or None when
         no row drafts this step."""
-        if self.drafter is None:
+        if self.drafter is None or not self.drafter.drafts_for(len(self._rows)):
             return None
         room = np.array([s.request.max_new_tokens - s.step - 1 for s in self._rows])  # after the sure token
         drafts = self.drafter.propose(self._history.tokens, self._history.lengths, room)

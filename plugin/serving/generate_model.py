@@ -45,7 +45,8 @@ def check_scheduler(model_config: dict, config_file: str) -> None:
 
 def build_drafter(model_config: dict, config_file: str) -> NgramDrafter | None:
     """The drafter `speculative_algorithm` asks for ("ngram": prompt lookup, with its parameters
-    `num_speculative_tokens`, `prompt_lookup_max`, `prompt_lookup_min`), else None."""
+    `num_speculative_tokens`, `prompt_lookup_max`, `prompt_lookup_min`,
+    `speculative_disable_by_batch_size`), else None."""
     if string_parameter(model_config, "speculative_algorithm", "none").strip().lower() != NGRAM:
         return None
     try:
@@ -53,6 +54,9 @@ def build_drafter(model_config: dict, config_file: str) -> NgramDrafter | None:
             num_tokens=int_parameter(model_config, "num_speculative_tokens", NgramDrafter.num_tokens),
             max_n=int_parameter(model_config, "prompt_lookup_max", NgramDrafter.max_n),
             min_n=int_parameter(model_config, "prompt_lookup_min", NgramDrafter.min_n),
+            disable_at_rows=int_parameter(
+                model_config, "speculative_disable_by_batch_size", NgramDrafter.disable_at_rows
+            ),
         )
     except ValueError as exc:
         raise ValueError(f"{exc} (config parameters in {config_file})") from exc
