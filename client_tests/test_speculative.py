@@ -9,6 +9,8 @@ the sampler model told "ngram" (it cannot verify anything, so it keeps refusing 
 
 from __future__ import annotations
 
+import re
+import runpy
 import shutil
 
 import numpy as np
@@ -20,7 +22,7 @@ from triton_sampling_mask.ops.server_process import TritonServer
 from triton_sampling_mask.sampling.validation import SPECULATIVE_MASK_MESSAGE
 
 from .generate_client import GenerateStream, collect, counter, http_generate, wait_for_counter
-from .server import MODEL_REPOSITORY, ExternalTritonServer, infer, set_parameter
+from .server import MODEL_REPOSITORY, REPO_ROOT, ExternalTritonServer, infer, set_parameter
 from .test_generate_engine import build_engine_repository, read_to_final
 
 PLAIN, NGRAM, EAGLE, SAMPLER_NGRAM = "generate_plain", "generate_ngram", "generate_eagle", "sampler_ngram"
@@ -133,6 +135,18 @@ def test_http_generate_with_ngram_equals_plain(speculative_server):
         ]
         assert [status for status, _ in results] == [200, 200], results
         assert_same(results[1][1], results[0][1], str(prompt))
+
+
+@pytest.mark.parametrize("model", [PLAIN, NGRAM])
+def test_the_rl_example_replays_its_rollout_within_1e_5_in_float64(model, speculative_server, monkeypatch, capsys):
+    """examples/rl_rollout.py against a float64 LM, plain and speculative: the trainer's replay
+    over the returned masks gives importance ratios of 1 within 1e-5."""
+    script = REPO_ROOT / "examples" / "rl_rollout.py"
+    argv = [str(script), "--url", speculative_server.grpc_url, "--model", model, "--lm-dtype", "float64"]
+    monkeypatch.setattr("sys.argv", argv)
+    runpy.run_path(str(script), run_name="__main__")
+    worst = float(re.search(r"over the masks ([-+.e0-9]+),", capsys.readouterr().out).group(1))
+    assert worst < 1e-5
 
 
 def test_masks_stay_refused_where_exactness_is_not_proven(speculative_server):

@@ -6,11 +6,17 @@
 3. the trainer recomputes logits with its copy of the policy (the served default LM, built here
    the same way: plugin/generation/lm.py's config and seed) and replays every sampled token's
    log-prob over the sampler's mask with `replay_logprobs`;
-4. the importance ratios train/rollout are 1 up to float32 rounding (same weights, same truncated
+4. the importance ratios train/rollout are 1 up to rounding (same weights, same truncated
    support), while a replay over the whole vocabulary is off by far more; the GRPO loss
    backpropagates into the policy.
 
-    python examples/rl_rollout.py [--url localhost:8001] [--protocol grpc]
+    python examples/rl_rollout.py [--url localhost:8001] [--protocol grpc] [--model generate]
+                                  [--lm-dtype float32|float64]
+
+`--lm-dtype` is the served model's `lm_dtype` (the shipped config keeps the LM's float32): the
+trainer's copy runs in it too. In float64 on both sides the ratios are 1 within 1e-5; in float32
+within 1e-4, because the server's batched, KV-cached forward and the trainer's full forward round
+differently.
 """
 
 from __future__ import annotations
@@ -30,19 +36,20 @@ PROMPTS = [[5, 6, 7], [40, 41, 42, 43], [9], [100, 200, 300, 400, 500]]
 SAMPLES = 4  # completions per prompt (a GRPO group)
 MAX_NEW_TOKENS = 16
 # The server's forward (KV cache, rows batched with other requests' padding) and the trainer's
-# full forward round differently in float32: ~1e-5 on this tiny model's large logits. A token
-# renormalised over another support is off by 1e-3 or more.
-RATIO_TOLERANCE = 1e-4
+# full forward round differently in float32: ~1e-5 on this tiny model's large logits; in float64
+# only the sampler's float32 logits remain (~1e-6). A token renormalised over another support is
+# off by 1e-3 or more.
+RATIO_TOLERANCE = {"float32": 1e-4, "float64": 1e-5}
 
 
-def rollout(url: str, protocol: str):
+def rollout(url: str, protocol: str, model: str):
     """Every prompt SAMPLES times, each sample with a seed of its own: (requests, params, results)."""
     requests = [prompt for prompt in PROMPTS for _ in range(SAMPLES)]
     params = [
         SamplingParams(temperature=0.8, top_k=20, top_p=0.95, seed=1000 + i, return_sampling_mask=True)
         for i in range(len(requests))
     ]
-    with GenerateClient(url, protocol=protocol) as client:
+    with GenerateClient(url, protocol=protocol, model_name=model) as client:
         results = client.generate(requests, params, MAX_NEW_TOKENS, ignore_eos=True)
     return requests, params, results
 
@@ -57,10 +64,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", default="localhost:8001")
     parser.add_argument("--protocol", default="grpc", choices=["grpc", "http"])
+    parser.add_argument("--model", default="generate", help="the generate model's name on the server")
+    parser.add_argument("--lm-dtype", default="float32", choices=sorted(RATIO_TOLERANCE), help="the served LM's dtype")
     args = parser.parse_args(argv)
+    tolerance = RATIO_TOLERANCE[args.lm_dtype]
 
     # 1. Rollout.
-    requests, params, results = rollout(args.url, args.protocol)
+    requests, params, results = rollout(args.url, args.protocol, args.model)
     tokens = concatenate_tokens(results)  # every generated token of the batch, request after request
     lengths = [len(r.output_ids) for r in results]
 
@@ -69,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
     masks = from_prime_rl(batch["ids"], batch["counts"], width=tokens.sampling_mask.shape[1])
 
     # 3. Replay: the same weights, scored over the same masks at the rollout's temperatures.
-    policy = build_default_model().train()
+    policy = build_default_model().to(getattr(torch, args.lm_dtype)).train()
     logits = torch.cat([policy_logits(policy, p, r.output_ids) for p, r in zip(requests, results)])
     temperatures = np.repeat([p.temperature for p in params], lengths)
     logprobs = replay_logprobs(logits, masks.mask, masks.lengths, temperatures, tokens.output_ids)
@@ -78,16 +88,16 @@ def main(argv: list[str] | None = None) -> None:
     behaviour = torch.from_numpy(tokens.sampling_logprobs)
     ratios = torch.exp(logprobs - behaviour)
     worst = float((ratios.detach() - 1).abs().max())
-    assert worst < RATIO_TOLERANCE, f"importance ratios off by {worst}"
-    scaled = logits.detach() / torch.from_numpy(temperatures).float().unsqueeze(1)
+    assert worst < tolerance, f"importance ratios off by {worst}"
+    scaled = logits.detach() / torch.from_numpy(temperatures).to(logits.dtype).unsqueeze(1)
     unmasked = torch.log_softmax(scaled, dim=1).gather(1, torch.from_numpy(tokens.output_ids).long().unsqueeze(1))
     unmasked_worst = float((torch.exp(unmasked.squeeze(1) - behaviour) - 1).abs().max())
-    assert unmasked_worst > 10 * RATIO_TOLERANCE, "the masks should matter for these parameters"
+    assert unmasked_worst > 10 * tolerance, "the masks should matter for these parameters"
 
     # A GRPO step: a toy reward per completion (its share of ids below 512), advantages within each group.
     rewards = torch.tensor([float((r.output_ids < 512).mean()) for r in results]).view(len(PROMPTS), SAMPLES)
     advantages = (rewards - rewards.mean(dim=1, keepdim=True)).flatten()
-    loss = -(ratios * torch.from_numpy(np.repeat(advantages.numpy(), lengths)).float()).mean()
+    loss = -(ratios * torch.from_numpy(np.repeat(advantages.numpy(), lengths)).to(ratios.dtype)).mean()
     loss.backward()
     gradient = torch.cat([p.grad.flatten() for p in policy.parameters() if p.grad is not None]).norm()
     print(

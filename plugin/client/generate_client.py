@@ -40,7 +40,7 @@ import numpy as np
 from ..model_config import output_width, string_parameter
 from ..sampling.outputs import BY_NAME, FINISH_REASON, SAMPLING_MASK, TOKEN_OUTPUTS
 from ..sampling.params import PARAM_SPECS, SEED, RowParams
-from ..sampling.validation import MaskPolicy, SamplingRequestError
+from ..sampling.validation import SPECULATIVE_ALGORITHMS, MaskPolicy, SamplingRequestError
 from .generate_transport import GenerateError, GrpcConnection, HttpConnection, WireRequest
 from .replicas import (
     DEFAULT_EJECT_BACKOFF_S,
@@ -115,6 +115,7 @@ def _limits_from_config(config: dict, mask_width: int | None) -> GenerateLimits:
             mask_width=mask_width or output_width(config, SAMPLING_MASK.name),
             width_source=f"the dims of output '{SAMPLING_MASK.name}' in the generate model's config.pbtxt",
             speculative_algorithm=string_parameter(config, "speculative_algorithm", "none"),
+            exact_speculative=SPECULATIVE_ALGORITHMS,  # as the generate model: drafts it verifies allow masks
         )
     )
 

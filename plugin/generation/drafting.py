@@ -18,9 +18,10 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-NGRAM = "ngram"
-# The speculative_algorithm values the generate engine drafts itself (all verified exactly).
-SPECULATIVE_ALGORITHMS = frozenset({NGRAM})
+from ..sampling.validation import NGRAM, SPECULATIVE_ALGORITHMS
+
+__all__ = ["NGRAM", "PAD", "SPECULATIVE_ALGORITHMS", "NgramDrafter", "TokenHistory"]
+
 PAD = -1  # no token: history past a row's length, drafts past a row's count
 
 

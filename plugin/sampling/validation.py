@@ -44,6 +44,12 @@ class Rejection(NamedTuple):
     message: str
 
 
+NGRAM = "ngram"
+# The speculative_algorithm values the generate engine drafts and verifies itself (its tokens and
+# masks are plain decoding's), so the generate model and its client admit masks under them.
+SPECULATIVE_ALGORITHMS = frozenset({NGRAM})
+
+
 @dataclass(frozen=True)
 class MaskPolicy:
     """What a deployment allows for mask requests (read from the model's config.pbtxt)."""
