@@ -16,7 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from ..sampling.validation import NGRAM, SPECULATIVE_ALGORITHMS
 
@@ -59,20 +58,26 @@ class NgramDrafter:
         rows, width = history.shape
         drafts = np.full((rows, self.num_tokens), PAD, np.int64)
         limits = np.minimum(limits, self.num_tokens)
-        period = np.zeros(rows, np.int64)  # distance from the match to the row's end; 0: none yet
-        for n in range(min(self.max_n, width - 1), self.min_n - 1, -1):
-            # An earlier occurrence needs n + 1 tokens at least (it ends before the last token).
-            pending = np.flatnonzero((period == 0) & (limits > 0) & (lengths > n))
-            if pending.size == 0:
-                continue
-            seqs, ends = history[pending], lengths[pending]
-            suffix = np.take_along_axis(seqs, ends[:, None] - n + np.arange(n), axis=1)
-            hits = (sliding_window_view(seqs, n, axis=1) == suffix[:, None, :]).all(axis=2)
-            starts = np.arange(hits.shape[1])
-            hits &= starts[None, :] + n < ends[:, None]  # strictly earlier than the suffix itself
-            found = hits.any(axis=1)
-            latest = hits.shape[1] - 1 - np.argmax(hits[:, ::-1], axis=1)
-            period[pending[found]] = (ends - n - latest)[found]
+        period = np.zeros(rows, np.int64)  # distance from the match to the row's end; 0: none
+        # Every match ends on an earlier copy of the row's last token: find those (few, and mostly
+        # none when the text does not repeat), then how far each agrees with the suffix backwards.
+        last = history[np.arange(rows), np.maximum(lengths - 1, 0)]
+        earlier = np.arange(width)[None, :] < (lengths - 1)[:, None]
+        wanted = (limits > 0) & (lengths > self.min_n)  # a match of n needs n + 1 tokens at least
+        row, end = np.nonzero((history == last[:, None]) & earlier & wanted[:, None])
+        if row.size:
+            suffix_end = lengths[row] - 1
+            matched = np.ones(row.size, np.int64)  # tokens agreeing, ending at `end` and at the suffix's end
+            for k in range(1, self.max_n):
+                agree = (matched == k) & (end >= k) & (lengths[row] > k + 1)
+                agree[agree] = history[row[agree], end[agree] - k] == history[row[agree], suffix_end[agree] - k]
+                matched += agree
+            keep = matched >= self.min_n
+            row, end, matched = row[keep], end[keep], matched[keep]
+            # The longest match wins, then the latest: sorted by row, length, position, the last of each row.
+            order = np.lexsort((end, matched, row))
+            best = order[np.r_[row[order][1:] != row[order][:-1], True]] if order.size else order
+            period[row[best]] = lengths[row[best]] - 1 - end[best]
         drafted = np.flatnonzero(period > 0)
         if drafted.size:
             ends, cycle = lengths[drafted], period[drafted]
