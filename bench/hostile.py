@@ -53,7 +53,7 @@ from tritonclient.grpc import service_pb2
 from tritonclient.utils import InferenceServerException
 
 from triton_sampling_mask.ops.memory_limit import MemoryCage, make_cage
-from triton_sampling_mask.ops.server_process import free_port
+from triton_sampling_mask.ops.server_process import LoopbackUrls, free_port
 
 from .load.procfs import process_tree_rss
 
@@ -155,7 +155,7 @@ def command_lines() -> list[bytes]:
 
 
 @dataclass
-class Stack:
+class Stack(LoopbackUrls):
     """A launcher (supervisor, proxy unless --no-proxy) on free ports: public ports, tritonserver's
     own HTTP port (the internal one behind a proxy) and the cgroup the stack runs in, if any."""
 
@@ -165,14 +165,6 @@ class Stack:
     log_path: Path
     proxied: bool
     cage: MemoryCage | None = None
-
-    @property
-    def grpc_url(self) -> str:
-        return f"127.0.0.1:{self.ports['grpc']}"
-
-    @property
-    def http_url(self) -> str:
-        return f"127.0.0.1:{self.ports['http']}"
 
     def server_pid(self) -> int | None:
         """tritonserver's pid (the one serving on `server_http_port`)."""

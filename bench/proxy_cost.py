@@ -31,6 +31,7 @@ from triton_sampling_mask.client.wire import sampler_inputs
 from triton_sampling_mask.ops.proxy import FrontedTritonServer
 
 from . import perf_analyzer as pa_module
+from . import report
 from .common import interleaved_medians, machine_facts, paired_median_ratio
 from .served_call import CALL_PARAMS, call_params, explicit_models
 
@@ -168,10 +169,7 @@ def main(argv: list[str] | None = None) -> dict:
     cost = run(args.tiny)
     cost["targets"] = verdicts(cost)
     cost["load_average_1m"] = machine_facts()["load_average_1m"]
-    for key, v in cost["targets"].items():
-        print(
-            f"  ({key}) {'MET ' if v['met'] else 'MISS'} {v['value']:.3f} (threshold {v['threshold']}): {v['target']}"
-        )
+    report.print_verdicts(cost["targets"])
     if args.output:
         args.output.write_text(json.dumps(cost, indent=2) + "\n")
     return cost

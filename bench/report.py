@@ -270,7 +270,13 @@ def print_tables(results: dict) -> None:
     if results.get("step_latency"):
         print_step_table(results["step_latency"])
     print("\nTargets")
-    for key, v in results["targets"].items():
+    print_verdicts(results["targets"])
+
+
+def print_verdicts(targets: dict) -> None:
+    """One line per target: met or missed, the value (with its best-of-rounds and paired median
+    where measured), the threshold, and the case it was read at."""
+    for key, v in targets.items():
         best = f", best-of-rounds {v['best_of_rounds']:.3f}" if "best_of_rounds" in v else ""
         best += f", paired median {v['paired_median']:.3f}" if v.get("paired_median") else ""
         where = f" [at {v['case']}{', stand-in' if v.get('stand_in') else ''}]" if "case" in v else ""

@@ -490,10 +490,7 @@ def main(argv: list[str] | None = None) -> dict:
     call["load_average_1m"] = {"before": load_before, "after": machine_facts()["load_average_1m"]}
     report.print_call_table(call)
     targets = report.call_verdicts(call)
-    for key, v in targets.items():
-        print(
-            f"  ({key}) {'MET ' if v['met'] else 'MISS'} {v['value']:.3f} (threshold {v['threshold']}): {v['target']}"
-        )
+    report.print_verdicts(targets)
     if args.output:
         args.output.write_text(json.dumps({"served_call": call, "targets": targets}, indent=2) + "\n")
     return call

@@ -300,11 +300,7 @@ def main(argv: list[str] | None = None) -> dict:
             results = run_on_server(server, size, args.calls, not args.skip_itl)
     results["load_average_1m"] = {"before": load_before, "after": machine_facts()["load_average_1m"]}
     report.print_step_table(results)
-    for key, verdict in report.step_verdicts(results).items():
-        print(
-            f"  ({key}) {'MET ' if verdict['met'] else 'MISS'} {verdict['value']:.3f} "
-            f"(threshold {verdict['threshold']}): {verdict['target']} [at {verdict['case']}]"
-        )
+    report.print_verdicts(report.step_verdicts(results))
     if args.output:
         args.output.write_text(json.dumps(results, indent=2) + "\n")
     return results

@@ -31,12 +31,21 @@ from pathlib import Path
 
 import pytest
 
+from bench.hostile import pids_with_argument
 from triton_sampling_mask.ops.server_process import free_port, group_members
 from triton_sampling_mask.ops.shm_cleanup import SHM_DIR, mapped_regions, server_shm_prefix, stub_process
 
 from .hanging_backend import HANG_SECONDS, HANG_VOCAB
 from .server import MODEL_REPOSITORY, REPO_ROOT, ExternalTritonServer, set_parameter
-from .test_survival import Supervised, generate_answers, recover, request, running_with, sampler_answers
+from .test_survival import (
+    Supervised,
+    copy_models,
+    generate_answers,
+    launcher_env,
+    recover,
+    request,
+    sampler_answers,
+)
 
 ADMIN_KEY = "recovery-test-admin-key"
 HANGING = "sampler_hanging"
@@ -55,8 +64,7 @@ def served(tmp_path_factory):
     if ExternalTritonServer.from_environment() is not None:
         pytest.skip("kills, hangs and stops the server's stubs: needs a local launcher of its own")
     repository = tmp_path_factory.mktemp("recovery") / "model_repository"
-    for model in ("sampler", "generate"):
-        shutil.copytree(MODEL_REPOSITORY / model, repository / model, ignore=shutil.ignore_patterns("__pycache__"))
+    copy_models(repository)
     shutil.copytree(MODEL_REPOSITORY / "sampler", repository / HANGING, ignore=shutil.ignore_patterns("__pycache__"))
     config = (
         (MODEL_REPOSITORY / "sampler" / "config.pbtxt").read_text().replace('name: "sampler"', f'name: "{HANGING}"')
@@ -66,18 +74,14 @@ def served(tmp_path_factory):
     )
     shutil.copy(Path(__file__).parent / "hanging_backend.py", repository / HANGING / "1")
     ports = {"http": free_port(), "grpc": free_port(), "metrics": free_port(), "probe": free_port()}
-    env = {
-        **os.environ,
-        "TRITON_HTTP_PORT": str(ports["http"]),
-        "TRITON_GRPC_PORT": str(ports["grpc"]),
-        "TRITON_METRICS_PORT": str(ports["metrics"]),
-        "TRITON_PROBE_PORT": str(ports["probe"]),
-        "TRITON_ADMIN_KEY": ADMIN_KEY,
-        "TRITON_WATCHDOG_INTERVAL_S": str(WATCHDOG_INTERVAL_S),
-        "SHM_DEFAULT_BYTES": str(REGION_BYTES),
-        "SHM_GROWTH_BYTES": str(REGION_BYTES),
-        "TRITON_SHM_LEAK_LIMIT_BYTES": str(LEAK_LIMIT_BYTES),
-    }
+    env = launcher_env(
+        ports,
+        ADMIN_KEY,
+        TRITON_WATCHDOG_INTERVAL_S=WATCHDOG_INTERVAL_S,
+        SHM_DEFAULT_BYTES=REGION_BYTES,
+        SHM_GROWTH_BYTES=REGION_BYTES,
+        TRITON_SHM_LEAK_LIMIT_BYTES=LEAK_LIMIT_BYTES,
+    )
     log_path = tmp_path_factory.mktemp("recovery-logs") / "launcher.log"
     command = [sys.executable, "-m", "triton_sampling_mask.ops.launcher", "--model-repository", str(repository)]
     with open(log_path, "w") as log:
@@ -123,7 +127,7 @@ def not_ready_for(server: Supervised, model: str, limit_s: float) -> dict | None
 
 
 def tritonserver_pid(server: Supervised) -> int:
-    pids = running_with(f"--http-port={server.ports['http']}")
+    pids = pids_with_argument(f"--http-port={server.ports['http']}")
     assert len(pids) == 1, pids
     return pids[0]
 
@@ -179,7 +183,10 @@ def test_dead_stub_regions_are_removed_and_tritonserver_restarts_past_the_bound(
             assert leaked(served, first_server) == sorted((name, REGION_BYTES) for name in dead_regions)
             assert_ready(served)
     seconds, _ = recover(
-        lambda: (running_with(f"--http-port={served.ports['http']}") not in ([], [first_server]), "not restarted"),
+        lambda: (
+            pids_with_argument(f"--http-port={served.ports['http']}") not in ([], [first_server]),
+            "not restarted",
+        ),
         RESTART_LIMIT_S,
     )
     assert seconds is not None, f"tritonserver was not restarted\n{served.log_tail()}"

@@ -47,6 +47,7 @@ import tritonclient.utils.shared_memory as shm
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
+from bench.hostile import free_port_block, pids_with_argument, request
 from triton_sampling_mask.client import SamplerClient, SamplerError
 from triton_sampling_mask.client.sampler_client import ADMIN_HEADER as CLIENT_ADMIN_HEADER
 from triton_sampling_mask.client.sampling_params import SamplingParams
@@ -95,26 +96,21 @@ class Supervised(LoopbackUrls):
         return time.monotonic() - started
 
 
-def request(
-    port: int, method: str, path: str, body: bytes | None = None, headers: dict | None = None, timeout_s: float = 10.0
-) -> tuple[int | None, str]:
-    """(status, body text) over a fresh connection; (None, error) when the server did not answer."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
-    try:
-        conn.request(method, path, body, headers or {})
-        response = conn.getresponse()
-        return response.status, response.read().decode(errors="replace")
-    except (OSError, http.client.HTTPException) as error:
-        return None, f"{type(error).__name__}"
-    finally:
-        conn.close()
+def launcher_env(ports: dict[str, int], admin_key: str, **settings) -> dict[str, str]:
+    """os.environ with the launcher's public ports (`ports`: http, grpc, metrics, probe), the
+    admin key and further `settings` (TRITON_... = value)."""
+    return {
+        **os.environ,
+        **{f"TRITON_{name.upper()}_PORT": str(port) for name, port in ports.items()},
+        "TRITON_ADMIN_KEY": admin_key,
+        **{name: str(value) for name, value in settings.items()},
+    }
 
 
-def free_port_block(count: int) -> int:
-    """The first of `count` consecutive free loopback ports (tritonserver's behind the proxy)."""
-    from bench.hostile import free_port_block as block
-
-    return block(count)
+def copy_models(repository: Path, models: tuple[str, ...] = ("sampler", "generate")) -> None:
+    """The shipped `models` copied into `repository` (created)."""
+    for model in models:
+        shutil.copytree(MODEL_REPOSITORY / model, repository / model, ignore=shutil.ignore_patterns("__pycache__"))
 
 
 def sampler_answers(server: Supervised) -> tuple[bool, str]:
@@ -172,21 +168,16 @@ def served(tmp_path_factory):
     if ExternalTritonServer.from_environment() is not None:
         pytest.skip("attacks crash the server and SIGTERM it: they need a local launcher of their own")
     repository = tmp_path_factory.mktemp("survival") / "model_repository"
-    for model in ("sampler", "generate"):
-        shutil.copytree(MODEL_REPOSITORY / model, repository / model, ignore=shutil.ignore_patterns("__pycache__"))
+    copy_models(repository)
     ports = {"http": free_port(), "grpc": free_port(), "metrics": free_port(), "probe": free_port()}
     internal_base = free_port_block(5)
-    env = {
-        **os.environ,
-        "TRITON_HTTP_PORT": str(ports["http"]),
-        "TRITON_GRPC_PORT": str(ports["grpc"]),
-        "TRITON_METRICS_PORT": str(ports["metrics"]),
-        "TRITON_PROBE_PORT": str(ports["probe"]),
-        "TRITON_ADMIN_KEY": ADMIN_KEY,
-        "TRITON_INTERNAL_PORT_BASE": str(internal_base),
+    env = launcher_env(
+        ports,
+        ADMIN_KEY,
+        TRITON_INTERNAL_PORT_BASE=internal_base,
         # the JSON shape sent straight to tritonserver grows it until this limit kills it
-        "TRITON_MEMORY_LIMIT_BYTES": str(MEMORY_LIMIT_BYTES),
-    }
+        TRITON_MEMORY_LIMIT_BYTES=MEMORY_LIMIT_BYTES,
+    )
     script = os.environ.get("SURVIVAL_LAUNCHER")
     command = [sys.executable, script] if script else [sys.executable, "-m", "triton_sampling_mask.ops.launcher"]
     log_path = tmp_path_factory.mktemp("survival-logs") / "launcher.log"
@@ -459,16 +450,4 @@ def test_sigterm_with_idle_clients_and_a_cancelled_stream_stops_in_10s_leaving_n
     assert in_flight == {"status": 200, "tokens": 100}, in_flight
     prefix = server_shm_prefix(served.ports["http"])
     assert sorted(p.name for p in Path("/dev/shm").glob(prefix + "*")) == [], served.log_tail()
-    assert not running_with(f"--http-port={served.server_http_port}"), "tritonserver outlived the launcher"
-
-
-def running_with(argument: str) -> list[int]:
-    """Pids of the live processes whose command line holds `argument`."""
-    pids = []
-    for proc in Path("/proc").iterdir():
-        try:
-            if proc.name.isdigit() and argument.encode() in (proc / "cmdline").read_bytes().split(b"\0"):
-                pids.append(int(proc.name))
-        except OSError:
-            pass
-    return pids
+    assert not pids_with_argument(f"--http-port={served.server_http_port}"), "tritonserver outlived the launcher"

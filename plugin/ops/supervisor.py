@@ -66,6 +66,7 @@ from .secret_files import remove_secret_file
 from .server_process import (
     ADMIN_HEADER,
     SERVER_UMASK,
+    LoopbackUrls,
     end_process_group,
     group_members,
     hardening_args,
@@ -122,7 +123,7 @@ def describe_exit(code: int) -> str:
 
 
 @dataclass
-class SupervisorConfig:
+class SupervisorConfig(LoopbackUrls):
     """What the supervisor runs and how closely it watches."""
 
     model_repository: Path
@@ -140,11 +141,6 @@ class SupervisorConfig:
     # ones and `admin_key` the internal key the proxy sets on admin requests.
     front_door: FrontDoor | None = None
     memory_cage: MemoryCage | None = None
-
-    @property
-    def http_url(self) -> str:
-        """host:port of the supervised server's HTTP endpoint, on loopback."""
-        return f"127.0.0.1:{self.ports['http']}"
 
     @property
     def public_http_port(self) -> int:
