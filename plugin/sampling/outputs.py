@@ -63,6 +63,12 @@ SAMPLING_MASK_LOGPROBS = OutputSpec(
     "each mask id's log-prob renormalised over the support, aligned with sampling_mask, -inf padded",
 )
 FINISH_REASON = OutputSpec("finish_reason", np.object_, REQUEST, "", '"length" or "stop" (generate only)')
+# generate only: which weights sampled each token (a string the trainer sets with each update).
+WEIGHT_VERSION = OutputSpec(
+    "weight_version", np.object_, TOKEN, b"", "the weight version that sampled each token (generate only)"
+)
+# generate only: a control request's answer (JSON text), sent on control requests alone.
+CONTROL_RESULT = OutputSpec("control_result", np.object_, REQUEST, b"", "a control request's answer, JSON (generate)")
 
 # What the sampler returns for every sampled token, in wire order (both models send these).
 TOKEN_OUTPUTS = (
@@ -78,9 +84,12 @@ TOKEN_OUTPUT_NAMES = tuple(spec.name for spec in TOKEN_OUTPUTS)
 MASK_OUTPUT_NAMES = tuple(spec.name for spec in TOKEN_OUTPUTS if spec.per == MASK)
 # Kept for a token whose request did not ask for a mask (its mask columns are padding).
 UNMASKED_OUTPUT_NAMES = tuple(spec.name for spec in TOKEN_OUTPUTS if spec.per != MASK)
+# What the generate model sends for every generated token: the sampler's outputs and the weight version.
+GENERATION_TOKEN_OUTPUTS = (*TOKEN_OUTPUTS, WEIGHT_VERSION)
+GENERATION_TOKEN_OUTPUT_NAMES = tuple(spec.name for spec in GENERATION_TOKEN_OUTPUTS)
 # Every output of each model.
-MODEL_OUTPUTS = {"sampler": TOKEN_OUTPUTS, "generate": (*TOKEN_OUTPUTS, FINISH_REASON)}
-BY_NAME = {spec.name: spec for spec in (*TOKEN_OUTPUTS, FINISH_REASON)}
+MODEL_OUTPUTS = {"sampler": TOKEN_OUTPUTS, "generate": (*GENERATION_TOKEN_OUTPUTS, FINISH_REASON, CONTROL_RESULT)}
+BY_NAME = {spec.name: spec for spec in (*GENERATION_TOKEN_OUTPUTS, FINISH_REASON, CONTROL_RESULT)}
 
 
 def to_wire(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
