@@ -217,7 +217,12 @@ def _infer_request(request: WireRequest, model_name: str):
         tensor = message.inputs.add()
         tensor.name, tensor.datatype = name, datatype
         tensor.shape.extend(array.shape)
-        message.raw_input_contents.append(np.ascontiguousarray(array).tobytes())
+        if datatype == "BYTES":  # length-prefixed elements, as Triton reads BYTES
+            from tritonclient.utils import serialize_byte_tensor
+
+            message.raw_input_contents.append(serialize_byte_tensor(array).item())
+        else:
+            message.raw_input_contents.append(np.ascontiguousarray(array).tobytes())
     for name in request.outputs or ():
         message.outputs.add().name = name
     for name, value in request.parameters.items():

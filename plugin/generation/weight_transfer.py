@@ -144,7 +144,7 @@ def open_process_group(
 def broadcast_tensors(group, tensors: list[torch.Tensor], src: int = 0) -> None:
     """Broadcast each tensor (contiguous, in order) from rank `src` of `group` to every rank."""
     for tensor in tensors:
-        group.broadcast([tensor], src).wait()
+        group.broadcast(tensor, src).wait()
 
 
 def receive_tensors(group, manifest: object, device: torch.device) -> NamedTensors:
@@ -152,7 +152,7 @@ def receive_tensors(group, manifest: object, device: torch.device) -> NamedTenso
     received = {}
     for name, dtype, shape, _ in _entries(manifest, with_offset=False):
         buffer = torch.empty(shape, dtype=dtype, device=device)
-        group.broadcast([buffer], 0).wait()
+        group.broadcast(buffer, 0).wait()
         received[name] = buffer
     return NamedTensors(received, "the weights update group")
 
