@@ -72,7 +72,9 @@ def load(model, root, name: str) -> int:
     return copy_into(model, CheckpointDirectory(directory, label, model.config))
 
 
-def test_a_checkpoint_is_copied_into_the_same_tensors(root):
+def test_a_checkpoint_is_copied_into_the_same_tensors(root, monkeypatch):
+    # Pieces of a few rows: every tensor crosses several of them.
+    monkeypatch.setattr("triton_sampling_mask.generation.weights.CHUNK_BYTES", 1000)
     lm = served()
     pointers = {name: t.data_ptr() for name, t in lm.model.state_dict().items()}
     assert load(lm.model, root, "step1") == len(pointers)

@@ -11,6 +11,7 @@ weights serving untouched. Errors name the first bad tensor and paths relative t
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,9 @@ from pathlib import Path
 import torch
 
 SAFETENSORS_SUFFIX = ".safetensors"
+# A tensor on disk is read this many bytes at a time at most (whole rows), each piece from a fresh
+# memory map: what an update adds to the process's memory is one piece, not the largest tensor.
+CHUNK_BYTES = 16 * 2**20
 
 
 class WeightUpdateError(ValueError):
@@ -46,7 +50,8 @@ class WeightSource:
     def infos(self) -> dict[str, TensorInfo]:
         raise NotImplementedError
 
-    def read(self, name: str) -> torch.Tensor:
+    def pieces(self, name: str) -> Iterator[tuple[slice | None, torch.Tensor]]:
+        """A tensor's values as (rows, values) pieces in order (rows None: the whole tensor)."""
         raise NotImplementedError
 
 
@@ -108,9 +113,10 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _check_finite(name: str, values: torch.Tensor, source: WeightSource) -> None:
-    if values.is_floating_point() and not bool(torch.isfinite(values).all()):
-        raise WeightUpdateError(f"{source.label}: tensor {name!r} holds NaN or infinite values")
+def _check_finite(name: str, source: WeightSource) -> None:
+    for _, values in source.pieces(name):
+        if values.is_floating_point() and not bool(torch.isfinite(values).all()):
+            raise WeightUpdateError(f"{source.label}: tensor {name!r} holds NaN or infinite values")
 
 
 @torch.no_grad()
@@ -120,10 +126,12 @@ def copy_into(model: torch.nn.Module, source: WeightSource) -> int:
     WeightUpdateError, with nothing written, for a source that cannot replace them."""
     targets, aliases = weight_tensors(model)
     plan = check_infos(targets, aliases, source.infos(), source)
-    for name in plan:  # one tensor in memory at a time: read, checked, dropped
-        _check_finite(name, source.read(name), source)
+    for name in plan:  # one piece in memory at a time: read, checked, dropped
+        _check_finite(name, source)
     for name, target_name in plan.items():
-        targets[target_name].copy_(source.read(name))
+        target = targets[target_name]
+        for rows, values in source.pieces(name):
+            (target if rows is None else target[rows]).copy_(values)
     return len(plan)
 
 
@@ -164,11 +172,22 @@ class CheckpointDirectory(WeightSource):
     def infos(self) -> dict[str, TensorInfo]:
         return self._infos
 
-    def read(self, name: str) -> torch.Tensor:
-        path = self._where[name]
+    def pieces(self, name: str) -> Iterator[tuple[slice | None, torch.Tensor]]:
+        info, path = self._infos[name], self._where[name]
+        if not info.shape:
+            yield None, self._read(path, name, None)
+            return
+        row_bytes = info.dtype.itemsize * math.prod(info.shape[1:])
+        step = max(1, CHUNK_BYTES // max(row_bytes, 1))
+        for start in range(0, info.shape[0], step):
+            rows = slice(start, min(start + step, info.shape[0]))
+            yield rows, self._read(path, name, rows)
+
+    def _read(self, path: Path, name: str, rows: slice | None) -> torch.Tensor:
+        """Rows of one tensor, through a memory map opened for them alone (and closed after)."""
         try:
             with self._open(path) as handle:
-                return handle.get_tensor(name)
+                return handle.get_tensor(name) if rows is None else handle.get_slice(name)[rows]
         except WeightUpdateError:
             raise
         except Exception as exc:
@@ -222,8 +241,8 @@ class NamedTensors(WeightSource):
     def infos(self) -> dict[str, TensorInfo]:
         return {name: TensorInfo(tuple(t.shape), t.dtype) for name, t in self.tensors.items()}
 
-    def read(self, name: str) -> torch.Tensor:
-        return self.tensors[name]
+    def pieces(self, name: str) -> Iterator[tuple[slice | None, torch.Tensor]]:
+        yield None, self.tensors[name]
 
 
 def resolve_checkpoint(root: str, requested: str) -> tuple[Path, str]:
@@ -241,17 +260,3 @@ def resolve_checkpoint(root: str, requested: str) -> tuple[Path, str]:
     if not full.is_dir():
         raise WeightUpdateError(f"model_path {label!r} is not a directory under the weights root")
     return full, label
-
-
-def save_checkpoint(model: torch.nn.Module, directory: Path) -> Path:
-    """Write `model` as a Hugging Face directory (config.json and model.safetensors), for a trainer
-    that pushes its weights from disk; returns the directory."""
-    directory = Path(directory)
-    model.save_pretrained(directory, safe_serialization=True)
-    return directory
-
-
-def tensor_stream(tensors: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Named tensors in the order both ends of a transfer agree on (sorted by name)."""
-    for name in sorted(tensors):
-        yield name, tensors[name]
