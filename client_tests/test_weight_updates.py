@@ -112,15 +112,17 @@ def test_abort_ends_requests_in_flight_and_the_client_resends_them(weights_serve
     assert all(list(r.weight_version) == [version] * 300 for r in results)
 
 
-def test_pause_holds_requests_until_continue(weights_server):
-    with GenerateClient(weights_server.grpc_url, model_name=MODEL, admin_key=ADMIN_KEY) as client:
-        (url,) = client.urls
-        assert client.pause_generation("in_place")[url]["paused"] is True
+def test_pause_holds_requests_until_continue_on_every_replica(weights_server):
+    # Two names of one server: the client sends every control request to each of its replicas.
+    urls = [weights_server.grpc_url, weights_server.grpc_url.replace("127.0.0.1", "localhost")]
+    with GenerateClient(urls, model_name=MODEL, admin_key=ADMIN_KEY) as client:
+        assert [a["paused"] for a in client.pause_generation("in_place").values()] == [True, True]
         held = client.submit(PROMPTS, PARAMS, 4, ignore_eos=True)
         time.sleep(0.5)
         assert not held.done()
-        assert client.continue_generation()[url]["paused"] is False
+        assert [a["paused"] for a in client.continue_generation().values()] == [False, False]
         assert len(held.result(timeout=60)) == 2
+        assert list(client.get_weight_version()) == urls
 
 
 def test_update_from_shared_memory(weights_server):

@@ -21,7 +21,7 @@ import torch
 SAFETENSORS_SUFFIX = ".safetensors"
 # A tensor on disk is read this many bytes at a time at most (whole rows), each piece from a fresh
 # memory map: what an update adds to the process's memory is one piece, not the largest tensor.
-CHUNK_BYTES = 16 * 2**20
+CHUNK_BYTES = 8 * 2**20
 
 
 class WeightUpdateError(ValueError):
