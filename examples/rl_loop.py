@@ -29,6 +29,7 @@ import torch
 
 from triton_sampling_mask.client import GenerateClient, concatenate_tokens
 from triton_sampling_mask.client.replay import replay_logprobs
+from triton_sampling_mask.client.sampling_params import SamplingParams
 from triton_sampling_mask.generation.lm import build_default_model
 from triton_sampling_mask.generation.weight_transfer import broadcast_tensors, manifest_of, open_process_group
 
@@ -83,7 +84,7 @@ def rollout_and_replay(client: GenerateClient, policy, version: str, tolerance: 
     1 (checked); returns the GRPO loss to backpropagate."""
     requests = [prompt for prompt in ROLLOUT["PROMPTS"] for _ in range(ROLLOUT["SAMPLES"])]
     params = [
-        ROLLOUT["SamplingParams"](temperature=0.8, top_k=20, top_p=0.95, seed=1000 + i, return_sampling_mask=True)
+        SamplingParams(temperature=0.8, top_k=20, top_p=0.95, seed=1000 + i, return_sampling_mask=True)
         for i in range(len(requests))
     ]
     results = client.generate(requests, params, ROLLOUT["MAX_NEW_TOKENS"], ignore_eos=True)

@@ -291,6 +291,9 @@ class GenerateModel:
             self.control.submit(text[0], request.parameters(), answer)
         except ControlError as error:
             answer(error)
+        except Exception as exc:  # an internal fault: this request is answered all the same
+            self.logger.log_error(f"generate: control request not taken: {type(exc).__name__}: {exc}")
+            answer(ControlError(f"internal generate error ({type(exc).__name__}); see the server log", "INTERNAL"))
         return True
 
     def _send_control(self, sender, outcome) -> None:
