@@ -249,6 +249,15 @@ def markdown(results: dict, note: str) -> str:
                 f"| {size} | {mib:.0f} MiB | {way} | {update:.2f} | {serve:.2f} | {peak:.0f} MiB "
                 f"({100 * peak / mib:.0f}% of the checkpoint) | {during[0]} / {during[1]} / {during[2]} |"
             )
+    lines += [
+        "",
+        "In place: generation pauses between two engine steps (`in_place` mode), the checkpoint is",
+        "copied into the running LM in pieces of at most 8 MiB, and the requests in flight go on, on the",
+        "new weights (their KV cache recomputed); the stub's memory grows by a few pieces. Reload:",
+        "Triton starts a second stub and loads the whole model beside the first, which keeps answering",
+        "on the old weights until the new one is ready and is unloaded once its requests are done: the",
+        "weights are in memory twice at the peak, and the new ones serve only after a full stub start.",
+    ]
     refusals = sorted({m for d in results.values() for runs in d["ways"].values() for r in runs for m in r["refusals"]})
     if refusals:
         lines += ["", "Refusals seen during the updates:", "", *(f"- `{m}`" for m in refusals)]
@@ -259,7 +268,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny-only", action="store_true", help="skip the ~100M-parameter LM")
     parser.add_argument("--rounds", type=int, default=2, help="updates per way and LM (medians; peak: the largest)")
+    parser.add_argument("--from-json", type=Path, help="rewrite the markdown of an earlier run's JSON")
     args = parser.parse_args(argv)
+    if args.from_json:
+        data = json.loads(args.from_json.read_text())
+        (RESULTS_DIR / "weight_update.md").write_text(markdown(data["results"], data["note"]))
+        return
     results = {}
     with tempfile.TemporaryDirectory(prefix="weight-update-") as work:
         for size in ("tiny",) if args.tiny_only else ("tiny", "100M"):
@@ -267,7 +281,7 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps({size: results[size]}, indent=1, default=str), flush=True)
     note = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     (RESULTS_DIR / "weight_update.md").write_text(markdown(results, note))
-    (RESULTS_DIR / "weight_update.json").write_text(json.dumps(results, indent=1))
+    (RESULTS_DIR / "weight_update.json").write_text(json.dumps({"note": note, "results": results}, indent=1))
     print(markdown(results, note))
 
 
