@@ -20,8 +20,9 @@ from .server import REPO_ROOT
 
 README = REPO_ROOT / "README.md"
 EXAMPLE_FILES = [README, *sorted((REPO_ROOT / "docs").glob("*.md"))]
-# Scripts taking --url (gRPC) and --protocol, like examples/rl_rollout.py.
-EXAMPLE_SCRIPTS = sorted((REPO_ROOT / "examples").glob("*.py"))
+# Scripts taking --url (gRPC) and --protocol, like examples/rl_rollout.py. rl_loop.py pushes weights,
+# which needs a server with an admin key and a weights root: client_tests/test_weight_updates.py runs it.
+EXAMPLE_SCRIPTS = sorted(path for path in (REPO_ROOT / "examples").glob("*.py") if path.name != "rl_loop.py")
 LINKED_FILES = [
     *EXAMPLE_FILES,
     REPO_ROOT / "CHANGELOG.md",

@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> None:
         print("+ " + " ".join(redact(command, admin_key)), flush=True)
         os.umask(SERVER_UMASK)
         cage.enter()
-        os.execve(command[0], command, server_environment())
+        os.execve(command[0], command, server_environment(admin_key))
     front_door = None
     if proxied:
         public = {**ports, "probe": args.probe_port}

@@ -34,6 +34,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..sampling.outputs import ADMIN_KEY_PARAMETER
 from ..sampling.refusals import RETRY_MARKER
 from . import settings
 
@@ -287,6 +288,8 @@ def input_spec(config_path: Path) -> str:
     """ "name:DATATYPE ..." for each input of a model's config.pbtxt (the /generate checks' argument)."""
     text = _strip_comments(Path(config_path).read_text())
     pairs = re.findall(r'name\s*:\s*"([^"]+)"\s*,?\s*data_type\s*:\s*TYPE_(\w+)', _block(text, "input"))
+    # the request parameter a control request carries its admin key in: a string beside the inputs
+    pairs.append((ADMIN_KEY_PARAMETER, "STRING"))
     return " ".join(f"{name}:{'BYTES' if data_type == 'STRING' else data_type}" for name, data_type in pairs)
 
 

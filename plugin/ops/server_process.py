@@ -24,6 +24,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from ..serving.admin_key import ADMIN_KEY_DIGEST_ENV, key_digest
 from . import settings
 from .allocator import with_allocator
 from .private_shm import with_private_shm
@@ -89,10 +90,15 @@ def system_tritonserver() -> str:
     return found
 
 
-def server_environment() -> dict[str, str]:
+def server_environment(admin_key: str | None = None) -> dict[str, str]:
     """The environment tritonserver needs: this venv's bin/ first, the wheel's shared libraries
-    (a Triton image's own server needs neither, and gets the environment unchanged but PATH)."""
+    (a Triton image's own server needs neither, and gets the environment unchanged but PATH).
+    With `admin_key`, the stubs get its SHA-256 (never the key), which the generate model's
+    weight operations check (serving.weight_control)."""
     env = dict(os.environ)
+    env.pop(ADMIN_KEY_DIGEST_ENV, None)
+    if admin_key:
+        env[ADMIN_KEY_DIGEST_ENV] = key_digest(admin_key)
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     if has_pytriton():
         libs = pytriton_root().parent / "nvidia_pytriton.libs"
@@ -317,7 +323,7 @@ class TritonServer(LoopbackUrls):
             self.command(),
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            env=server_environment(),
+            env=server_environment(self.admin_key),
             start_new_session=True,
             umask=SERVER_UMASK,
         )
