@@ -85,9 +85,19 @@ def test_completions_match_the_generate_model(sdk, direct, text_tokenizer):
     assert answer.choices[0].model_extra["token_ids"] != answer.choices[1].model_extra["token_ids"]
 
 
-def test_streamed_completion_equals_the_whole_one(sdk):
+def test_streamed_completion_equals_the_whole_one(sdk, direct):
     request = dict(model="generate", prompt=PROMPT, max_tokens=12, seed=7, logprobs=0, **SAMPLING)
     whole = sdk.completions.create(**request, extra_body={**MASKS, "ignore_eos": True}).choices[0]
+    extra = whole.model_extra
+    ref = reference(direct, extra["prompt_token_ids"], 7, 12)  # one sequence, as the reference: bit-equal
+    assert_same_as_reference(
+        extra["token_ids"],
+        extra["sampling_mask"],
+        extra["sampling_mask_logprobs"],
+        extra["sampling_logprobs"],
+        whole.logprobs.token_logprobs,
+        ref,
+    )
     chunks = list(
         sdk.completions.create(
             **request, stream=True, stream_options={"include_usage": True}, extra_body={**MASKS, "ignore_eos": True}

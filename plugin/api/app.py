@@ -52,6 +52,39 @@ async def _body(request: Request, model: type[BaseModel], limit: int) -> BaseMod
         raise from_validation_error(error) from None
 
 
+class KeyAndBodyLimit:
+    """ASGI middleware (no task per request, streams untouched): the Bearer key on every route
+    but /health, and a body whose Content-Length is over the limit refused before it is read."""
+
+    def __init__(self, app, api_key: str | None, max_body_bytes: int):
+        self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            refusal = self._refusal(scope)
+            if refusal is not None:
+                await refusal.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def _refusal(self, scope) -> ApiError | None:
+        headers = {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in scope["headers"]}
+        length = headers.get("content-length", "")
+        if length.isdigit() and int(length) > self.max_body_bytes:
+            return ApiError(413, f"the body is {length} bytes; at most {self.max_body_bytes} are accepted")
+        if self.api_key and scope["path"] not in _OPEN_PATHS:
+            scheme, _, token = headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+                return ApiError(
+                    401,
+                    "a valid API key is required: Authorization: Bearer <key>",
+                    None,
+                    "authentication_error",
+                    "invalid_api_key",
+                )
+        return None
+
+
 def create_app(config: ApiConfig, service: ApiService | None = None) -> FastAPI:
     """The application serving `config` (a prepared `service` may be passed, e.g. by tests)."""
     service = service or ApiService(config)
@@ -66,22 +99,7 @@ def create_app(config: ApiConfig, service: ApiService | None = None) -> FastAPI:
     app = FastAPI(title="triton-sampling-mask API", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.service = service
 
-    @app.middleware("http")
-    async def limits_and_key(request: Request, call_next):
-        length = request.headers.get("content-length", "")
-        if length.isdigit() and int(length) > config.max_body_bytes:
-            return ApiError(413, f"the body is {length} bytes; at most {config.max_body_bytes} are accepted").response()
-        if config.api_key and request.url.path not in _OPEN_PATHS:
-            scheme, _, token = request.headers.get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), config.api_key.encode()):
-                return ApiError(
-                    401,
-                    "a valid API key is required: Authorization: Bearer <key>",
-                    None,
-                    "authentication_error",
-                    "invalid_api_key",
-                ).response()
-        return await call_next(request)
+    app.add_middleware(KeyAndBodyLimit, api_key=config.api_key, max_body_bytes=config.max_body_bytes)
 
     @app.exception_handler(ApiError)
     async def api_error(_request, error: ApiError):
