@@ -1,18 +1,22 @@
 """The HTTP API's text path without a server: the tiny LM's tokenizer (made to fit the LM's
 config), incremental detokenization (whole characters, the same text as one decode), stop
-strings (the earliest match, as a brute-force search finds it) and the error mapping."""
+strings (the earliest match, as a brute-force search finds it), the mask lists (the converters'
+SGLang form) and the error mapping."""
 
 from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from triton_sampling_mask.api.errors import from_generate_error
 from triton_sampling_mask.api.text import IncrementalDetokenizer, StopStrings, context_length, load_tokenizer
-from triton_sampling_mask.client import GenerateError
+from triton_sampling_mask.api.token_fields import sglang_mask_fields
+from triton_sampling_mask.client import GenerateError, SampleResult
+from triton_sampling_mask.client.converters import to_sglang
 from triton_sampling_mask.generation.lm import DEFAULT_LM_CONFIG
 
 LM_CONFIG = json.loads(DEFAULT_LM_CONFIG.read_text())
@@ -87,3 +91,19 @@ def test_generate_errors_map_to_statuses(error, status):
     assert answer.status == status and error.message in answer.message
     assert (answer.retry_after_s == 2) == (status == 503)
     assert set(answer.body()["error"]) == {"message", "type", "param", "code"}
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 6), st.integers(0, 2**32 - 1))
+def test_mask_lists_are_the_converters_sglang_form(tokens, seed):
+    rng = np.random.default_rng(seed)
+    width = 8
+    lengths = rng.integers(1, width + 1, tokens).astype(np.int32)
+    mask = np.full((tokens, width), -1, np.int32)
+    support = np.full((tokens, width), -np.inf, np.float32)
+    for row, n in enumerate(lengths):  # test data only
+        mask[row, :n] = rng.permutation(50)[:n]
+        support[row, :n] = -rng.random(n)
+    sampled = -rng.random(tokens).astype(np.float32)
+    result = SampleResult(mask[:, 0].copy(), sampled, mask, lengths, sampled, support)
+    assert sglang_mask_fields(result) == to_sglang(mask, lengths, sampled, support)

@@ -1,7 +1,8 @@
 """A sequence's token outputs as JSON: ids, log-probs and sampling masks, in the shapes each
 dialect's clients read.
 
-Masks go out as SGLang's and FastDeploy's per-token id lists (`client.converters.to_sglang`), or
+Masks go out as SGLang's and FastDeploy's per-token id lists (the shape of
+`client.converters.to_sglang`), or
 compact (`sampling_mask_format: "compact"`) as prime-rl ships them: the flat ids and per-token
 counts of `client.converters.to_prime_rl`, base64 of little-endian int32 (float32 for log-probs).
 Log-probs are finite in JSON: a log-prob that underflowed to -inf is sent as LOGPROB_FLOOR, as
@@ -15,7 +16,7 @@ import base64
 import numpy as np
 
 from ..client import SampleResult
-from ..client.converters import to_prime_rl, to_sglang
+from ..client.converters import to_prime_rl
 
 LOGPROB_FLOOR = -9999.0
 MASK_FORMATS = ("lists", "compact")
@@ -58,13 +59,22 @@ def mask_fields(tokens: SampleResult, mask_format: str) -> dict:
     }
 
 
+def _rows(values: np.ndarray, lengths: list[int]) -> list[list]:
+    """Each row's first `lengths[i]` entries as a list (the mask ids, or their log-probs)."""
+    return [row[:n].tolist() for row, n in zip(values, lengths)]
+
+
 def sglang_mask_fields(tokens: SampleResult) -> dict:
-    """SGLang's mask lists of `tokens` (client.converters.to_sglang), log-probs made finite."""
-    lists = to_sglang(
-        tokens.sampling_mask, tokens.sampling_mask_len, tokens.sampling_logprobs, tokens.sampling_mask_logprobs
-    )
-    lists["output_token_sampling_logprobs"] = finite(lists["output_token_sampling_logprobs"])
-    lists["output_token_sampling_support_logprobs"] = [
-        finite(row) for row in lists["output_token_sampling_support_logprobs"]
-    ]
-    return lists
+    """SGLang's mask lists of `tokens`, as `client.converters.to_sglang` shapes them
+    (`output_token_sampling_mask`, `output_token_sampling_logprobs`,
+    `output_token_sampling_support_logprobs`), log-probs made finite. Sliced row by row: a
+    streamed chunk holds one token, where the converter's whole-array bookkeeping costs more than
+    the slicing it saves."""
+    lengths = tokens.sampling_mask_len.tolist()
+    support = np.asarray(tokens.sampling_mask_logprobs, np.float64)
+    support = np.where(np.isfinite(support), support, LOGPROB_FLOOR)
+    return {
+        "output_token_sampling_mask": _rows(tokens.sampling_mask, lengths),
+        "output_token_sampling_logprobs": finite(tokens.sampling_logprobs),
+        "output_token_sampling_support_logprobs": _rows(support, lengths),
+    }
