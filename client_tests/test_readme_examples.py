@@ -68,8 +68,10 @@ def test_example_script_runs(script, protocol, triton_server, monkeypatch):
 
 
 @pytest.mark.parametrize(("path", "index", "code"), BLOCKS, ids=[f"{path}:block{index}" for path, index, _ in BLOCKS])
-def test_python_block_runs(path, index, code, triton_server):
+def test_python_block_runs(path, index, code, triton_server, request):
     code = code.replace("localhost:8000", triton_server.http_url).replace("localhost:8001", triton_server.grpc_url)
+    if "localhost:9000" in code:  # the HTTP API's examples (docs/api.md): the session's API process
+        code = code.replace("http://localhost:9000", request.getfixturevalue("api_server").url)
     namespace = {"__name__": "readme_example"}
     try:
         exec(compile(code, f"{path} python block {index}", "exec"), namespace)
