@@ -218,7 +218,7 @@ def test_gradients_match_finite_differences_of_the_brute_force(seed, rows, vocab
             q_ids = np.exp(behaviour[t, : lengths[t]].astype(np.float64))
             q_ids /= q_ids.sum()
 
-            def row_value(row, t=t, ids=ids, q_ids=q_ids):
+            def row_value(row, t=t, ids=ids, q_ids=q_ids, name=name):
                 scaled = row[ids] / tau
                 log_p_s = scaled - np.logaddexp.reduce(scaled)
                 p_s = np.exp(log_p_s)
