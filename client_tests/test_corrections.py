@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tests.test_corrections import reference_draw
+from tests.reference import reference_draw
 from triton_sampling_mask.client import SamplerClient
 from triton_sampling_mask.client.corrections import (
     ratio_diagnostics,
@@ -46,7 +46,8 @@ def test_receipts_rederive_every_served_token_and_flag_perturbed_logits(triton_s
     # Every flag is a real difference: the float64 reference support of the perturbed row, with
     # the receipt's noise, no longer draws the served token there.
     for t in np.flatnonzero(found.flagged):
-        draw = reference_draw(perturbed[t].astype(np.float64), params[t], int(receipts.noise_seed[t]))
+        p = params[t]
+        draw = reference_draw(perturbed[t], p.temperature, p.top_k, p.top_p, p.min_p, int(receipts.noise_seed[t]))
         assert draw in (None, int(found.token_ids[t])) and draw != result.output_ids[t]
 
 

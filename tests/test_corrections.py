@@ -28,7 +28,7 @@ from triton_sampling_mask.client.sampling_params import SamplingParams
 from triton_sampling_mask.client.support import FlatSupport, score_support
 from triton_sampling_mask.sampling.sampler import SamplingBatch, sample
 
-from .reference import reference_row
+from .reference import reference_draw, reference_noise_seed
 
 FORMATS = ("padded", "csr", "prime-rl", "sglang")
 WIDTH = 8
@@ -316,46 +316,8 @@ def test_bad_inputs_name_what_is_wrong():
 # ---------------------------------------------------------------- receipts
 
 
-MASK64 = (1 << 64) - 1
-
-
-def splitmix_finaliser(x: int) -> int:
-    x ^= x >> 30
-    x = (x * 0xBF58476D1CE4E5B9) & MASK64
-    x ^= x >> 27
-    x = (x * 0x94D049BB133111EB) & MASK64
-    return x ^ (x >> 31)
-
-
-def reference_gumbel(noise_seed: int, token_id: int) -> float:
-    """The documented noise in pure Python: u from SplitMix64 of (seed, id), g = -log(-log u)."""
-    state = splitmix_finaliser(noise_seed ^ 0x9E3779B97F4A7C15)
-    bits = splitmix_finaliser((state + token_id * 0x9E3779B97F4A7C15) & MASK64)
-    u = ((bits >> 41) * 2 + 1) / 2**24
-    return -math.log(-math.log(u))
-
-
-def reference_noise_seed(seed: int, step: int) -> int:
-    if step == SAMPLER_CALL:
-        return seed
-    state = splitmix_finaliser(seed ^ 0x9E3779B97F4A7C15)
-    return splitmix_finaliser((state + (step + 1) * 0xD1B54A32D192ED03) & MASK64)
-
-
-def reference_draw(row_logits, params: SamplingParams, noise_seed: int) -> int | None:
-    """argmax over the reference support of (x - max) / T + g; None on an ambiguous boundary."""
-    ref = reference_row(row_logits, params.temperature, params.top_k, params.top_p, params.min_p)
-    if ref.support_min != ref.support_max:
-        return None
-    tau = params.temperature or 1.0
-    greedy = params.temperature == 0
-    best = max(
-        ref.support,
-        key=lambda v: (
-            (row_logits[v] - row_logits.max()) / tau + (0 if greedy else reference_gumbel(noise_seed, int(v)))
-        ),
-    )
-    return int(best)
+def reference_draw_of(row_logits, params: SamplingParams, noise_seed: int) -> int | None:
+    return reference_draw(row_logits, params.temperature, params.top_k, params.top_p, params.min_p, noise_seed)
 
 
 @settings(max_examples=25, deadline=None)
@@ -381,9 +343,9 @@ def test_receipts_rederive_the_brute_force_draw(seed, requests, temperature, top
     for t, row in enumerate(logits):
         step = int(receipts.step[t])
         assert step == t - int(lengths[: owner[t]].sum())
-        noise_seed = reference_noise_seed(params[owner[t]].seed, step)
+        noise_seed = reference_noise_seed(params[owner[t]].seed, None if step == SAMPLER_CALL else step)
         assert int(receipts.noise_seed[t]) == noise_seed
-        want.append(reference_draw(row.astype(np.float64), params[owner[t]], noise_seed))
+        want.append(reference_draw_of(row.astype(np.float64), params[owner[t]], noise_seed))
     decided = np.array([w is not None for w in want])
     served = np.array([w if w is not None else 0 for w in want])
     found = rederive_tokens(torch.from_numpy(logits), receipts, served)
@@ -417,7 +379,7 @@ def test_receipts_rederive_every_sampler_token_and_flag_a_perturbation():
     found = rederive_tokens(perturbed, receipts, served)
     assert found.flagged.sum() > rows // 10
     for t in np.flatnonzero(found.flagged):
-        draw = reference_draw(perturbed[t].double().numpy(), params[t], int(receipts.noise_seed[t]))
+        draw = reference_draw_of(perturbed[t].double().numpy(), params[t], int(receipts.noise_seed[t]))
         assert draw in (None, int(found.token_ids[t])) and draw != served[t]
 
 
