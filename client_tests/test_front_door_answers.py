@@ -99,6 +99,14 @@ def test_a_bad_generate_body_is_a_400_naming_the_problem(port, body, says):
     assert says in error_of(answer)
 
 
+@pytest.mark.parametrize("body", [b"", b"0", b'{"logits": "abc"}', b'{"logits": [1, 2], "top_k": 1.5}'])
+def test_the_generate_extension_on_the_sampler_is_checked_too(port, body):
+    """The sampler is not decoupled, but tritonserver serves the generate extension on it too."""
+    answer = send(port, "POST", "/v2/models/sampler/generate", body)
+    assert answer[0] == 400, answer
+    error_of(answer)
+
+
 def test_escapes_are_decoded_not_refused(port):
     """Python's json.dumps writes \\u escapes for every non-ASCII character: they are JSON."""
     body = json.dumps({"id": "r\u00e9sum\u00e9 \U0001f600", "inputs": [LOGITS_4]}).encode()

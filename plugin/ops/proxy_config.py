@@ -502,9 +502,7 @@ def render(plan: ProxyPlan) -> str:
             + " if r_infer { req.body_len,sub(txn.json_bytes) lt 0 }",
             "    http-request lua.check_infer_json if r_infer",
         ]
-    for index, route in enumerate(routes):
-        if not route.decoupled:
-            continue
+    for index, route in enumerate(routes):  # every model takes the generate extension's JSON
         lines += [
             f"    acl r_json_{index} path_reg {_model_path([route.name], '/(generate|generate_stream)')}",
             "    http-request deny deny_status 413 "
