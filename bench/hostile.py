@@ -227,14 +227,15 @@ def launch(
     with `cwd`; `legacy`: one from before the front door, serving the public ports itself);
     `nofile` is a soft descriptor limit for it (its server inherits it); with `stack_memory_bytes`
     the whole stack runs in a memory cgroup of that size when one can be made."""
-    ports = {name: free_port() for name in ("http", "grpc", "metrics", "probe")}
-    internal_base = free_port_block(5)
+    ports = {name: free_port() for name in ("http", "grpc", "metrics", "probe", "api")}
+    internal_base = free_port_block(6)
     environment = {
         **os.environ,
         "TRITON_HTTP_PORT": str(ports["http"]),
         "TRITON_GRPC_PORT": str(ports["grpc"]),
         "TRITON_METRICS_PORT": str(ports["metrics"]),
         "TRITON_PROBE_PORT": str(ports["probe"]),
+        "TRITON_API_PORT": str(ports["api"]),
         "TRITON_INTERNAL_PORT_BASE": str(internal_base),
         "TRITON_ADMIN_KEY": ADMIN_KEY,
         "TRITON_MEMORY_LIMIT_BYTES": str(SERVER_MEMORY_BYTES),

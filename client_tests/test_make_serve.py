@@ -1,7 +1,9 @@
-"""`make serve` (the README's first command) serves a repository and stops cleanly on SIGTERM."""
+"""`make serve` (the README's first command) serves a repository, with the HTTP API on a port of its
+own behind the front door, and stops cleanly on SIGTERM."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -14,14 +16,36 @@ from triton_sampling_mask.ops.server_process import free_port
 from .server import MODEL_REPOSITORY, REPO_ROOT
 
 
+def api_completion(port: int, deadline: float) -> dict:
+    """A two-token completion with masks through the HTTP API's public port, once it answers."""
+    base = f"http://127.0.0.1:{port}/v1"
+    while True:
+        try:
+            with urllib.request.urlopen(f"{base}/models", timeout=5) as response:
+                model = json.loads(response.read())["data"][0]["id"]
+            break
+        except (OSError, KeyError, IndexError):
+            assert time.monotonic() < deadline, "the HTTP API did not answer through its port"
+            time.sleep(1.0)
+    body = {"model": model, "prompt": [1, 2, 3], "max_tokens": 2, "top_k": 5, "seed": 1, "ignore_eos": True}
+    body |= {"return_sampling_mask": True, "return_token_ids": True}
+    request = urllib.request.Request(
+        f"{base}/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}, method="POST"
+    )
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.loads(response.read())
+
+
 def test_make_serve_honours_the_environment_and_stops_on_sigterm(tmp_path):
     repository = tmp_path / "repo"
-    shutil.copytree(MODEL_REPOSITORY / "sampler", repository / "sampler")
+    for model in ("sampler", "generate"):
+        shutil.copytree(MODEL_REPOSITORY / model, repository / model, ignore=shutil.ignore_patterns("__pycache__"))
     ports = {
         "TRITON_HTTP_PORT": free_port(),
         "TRITON_GRPC_PORT": free_port(),
         "TRITON_METRICS_PORT": free_port(),
         "TRITON_PROBE_PORT": free_port(),
+        "TRITON_API_PORT": free_port(),
     }
     env = {**os.environ, "MODEL_REPOSITORY": str(repository), **{k: str(v) for k, v in ports.items()}}
     log = open(tmp_path / "serve.log", "w")  # noqa: SIM115 (open while the server runs)
@@ -40,6 +64,9 @@ def test_make_serve_honours_the_environment_and_stops_on_sigterm(tmp_path):
             except OSError:
                 time.sleep(0.5)
         assert ready, (tmp_path / "serve.log").read_text()[-3000:]
+        completion = api_completion(ports["TRITON_API_PORT"], time.monotonic() + 120)
+        assert len(completion["choices"][0]["token_ids"]) == 2, completion
+        assert all(len(mask) <= 5 for mask in completion["choices"][0]["sampling_mask"]), completion
         make.send_signal(signal.SIGTERM)  # what a supervisor sends; make forwards it to tritonserver
         assert make.wait(timeout=60) is not None
         text = (tmp_path / "serve.log").read_text()

@@ -101,6 +101,7 @@ def launcher_env(ports: dict[str, int], admin_key: str, **settings) -> dict[str,
     admin key and further `settings` (TRITON_... = value)."""
     return {
         **os.environ,
+        "TRITON_API_PORT": "0",  # no HTTP API unless `ports` names one: 9000 may be taken
         **{f"TRITON_{name.upper()}_PORT": str(port) for name, port in ports.items()},
         "TRITON_ADMIN_KEY": admin_key,
         **{name: str(value) for name, value in settings.items()},

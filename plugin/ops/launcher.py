@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
         os.execve(command[0], command, server_environment(admin_key))
     front_door = None
     if proxied:
-        public = {**ports, "probe": args.probe_port}
+        public = {**ports, "probe": args.probe_port, "api": settings.TRITON_API_PORT.value()}
         front_door = FrontDoor(
             Path(args.model_repository), public, admin_key, internal_ports(settings.TRITON_INTERNAL_PORT_BASE.value())
         )

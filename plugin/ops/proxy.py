@@ -12,6 +12,7 @@ internal key on its command line, which the proxy sets on admin requests it has 
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import resource
 import secrets
@@ -29,8 +30,9 @@ from .proxy_config import ProxyLimits, ProxyPlan
 from .server_process import PORT_NAMES, LoopbackUrls, TritonServer, free_port, loopback_args
 
 HAPROXY_PATHS = ("/usr/sbin/haproxy", "/usr/local/sbin/haproxy")
+GENERATE_MODEL = "generate"  # the model the HTTP API serves
 # The supervisor's children behind the proxy, in the order of their loopback ports.
-INTERNAL_PORTS = ("http", "grpc", "metrics", "stream_gate", "probe")
+INTERNAL_PORTS = ("http", "grpc", "metrics", "stream_gate", "probe", "api")
 PR_SET_PDEATHSIG = 1
 RESTART_DELAYS_S = (0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0)  # since the last start, by quick deaths in a row
 STABLE_RUN_S = 60.0
@@ -83,7 +85,7 @@ class FrontDoor:
         """What the config is generated from."""
         routes = proxy_config.model_routes(self.repository, self.limits.json_header_bytes)
         return ProxyPlan(
-            public=self.public,
+            public={**self.public, "api": self.public.get("api", 0) if self.serves_api() else 0},
             internal=self.internal,
             admin_key_file=self.directory / "admin.key" if self.admin_key is not None else None,
             internal_key=self.internal_key,
@@ -135,12 +137,35 @@ class FrontDoor:
             f"--max-message-bytes={min(largest, 2**31 - 1)}",
         ]
 
-    def children(self, log_path: Path | None = None) -> list[Child]:
-        """The proxy and the gate, ready to start (their output to `log_path`, or inherited)."""
+    def api_command(self) -> list[str]:
+        """The HTTP API (plugin/api) on loopback, over tritonserver's own gRPC port, with the
+        generate model's checkpoint for its tokenizer."""
+        config = Path(self.repository) / GENERATE_MODEL / "config.pbtxt"
+        model_path = proxy_config.config_parameters(config).get("model_path", "") if config.exists() else ""
         return [
+            sys.executable,
+            "-m",
+            "triton_sampling_mask.api",
+            f"--triton-url=127.0.0.1:{self.internal['grpc']}",
+            "--host=127.0.0.1",
+            f"--port={self.internal['api']}",
+            *([f"--model-path={model_path}"] if model_path else []),
+        ]
+
+    def serves_api(self) -> bool:
+        """Whether the HTTP API runs: a public port for it, a generate model, and its extra installed."""
+        wanted = bool(self.public.get("api")) and (Path(self.repository) / GENERATE_MODEL / "config.pbtxt").exists()
+        return wanted and importlib.util.find_spec("fastapi") is not None
+
+    def children(self, log_path: Path | None = None) -> list[Child]:
+        """The proxy, the gate and the HTTP API, ready to start (their output to `log_path`, or inherited)."""
+        children = [
             Child("haproxy", self.proxy_command(), soft_stop=signal.SIGUSR1, log_path=log_path),
             Child("stream gate", self.gate_command(), log_path=log_path),
         ]
+        if self.serves_api():
+            children.append(Child("http api", self.api_command(), log_path=log_path))
+        return children
 
     def clean_up(self) -> None:
         """Remove the private directory (keys and config)."""

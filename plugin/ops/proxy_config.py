@@ -112,6 +112,9 @@ ADMIN_PATHS = (
     r"^/v2/(repository|systemsharedmemory|cudasharedmemory|trace|logging)(/.*)?$",
     r"^/v2/models/[^/]+(/versions/[0-9]+)?/trace/setting$",
 )
+# The HTTP API's port (plugin/api): the body cap (the API's own default), and its errors in
+# OpenAI's shape.
+API_BODY_BYTES = 32 * 2**20
 # Content-Length and Inference-Header-Content-Length: digits only, one value, well under 2^63.
 LENGTH_PATTERN = "^[0-9]{1,12}$"
 # A /generate body is parsed whole: it must fit the proxy's buffer beside the request's head.
@@ -174,6 +177,12 @@ def _block(text: str, key: str) -> str:
     raise ValueError(f"unbalanced brackets after {key!r}")
 
 
+def config_parameters(config_path: Path) -> dict[str, str]:
+    """A model's `parameters` (key -> string value) from its config.pbtxt."""
+    text = _strip_comments(Path(config_path).read_text())
+    return dict(re.findall(r'key\s*:\s*"([^"]+)"\s*,?\s*value\s*:\s*\{\s*string_value\s*:\s*"([^"]*)"', text))
+
+
 def model_route(config_path: Path, json_header_bytes: int) -> ModelRoute:
     """A model's route from its config.pbtxt: max_batch_size rows of every input at its largest
     (a -1 dimension bounded by `max_vocab_size` or `kv_budget_tokens`), times the JSON text factor
@@ -183,7 +192,7 @@ def model_route(config_path: Path, json_header_bytes: int) -> ModelRoute:
     batch = re.search(r"\bmax_batch_size\s*:\s*(\d+)", text)
     rows = max(1, int(batch.group(1)) if batch else 1)
     decoupled = re.search(r"\bdecoupled\s*:\s*true\b", text) is not None
-    parameters = dict(re.findall(r'key\s*:\s*"([^"]+)"\s*,?\s*value\s*:\s*\{\s*string_value\s*:\s*"([^"]*)"', text))
+    parameters = config_parameters(config_path)
     bound = next((int(parameters[key]) for key in VARIABLE_DIM_BOUNDS if parameters.get(key, "").isdigit()), None)
     row_bytes = 0
     for entry in re.findall(r"\{([^{}]*)\}", _block(text, "input")):
@@ -301,6 +310,12 @@ def input_spec(config_path: Path) -> str:
     # the request parameter a control request carries its admin key in: a string beside the inputs
     pairs.append((ADMIN_KEY_PARAMETER, "STRING"))
     return " ".join(f"{name}:{'BYTES' if data_type == 'STRING' else data_type}" for name, data_type in pairs)
+
+
+def _openai_error(message: str, kind: str) -> str:
+    """A `content-type ... string ...` clause answering OpenAI's JSON error shape."""
+    body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": None}})
+    return f'content-type application/json string "{body.replace(chr(92), chr(92) * 2).replace(chr(34), chr(92) + chr(34))}"'
 
 
 def _grpc_error(code: int, message: str) -> str:
@@ -623,6 +638,35 @@ def render(plan: ProxyPlan) -> str:
     lines += _shed_backend(
         "be_grpc_other", internal["grpc"], limits, limits.queue_timeout_s, h2=True, extra=(reuse, grpc_503)
     )
+
+    # ---- the HTTP API (OpenAI and SGLang dialects): its own route, the same kinds of limits ----
+    if public.get("api"):
+        lines += _frontend_head("fe_api", plan.bind_address, public["api"], "st_http", half, limits.connections_per_ip)
+        lines += [
+            f"    timeout client {_seconds(limits.server_timeout_s)}",  # streamed completions are long
+            "    http-request deny deny_status 400 "
+            + _openai_error("send one Content-Length, of digits only", "invalid_request_error")
+            + " if { req.fhdr_cnt(content-length) gt 1 } or { req.fhdr(content-length) -m found }"
+            + f" !{{ req.fhdr(content-length) -m reg {LENGTH_PATTERN} }}",
+            "    http-request deny deny_status 400 "
+            + _openai_error("chunked or compressed request bodies are not accepted", "invalid_request_error")
+            + " if { req.hdr(transfer-encoding) -m found } or { req.hdr(content-encoding) -m found }",
+            "    http-request deny deny_status 413 "
+            + _openai_error(f"request body over {API_BODY_BYTES} bytes", "invalid_request_error")
+            + f" if {{ req.body_size gt {API_BODY_BYTES} }}",
+            "    http-request return status 503 "
+            + _openai_error(QUEUE_FULL, "overloaded")
+            + f" hdr retry-after 1 if {{ queue(be_api) ge {limits.max_queue} }}",
+            f"    http-request wait-for-body time {_seconds(limits.request_timeout_s)}",
+            "    default_backend be_api",
+            "",
+            "backend be_api",
+            f"    timeout queue {_seconds(limits.queue_timeout_s)}",
+            f"    timeout server {_seconds(limits.server_timeout_s)}",
+            "    http-error status 503 " + _openai_error(QUEUE_TIMEOUT, "overloaded") + " hdr retry-after 1",
+            f"    server api 127.0.0.1:{internal['api']} maxconn {limits.max_in_flight}",
+            "",
+        ]
 
     # ---- metrics and probe: GET only ----
     for name, paths in (("metrics", "/metrics"), ("probe", "/ready /live /status")):

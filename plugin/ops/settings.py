@@ -82,6 +82,12 @@ TRITON_METRICS_PORT = Setting(
     _port, 8002, "the public metrics port, GET /metrics only (the proxy's; tritonserver's own with `--no-proxy`)"
 )
 TRITON_PROBE_PORT = Setting(_port, 8003, "the supervisor's /ready, /live and /status (through the proxy); 0: none")
+TRITON_API_PORT = Setting(
+    _port, 9000, "the HTTP API's public port (OpenAI and SGLang dialects over `generate`, behind the proxy); 0: none"
+)
+TRITON_API_KEY = Setting(
+    str, "", "a key the HTTP API requires as `Authorization: Bearer` (read by its process; empty: none)"
+)
 TRITON_PROXY = Setting(
     str.lower,
     "haproxy",
@@ -97,7 +103,7 @@ TRITON_INTERNAL_PORT_BASE = Setting(
 TRITON_ADMIN_KEY = Setting(
     str,
     "",
-    "the key that unlocks the shared-memory, model-repository, logging and trace APIs (letters, digits and ._~+/-); "
+    "the key that unlocks the shared-memory, model-repository, logging and trace APIs (32 to 512 letters, digits and ._~+/-); "
     "empty: a random key, written to `TRITON_ADMIN_KEY_FILE`",
     shown_default="a random key",
 )
