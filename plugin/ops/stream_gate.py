@@ -51,6 +51,7 @@ GRPC_PREFIX_BYTES = 5  # compressed flag, big-endian length
 # The leading bytes of a response kept to tell whether it is final (its fields before `outputs`).
 RESPONSE_HEAD_BYTES = 65536
 RESOURCE_EXHAUSTED = "8"
+COMPACT_BYTES = 65536  # held bytes already forwarded are dropped once past this and half the buffer
 REFUSED_MEMORY = 1024  # streams the gate ended, remembered to drop their late frames
 
 
@@ -128,19 +129,25 @@ class _Stream:
     """What the gate tracks of one stream: its open requests and the message it is reading in
     each direction, the request bytes it holds back, whether the server has answered."""
 
-    __slots__ = ("open", "request_head", "request_left", "held", "held_end", "response_head", "response_left")
-    __slots__ += ("response_bytes", "answered")
+    __slots__ = ("open", "request_head", "request_left", "held", "held_from", "held_end", "response_head")
+    __slots__ += ("response_left", "response_bytes", "answered")
 
     def __init__(self):
         self.open = 0
         self.request_head = b""  # a request's 5-byte prefix, while it is incomplete
         self.request_left = 0  # bytes of the current request still to pass
-        self.held = b""  # request bytes held back (from a message's first byte)
+        self.held = bytearray()  # request bytes from the client; those before held_from are forwarded
+        self.held_from = 0
         self.held_end = False  # the client's END_STREAM came after the held bytes
         self.response_head = b""
         self.response_left = 0
         self.response_bytes = bytearray()  # the current response's leading bytes
         self.answered = False  # the server has sent its response headers
+
+    @property
+    def waiting(self) -> int:
+        """Request bytes held back (from the first byte of a request past the bound)."""
+        return len(self.held) - self.held_from
 
 
 class _Half(asyncio.Protocol):
@@ -233,14 +240,12 @@ class Relay:
         """The complete frames at the start of `buffer` (removed from it): (type, flags, stream,
         payload, raw bytes)."""
         pos, size = 0, len(buffer)
-        view = bytes(buffer)
         while size - pos >= 9:
-            length = int.from_bytes(view[pos : pos + 3], "big")
-            end = pos + 9 + length
+            end = pos + 9 + int.from_bytes(buffer[pos : pos + 3], "big")
             if end > size:
                 break
-            stream = int.from_bytes(view[pos + 5 : pos + 9], "big") & 0x7FFFFFFF
-            yield view[pos + 3], view[pos + 4], stream, view[pos + 9 : end], view[pos:end]
+            raw = bytes(buffer[pos:end])
+            yield raw[3], raw[4], int.from_bytes(raw[5:9], "big") & 0x7FFFFFFF, raw[9:], raw
             pos = end
         del buffer[:pos]
 
@@ -265,8 +270,8 @@ class Relay:
             if kind == HEADERS:
                 if stream is None and stream_id not in self.refused:
                     self.streams[stream_id] = _Stream()
-                elif stream is not None and stream.held:
-                    self._admit(stream_id, stream, force=True)  # trailers end the requests: no bound left
+                elif stream is not None and stream.waiting:
+                    self._release(stream_id, stream, force=True)  # trailers end the requests: no bound left
             elif kind == RST_STREAM:
                 if stream_id in self.refused:
                     continue
@@ -290,15 +295,33 @@ class Relay:
                 window_update(0, len(payload) - len(data)),
                 window_update(stream_id, len(payload) - len(data)),
             ]
+        waiting = stream.waiting
         stream.held += data
         stream.held_end = stream.held_end or bool(flags & END_STREAM)
-        self._admit(stream_id, stream)
+        if not waiting:  # else these bytes wait behind the held ones, for a final response
+            self._release(stream_id, stream)
 
-    def _admit(self, stream_id: int, stream: _Stream, force: bool = False) -> None:
+    def _release(self, stream_id: int, stream: _Stream, force: bool = False) -> None:
         """Forward the stream's held request bytes up to the first request past its bound (all
-        of them when `force`); refuse the stream at an oversized request."""
-        data, pos, size = stream.held, 0, len(stream.held)
-        limit = self.gate.max_message_bytes
+        of them when `force`), END_STREAM after the last; refuse the stream at an oversized request."""
+        data, start = stream.held, stream.held_from
+        pos = self._admit(stream_id, stream, data, start, force)
+        if pos is None:
+            return
+        end = stream.held_end and pos == len(data)
+        self.to_server += _data_frames(stream_id, bytes(data[start:pos]), end)
+        if pos == len(data):
+            stream.held, stream.held_from, stream.held_end = bytearray(), 0, False
+        elif pos > COMPACT_BYTES and 2 * pos > len(data):  # forwarded bytes go, in a copy of O(what waits)
+            del data[:pos]
+            stream.held_from = 0
+        else:
+            stream.held_from = pos
+
+    def _admit(self, stream_id: int, stream: _Stream, data: bytearray, pos: int, force: bool) -> int | None:
+        """Where the stream's request bytes `data[pos:]` must stop: at the first request past the
+        bound (none when `force`), or their end; None after refusing an oversized request."""
+        size, limit = len(data), self.gate.max_message_bytes
         while pos < size:
             if stream.request_left:
                 step = min(stream.request_left, size - pos)
@@ -317,18 +340,14 @@ class Relay:
                 stream.request_head = b""
                 if length > limit:
                     self._refuse(stream_id, stream, f"request message of {length} bytes, more than {limit}")
-                    return
+                    return None
                 stream.request_left = length
-        stream.held = data[pos:]
-        end = stream.held_end and not stream.held
-        self.to_server += _data_frames(stream_id, data[:pos], end)
-        if end:
-            stream.held_end = False
+        return pos
 
     def _refuse(self, stream_id: int, stream: _Stream, message: str) -> None:
         """End a stream with RESOURCE_EXHAUSTED: reset toward the server, trailers to the client,
         the client's bytes the server will never read credited back."""
-        self.to_client.append(window_update(0, len(stream.held)))
+        self.to_client.append(window_update(0, stream.waiting))
         del self.streams[stream_id]
         self.refused[stream_id] = None
         while len(self.refused) > REFUSED_MEMORY:
@@ -341,8 +360,8 @@ class Relay:
     def _forget(self, stream_id: int) -> None:
         """A stream has ended: its held bytes, which the server will never read, credited back."""
         stream = self.streams.pop(stream_id, None)
-        if stream is not None and stream.held:
-            self.to_client.append(window_update(0, len(stream.held)))
+        if stream is not None:
+            self.to_client.append(window_update(0, stream.waiting))
 
     def _read_settings(self, payload: bytes) -> None:
         for pos in range(0, len(payload) - 5, 6):
@@ -414,8 +433,8 @@ class Relay:
             if not stream.response_left and stream.open and is_final(stream.response_bytes):
                 stream.open -= 1
                 freed = True
-        if freed and stream.held:
-            self._admit(stream_id, stream)
+        if freed and stream.waiting:
+            self._release(stream_id, stream)
         if flags & END_STREAM:
             self._forget(stream_id)
 
