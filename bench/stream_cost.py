@@ -108,9 +108,7 @@ async def measure_async(direct_url: str, proxy_url: str, size: dict, progress=pr
     """Interleaved rounds on both URLs; per-side pooled figures and the per-round-pair ratios."""
     rng = np.random.default_rng(0)
     sides = {"direct": direct_url, "proxy": proxy_url}
-    clients = {
-        side: [AsyncGenerateClient(url) for _ in range(size["clients"])] for side, url in sides.items()
-    }
+    clients = {side: [AsyncGenerateClient(url) for _ in range(size["clients"])] for side, url in sides.items()}
     rounds: dict[str, list[Round]] = {side: [] for side in sides}
     try:
         for side in sides:  # warm-up: channels connected, the model config read, the engine warm
