@@ -53,6 +53,7 @@ RESPONSE_HEAD_BYTES = 65536
 RESOURCE_EXHAUSTED = "8"
 COMPACT_BYTES = 65536  # held bytes already forwarded are dropped once past this and half the buffer
 REFUSED_MEMORY = 1024  # streams the gate ended, remembered to drop their late frames
+STOP_GRACE_S = 2.0  # after SIGTERM, how long open connections may go on
 
 
 def _varint(data: bytes, pos: int) -> tuple[int, int]:
@@ -197,6 +198,7 @@ class Relay:
         self.to_client: list[bytes] = []
         self.to_server: list[bytes] = []
         self.closed = False
+        gate.relays.add(self)
 
     # ---- plumbing ----
 
@@ -231,6 +233,7 @@ class Relay:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
+            self.gate.relays.discard(self)
             for half in (self.client, self.server):
                 if half.transport is not None:
                     half.transport.close()
@@ -470,13 +473,20 @@ class StreamGate:
         self.upstream = upstream
         self.max_open = max_open
         self.max_message_bytes = max_message_bytes
+        self.relays: set[Relay] = set()  # the connections open now
 
     async def serve(self, listen: str, stop: asyncio.Event) -> None:
         """Serve on `listen` until `stop` is set."""
         host, port = listen.rsplit(":", 1)
-        server = await asyncio.get_running_loop().create_server(lambda: Relay(self).client, host, int(port))
-        async with server:
-            await stop.wait()
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(lambda: Relay(self).client, host, int(port))
+        await stop.wait()
+        server.close()  # no new connections; those open get STOP_GRACE_S to finish
+        deadline = loop.time() + STOP_GRACE_S
+        while self.relays and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        for relay in list(self.relays):
+            relay.close()
 
 
 async def _main(args: argparse.Namespace) -> None:
