@@ -115,3 +115,18 @@ def test_an_oversized_request_ends_its_stream_and_every_dropped_byte_is_credited
     headers = dict(hpack.Decoder().decode(trailers[3]))
     assert headers["grpc-status"] == "8" and headers[":status"] == "200"
     assert f"request message of {size} bytes, more than 1024" == headers["grpc-message"]
+
+
+def test_a_release_waits_for_the_end_of_a_header_block_the_proxy_has_begun():
+    """No frame may come between HEADERS and its CONTINUATION: a request a final response
+    releases then is sent after the block."""
+    gate = relay(max_open=1)
+    first, second = grpc_message(b"1" * 20), grpc_message(b"2" * 20)
+    gate.client_data(frame(DATA, 0, STREAM, first + second))
+    gate.client_data(frame(HEADERS, 0, 3, b"\x83"))  # a new stream's headers, to be continued
+    gate.server_data(frame(DATA, 0, STREAM, response(final=True)))
+    assert forwarded(gate)[0] == first
+    gate.client_data(frame(stream_gate.CONTINUATION, 0x4, 3, b"\x86"))
+    assert forwarded(gate)[0] == first + second
+    kinds = [(f[0], f[2]) for f in gate.server.transport.frames()]
+    assert kinds[-3:] == [(HEADERS, 3), (stream_gate.CONTINUATION, 3), (DATA, STREAM)]

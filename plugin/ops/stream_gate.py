@@ -205,6 +205,11 @@ class Relay:
         self.to_client: list[bytes] = []
         self.to_server: list[bytes] = []
         self.closed = False
+        self.connecting: asyncio.Future | None = None
+        # A header block the proxy has begun and not ended: no frame may be sent to the server
+        # before its CONTINUATION, so releases wait (the streams they would release, in order).
+        self.client_block_open = False
+        self.pending: dict[int, None] = {}
         gate.relays.add(self)
 
     # ---- plumbing ----
@@ -212,7 +217,7 @@ class Relay:
     def connected(self, half: _Half) -> None:
         if half is self.client:
             half.transport.pause_reading()  # until the server side is connected (a first read may come)
-            asyncio.ensure_future(self._connect_upstream())
+            self.connecting = asyncio.ensure_future(self._connect_upstream())
         elif self.closed:  # the client left while this connection was made
             half.transport.close()
         else:
@@ -277,6 +282,8 @@ class Relay:
                 self._client_data_frame(stream_id, flags, payload, raw)
                 continue
             stream = self.streams.get(stream_id)
+            if kind in (HEADERS, CONTINUATION):
+                self.client_block_open = not flags & END_HEADERS
             if kind == HEADERS:
                 if stream is None and stream_id not in self.refused:
                     self.streams[stream_id] = _Stream()
@@ -289,7 +296,16 @@ class Relay:
             elif kind == SETTINGS and not flags & 1:
                 self._read_settings(payload)
             self.to_server.append(raw)
+            if self.pending and not self.client_block_open:
+                self._release_pending()
         self._flush()
+
+    def _release_pending(self) -> None:
+        pending, self.pending = self.pending, {}
+        for stream_id in pending:
+            stream = self.streams.get(stream_id)
+            if stream is not None and stream.waiting:
+                self._release(stream_id, stream)
 
     def _client_data_frame(self, stream_id: int, flags: int, payload: bytes, raw: bytes) -> None:
         stream = self.streams.get(stream_id)
@@ -444,7 +460,10 @@ class Relay:
                 stream.open -= 1
                 freed = True
         if freed and stream.waiting:
-            self._release(stream_id, stream)
+            if self.client_block_open:
+                self.pending[stream_id] = None
+            else:
+                self._release(stream_id, stream)
         if flags & END_STREAM:
             self._forget(stream_id)
 
