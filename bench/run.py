@@ -1,7 +1,8 @@
 """`make bench`: kernel benchmark, then the served one; prints tables, writes JSON and the plot.
 
     python -m bench.run [--device cpu|cuda] [--grid cpu|gpu] [--tiny] [--skip-served] [--skip-top-p]
-                        [--skip-served-call] [--skip-proxy-cost] [--call-requests N] [--no-perf-analyzer]
+                        [--skip-served-call] [--skip-proxy-cost] [--skip-stream-cost] [--call-requests N]
+                        [--no-perf-analyzer]
                         [--skip-step-latency] [--step-calls N] [--skip-itl]
                         [--output PATH] [--plot PATH] [--no-plot] [--flashinfer-timeout S] [--note TEXT]
 
@@ -14,9 +15,10 @@ B=64 x V=151936 over gRPC, HTTP and system shared memory, FP32 and BF16 logits (
 with perf_analyzer as the client where it runs (bench/perf_analyzer.py), then the step latency on
 the same server (bench/step_latency.py: 10,000 calls per point of B=1 and B=8 rows at concurrency
 1/8/16, gRPC with and without shared memory, every call timed; generate's inter-token gaps at 32
-streams), and what the front door (HAProxy) adds to the one call and to a B=1 step
-(bench/proxy_cost.py). --tiny shrinks it all to seconds. The JSON is rewritten after every case
-("complete": false until the end), so a run cut short keeps what finished.
+streams), what the front door (HAProxy) adds to the one call and to a B=1 step
+(bench/proxy_cost.py), and what it adds to 32 streams of `generate` (bench/stream_cost.py).
+--tiny shrinks it all to seconds. The JSON is rewritten after every case ("complete": false
+until the end), so a run cut short keeps what finished.
 """
 
 from __future__ import annotations
@@ -57,6 +59,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--skip-served-call", action="store_true", help="no one-call B=64 x V=151936 table")
     parser.add_argument(
         "--skip-proxy-cost", action="store_true", help="no front-door cost (bench/proxy_cost.py: direct vs HAProxy)"
+    )
+    parser.add_argument(
+        "--skip-stream-cost",
+        action="store_true",
+        help="no front-door cost on streaming generation (bench/stream_cost.py)",
     )
     parser.add_argument(
         "--call-requests",
@@ -176,11 +183,21 @@ def main(argv: list[str] | None = None) -> dict:
         else:
             print("front-door cost (the same calls straight to tritonserver and through HAProxy)", flush=True)
             results["proxy_cost"] = proxy_cost.run(args.tiny, progress)
+            report.write_json(results, output)
+            if not args.skip_stream_cost:
+                from . import stream_cost
+
+                print("front-door cost on streaming generation (straight and through the front door)", flush=True)
+                results["stream_cost"] = stream_cost.run(args.tiny, progress)
     results["targets"] = report.verdicts(results["kernel"], served, served_call, step)
     if results.get("proxy_cost"):
         from .proxy_cost import verdicts as proxy_verdicts
 
         results["targets"].update(proxy_verdicts(results["proxy_cost"]))
+    if results.get("stream_cost"):
+        from .stream_cost import verdicts as stream_verdicts
+
+        results["targets"].update(stream_verdicts(results["stream_cost"]))
     results["machine"]["load_average_1m_after"] = machine_facts()["load_average_1m"]
     results["wall_s"] = time.perf_counter() - started
     results["complete"] = True

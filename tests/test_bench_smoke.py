@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from bench import baseline, kernel, report, run
+from bench import baseline, kernel, report, run, stream_cost
 from tests.reference import reference_row
 
 
@@ -124,7 +124,7 @@ def _check_targets_and_top_p(results: dict) -> None:
     assert all(_positive_finite(v) for v in [*top_p["ms"].values(), *top_p["over_ours"].values()])
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 def test_tiny_benchmark_writes_results(tmp_path):
     """`make bench` on tiny sizes, served part included (it starts its own tritonserver)."""
     output, plot = tmp_path / "latest.json", tmp_path / "ratios.png"
@@ -165,6 +165,12 @@ def test_tiny_benchmark_writes_results(tmp_path):
         )
         assert _positive_finite(results["targets"]["proxy_call"]["value"])
         assert "proxy_step" in results["targets"]
+        # ... and on streaming generation: both sides answered every request, three targets.
+        stream = results["stream_cost"]
+        assert stream["errors"] == 0 and stream["direct"]["requests"] == stream["proxy"]["requests"] > 0
+        figures = ("ttft_p50_ms", "ttft_p99_ms", "tokens_per_s")
+        assert all(_positive_finite(stream[side][name]) for side in ("direct", "proxy") for name in figures)
+        assert all(_positive_finite(results["targets"][key]["value"]) for key in stream_cost.TARGETS)
     assert plot_args == ["--no-plot"] or plot.stat().st_size > 0
 
 

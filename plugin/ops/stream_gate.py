@@ -11,6 +11,19 @@ request only while fewer than `max_open` of the stream's requests wait for their
 server holds at most `max_open` requests' responses for it. Messages larger than
 `max_message_bytes` are refused (RESOURCE_EXHAUSTED), the cap HAProxy cannot apply to gRPC.
 
+It relays HTTP/2 frames, not gRPC calls: each connection from the proxy gets one connection to
+tritonserver, and frames pass through as they are, except that
+- a stream's request DATA is held back, from the first byte of a request past its bound, until
+  one of its requests has had its final response (held bytes are bounded by the stream's
+  flow-control window, which only tritonserver's reads reopen);
+- the headers tritonserver sends are decoded and encoded again (HPACK without a dynamic table),
+  so the gate can end a stream itself: an oversized request gets RST_STREAM toward the server and
+  trailers with grpc-status RESOURCE_EXHAUSTED toward the client;
+- bytes the gate drops (held data of a reset stream, frames of a stream it ended) are credited
+  back with WINDOW_UPDATE, so no connection's window leaks.
+Each response message's leading bytes are read to tell a final one; nothing is deserialised, and
+a streamed token costs a socket read, a write and a little frame parsing here (no grpc runtime).
+
     python -m triton_sampling_mask.ops.stream_gate --listen 127.0.0.1:P --upstream 127.0.0.1:Q
         [--max-open N] [--max-message-bytes B]
 """
@@ -19,16 +32,29 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import signal
+import struct
+from collections import OrderedDict
 
-import grpc
+import hpack
 
-SERVICE = "inference.GRPCInferenceService"
-METHOD = f"/{SERVICE}/ModelStreamInfer"
 FINAL_PARAMETER = b"triton_final_response"
-# Headers grpc sets itself on the upstream call.
-HOP_HEADERS = {"user-agent", "grpc-accept-encoding", "grpc-encoding", "grpc-timeout", "te", "content-type"}
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+# Frame types and flags (RFC 9113).
+DATA, HEADERS, RST_STREAM, SETTINGS, PUSH_PROMISE, WINDOW_UPDATE, CONTINUATION = 0x0, 0x1, 0x3, 0x4, 0x5, 0x8, 0x9
+END_STREAM, END_HEADERS, PADDED, PRIORITY = 0x1, 0x4, 0x8, 0x20
+SETTINGS_HEADER_TABLE_SIZE = 0x1
+CANCEL = 0x8
+# Every peer accepts frames this large (SETTINGS_MAX_FRAME_SIZE is at least this).
+MAX_FRAME_BYTES = 16384
+GRPC_PREFIX_BYTES = 5  # compressed flag, big-endian length
+# The leading bytes of a response kept to tell whether it is final (its fields before `outputs`).
+RESPONSE_HEAD_BYTES = 65536
+RESOURCE_EXHAUSTED = "8"
+COMPACT_BYTES = 65536  # held bytes already forwarded are dropped once past this and half the buffer
+REFUSED_MEMORY = 1024  # streams the gate ended, remembered to drop their late frames
+READ_BYTES = 65536  # one socket read at most
+STOP_GRACE_S = 2.0  # after SIGTERM, how long open connections may go on
 
 
 def _varint(data: bytes, pos: int) -> tuple[int, int]:
@@ -75,6 +101,397 @@ def is_final(response: bytes) -> bool:
     return False
 
 
+def frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
+    """One HTTP/2 frame."""
+    return struct.pack(">I", len(payload))[1:] + bytes((kind, flags)) + struct.pack(">I", stream) + payload
+
+
+def window_update(stream: int, increment: int) -> bytes:
+    """A WINDOW_UPDATE frame (nothing when there is nothing to credit)."""
+    return frame(WINDOW_UPDATE, 0, stream, struct.pack(">I", increment)) if increment > 0 else b""
+
+
+def _data_frames(stream: int, data: bytes, end: bool) -> list[bytes]:
+    """`data` as DATA frames no larger than every peer accepts, END_STREAM on the last if `end`."""
+    chunks = [data[i : i + MAX_FRAME_BYTES] for i in range(0, len(data), MAX_FRAME_BYTES)] or [b""]
+    if not data and not end:
+        return []
+    return [frame(DATA, END_STREAM if end and i == len(chunks) - 1 else 0, stream, c) for i, c in enumerate(chunks)]
+
+
+def _unpad(flags: int, payload: bytes) -> bytes:
+    """A DATA or HEADERS payload without its padding (and HEADERS' priority fields)."""
+    start, end = 0, len(payload)
+    if flags & PADDED:
+        start, end = 1, len(payload) - payload[0]
+    return payload[start:end]
+
+
+class _Stream:
+    """What the gate tracks of one stream: its open requests and the message it is reading in
+    each direction, the request bytes it holds back, whether the server has answered."""
+
+    __slots__ = ("open", "request_head", "request_left", "held", "held_from", "held_end", "response_head")
+    __slots__ += ("response_left", "response_bytes", "answered")
+
+    def __init__(self):
+        self.open = 0
+        self.request_head = b""  # a request's 5-byte prefix, while it is incomplete
+        self.request_left = 0  # bytes of the current request still to pass
+        self.held = bytearray()  # request bytes from the client; those before held_from are forwarded
+        self.held_from = 0
+        self.held_end = False  # the client's END_STREAM came after the held bytes
+        self.response_head = b""
+        self.response_left = 0
+        self.response_bytes = bytearray()  # the current response's leading bytes
+        self.answered = False  # the server has sent its response headers
+
+    @property
+    def waiting(self) -> int:
+        """Request bytes held back (from the first byte of a request past the bound)."""
+        return len(self.held) - self.held_from
+
+
+class _Half(asyncio.BufferedProtocol):
+    """One socket of a relayed connection: what it reads goes to the relay, and while its peer's
+    socket cannot take more, it stops reading. It reads into a buffer of its own, reused: a
+    fresh 256 KiB bytes object per read (asyncio's plain protocols) costs an mmap, an mremap, a
+    munmap and page faults per streamed token."""
+
+    def __init__(self, relay: Relay, from_client: bool):
+        self.relay, self.from_client = relay, from_client
+        self.transport: asyncio.Transport | None = None
+        self.view = memoryview(bytearray(READ_BYTES))
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        self.relay.connected(self)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.view
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self.from_client:
+            self.relay.client_data(self.view[:nbytes])
+        else:
+            self.relay.server_data(self.view[:nbytes])
+
+    def connection_lost(self, exc) -> None:
+        self.relay.close()
+
+    def pause_writing(self) -> None:
+        self.relay.peer(self).pause_reading()
+
+    def resume_writing(self) -> None:
+        self.relay.peer(self).resume_reading()
+
+
+class Relay:
+    """One connection from the proxy and its connection to tritonserver."""
+
+    def __init__(self, gate: StreamGate):
+        self.gate = gate
+        self.client = _Half(self, from_client=True)
+        self.server = _Half(self, from_client=False)
+        self.streams: dict[int, _Stream] = {}
+        self.refused: OrderedDict[int, None] = OrderedDict()  # streams the gate ended itself
+        self.client_buffer = bytearray()
+        self.server_buffer = bytearray()
+        self.preface_seen = False
+        self.decoder = hpack.Decoder()
+        self.encoder = hpack.Encoder()
+        self.encoder.header_table_size = 0  # no dynamic table toward the proxy: headers may be dropped or added
+        self.block: list = []  # the server's header block being read: [stream, flags, fragments]
+        self.to_client: list[bytes] = []
+        self.to_server: list[bytes] = []
+        self.closed = False
+        self.connecting: asyncio.Future | None = None
+        # A header block the proxy has begun and not ended: no frame may be sent to the server
+        # before its CONTINUATION, so releases wait (the streams they would release, in order).
+        self.client_block_open = False
+        self.pending: dict[int, None] = {}
+        gate.relays.add(self)
+
+    # ---- plumbing ----
+
+    def connected(self, half: _Half) -> None:
+        if half is self.client:
+            half.transport.pause_reading()  # until the server side is connected (a first read may come)
+            self.connecting = asyncio.ensure_future(self._connect_upstream())
+        elif self.closed:  # the client left while this connection was made
+            half.transport.close()
+        else:
+            self.client.transport.resume_reading()
+            self.client_data(b"")  # what arrived before
+
+    async def _connect_upstream(self) -> None:
+        host, port = self.gate.upstream.rsplit(":", 1)
+        try:
+            await asyncio.get_running_loop().create_connection(lambda: self.server, host, int(port))
+        except OSError:
+            self.close()
+
+    def peer(self, half: _Half) -> asyncio.Transport:
+        return (self.server if half is self.client else self.client).transport
+
+    def _flush(self) -> None:
+        if self.to_server and self.server.transport is not None:
+            self.server.transport.write(b"".join(self.to_server))
+        if self.to_client:
+            self.client.transport.write(b"".join(self.to_client))
+        self.to_server.clear()
+        self.to_client.clear()
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.gate.relays.discard(self)
+            for half in (self.client, self.server):
+                if half.transport is not None:
+                    half.transport.close()
+
+    @staticmethod
+    def _frames(buffer: bytearray):
+        """The complete frames at the start of `buffer` (removed from it): (type, flags, stream,
+        payload, raw bytes)."""
+        pos, size = 0, len(buffer)
+        while size - pos >= 9:
+            end = pos + 9 + int.from_bytes(buffer[pos : pos + 3], "big")
+            if end > size:
+                break
+            raw = bytes(buffer[pos:end])
+            yield raw[3], raw[4], int.from_bytes(raw[5:9], "big") & 0x7FFFFFFF, raw[9:], raw
+            pos = end
+        del buffer[:pos]
+
+    # ---- client (proxy) to server ----
+
+    def client_data(self, data: bytes) -> None:
+        buffer = self.client_buffer
+        buffer += data
+        if self.server.transport is None:  # read before the server side is connected
+            return
+        if not self.preface_seen:
+            if len(buffer) < len(PREFACE):
+                return
+            self.to_server.append(bytes(buffer[: len(PREFACE)]))
+            del buffer[: len(PREFACE)]
+            self.preface_seen = True
+        for kind, flags, stream_id, payload, raw in self._frames(buffer):
+            if kind == DATA:
+                self._client_data_frame(stream_id, flags, payload, raw)
+                continue
+            stream = self.streams.get(stream_id)
+            if kind in (HEADERS, CONTINUATION):
+                self.client_block_open = not flags & END_HEADERS
+            if kind == HEADERS:
+                if stream is None and stream_id not in self.refused:
+                    self.streams[stream_id] = _Stream()
+                elif stream is not None and stream.waiting:
+                    self._release(stream_id, stream, force=True)  # trailers end the requests: no bound left
+            elif kind == RST_STREAM:
+                if stream_id in self.refused:
+                    continue
+                self._forget(stream_id)
+            elif kind == SETTINGS and not flags & 1:
+                self._read_settings(payload)
+            self.to_server.append(raw)
+            if self.pending and not self.client_block_open:
+                self._release_pending()
+        self._flush()
+
+    def _release_pending(self) -> None:
+        pending, self.pending = self.pending, {}
+        for stream_id in pending:
+            stream = self.streams.get(stream_id)
+            if stream is not None and stream.waiting:
+                self._release(stream_id, stream)
+
+    def _client_data_frame(self, stream_id: int, flags: int, payload: bytes, raw: bytes) -> None:
+        stream = self.streams.get(stream_id)
+        if stream is None:
+            if stream_id in self.refused:  # the server never sees it: credit the client's window
+                self.to_client.append(window_update(0, len(payload)))
+            else:
+                self.to_server.append(raw)  # not a stream the gate knows: the server answers it
+            return
+        data = _unpad(flags, payload)
+        if len(data) != len(payload):  # padding never reaches the server: credit it here
+            self.to_client += [
+                window_update(0, len(payload) - len(data)),
+                window_update(stream_id, len(payload) - len(data)),
+            ]
+        waiting = stream.waiting
+        stream.held += data
+        stream.held_end = stream.held_end or bool(flags & END_STREAM)
+        if not waiting:  # else these bytes wait behind the held ones, for a final response
+            self._release(stream_id, stream)
+
+    def _release(self, stream_id: int, stream: _Stream, force: bool = False) -> None:
+        """Forward the stream's held request bytes up to the first request past its bound (all
+        of them when `force`), END_STREAM after the last; refuse the stream at an oversized request."""
+        data, start = stream.held, stream.held_from
+        pos = self._admit(stream_id, stream, data, start, force)
+        if pos is None:
+            return
+        end = stream.held_end and pos == len(data)
+        self.to_server += _data_frames(stream_id, bytes(data[start:pos]), end)
+        if pos == len(data):
+            stream.held, stream.held_from, stream.held_end = bytearray(), 0, False
+        elif pos > COMPACT_BYTES and 2 * pos > len(data):  # forwarded bytes go, in a copy of O(what waits)
+            del data[:pos]
+            stream.held_from = 0
+        else:
+            stream.held_from = pos
+
+    def _admit(self, stream_id: int, stream: _Stream, data: bytearray, pos: int, force: bool) -> int | None:
+        """Where the stream's request bytes `data[pos:]` must stop: at the first request past the
+        bound (none when `force`), or their end; None after refusing an oversized request."""
+        size, limit = len(data), self.gate.max_message_bytes
+        while pos < size:
+            if stream.request_left:
+                step = min(stream.request_left, size - pos)
+                stream.request_left -= step
+                pos += step
+                continue
+            if not stream.request_head:  # a request starts here
+                if stream.open >= self.gate.max_open and not force:
+                    break
+                stream.open += 1
+            step = min(GRPC_PREFIX_BYTES - len(stream.request_head), size - pos)
+            stream.request_head += data[pos : pos + step]
+            pos += step
+            if len(stream.request_head) == GRPC_PREFIX_BYTES:
+                length = int.from_bytes(stream.request_head[1:], "big")
+                stream.request_head = b""
+                if length > limit:
+                    self._refuse(stream_id, stream, f"request message of {length} bytes, more than {limit}")
+                    return None
+                stream.request_left = length
+        return pos
+
+    def _refuse(self, stream_id: int, stream: _Stream, message: str) -> None:
+        """End a stream with RESOURCE_EXHAUSTED: reset toward the server, trailers to the client,
+        the client's bytes the server will never read credited back."""
+        self.to_client.append(window_update(0, stream.waiting))
+        del self.streams[stream_id]
+        self.refused[stream_id] = None
+        while len(self.refused) > REFUSED_MEMORY:
+            self.refused.popitem(last=False)
+        self.to_server.append(frame(RST_STREAM, 0, stream_id, struct.pack(">I", CANCEL)))
+        headers = [] if stream.answered else [(":status", "200"), ("content-type", "application/grpc")]
+        headers += [("grpc-status", RESOURCE_EXHAUSTED), ("grpc-message", message)]
+        self._headers_to_client(stream_id, END_STREAM, headers)
+
+    def _forget(self, stream_id: int) -> None:
+        """A stream has ended: its held bytes, which the server will never read, credited back."""
+        stream = self.streams.pop(stream_id, None)
+        if stream is not None:
+            self.to_client.append(window_update(0, stream.waiting))
+
+    def _read_settings(self, payload: bytes) -> None:
+        for pos in range(0, len(payload) - 5, 6):
+            key, value = struct.unpack_from(">HI", payload, pos)
+            if key == SETTINGS_HEADER_TABLE_SIZE:  # what the server's encoder may now use
+                self.decoder.max_allowed_table_size = value
+
+    # ---- server to client (proxy) ----
+
+    def server_data(self, data: bytes) -> None:
+        buffer = self.server_buffer
+        buffer += data
+        for kind, flags, stream_id, payload, raw in self._frames(buffer):
+            if self.block and kind != CONTINUATION:
+                self.close()  # a header block interrupted: a protocol error
+                return
+            if kind == DATA:
+                self._server_data_frame(stream_id, flags, payload, raw)
+            elif kind in (HEADERS, CONTINUATION):
+                if kind == HEADERS:
+                    fragment = _unpad(flags, payload)[5 if flags & PRIORITY else 0 :]
+                    self.block = [stream_id, flags, [fragment]]
+                else:
+                    self.block[2].append(payload)
+                if flags & END_HEADERS:
+                    self._server_headers(*self.block)
+                    self.block = []
+            elif kind == PUSH_PROMISE:
+                self.close()  # gRPC clients refuse pushes
+                return
+            elif kind == RST_STREAM:
+                if stream_id in self.refused:
+                    continue
+                self._forget(stream_id)
+                self.to_client.append(raw)
+            else:
+                self.to_client.append(raw)
+        self._flush()
+
+    def _server_data_frame(self, stream_id: int, flags: int, payload: bytes, raw: bytes) -> None:
+        if stream_id in self.refused:  # the client never sees it: credit the server's window
+            self.to_server.append(window_update(0, len(payload)))
+            return
+        self.to_client.append(raw)
+        stream = self.streams.get(stream_id)
+        if stream is None:
+            return
+        data, pos, freed = _unpad(flags, payload), 0, False
+        size = len(data)
+        while pos < size:
+            if stream.response_left:
+                step = min(stream.response_left, size - pos)
+                room = RESPONSE_HEAD_BYTES - len(stream.response_bytes)
+                if room > 0:
+                    stream.response_bytes += data[pos : pos + min(step, room)]
+                stream.response_left -= step
+                pos += step
+            else:
+                step = min(GRPC_PREFIX_BYTES - len(stream.response_head), size - pos)
+                stream.response_head += data[pos : pos + step]
+                pos += step
+                if len(stream.response_head) == GRPC_PREFIX_BYTES:
+                    stream.response_left = int.from_bytes(stream.response_head[1:], "big")
+                    stream.response_head = b""
+                    stream.response_bytes = bytearray()
+                else:
+                    continue
+            # a whole response has passed: a final one frees a request's place
+            if not stream.response_left and stream.open and is_final(stream.response_bytes):
+                stream.open -= 1
+                freed = True
+        if freed and stream.waiting:
+            if self.client_block_open:
+                self.pending[stream_id] = None
+            else:
+                self._release(stream_id, stream)
+        if flags & END_STREAM:
+            self._forget(stream_id)
+
+    def _server_headers(self, stream_id: int, flags: int, fragments: list) -> None:
+        try:
+            headers = self.decoder.decode(b"".join(fragments), raw=True)
+        except hpack.HPACKError:
+            self.close()
+            return
+        if stream_id in self.refused:
+            return  # decoded (the table stays in step), not passed on
+        stream = self.streams.get(stream_id)
+        if stream is not None:
+            stream.answered = True
+        self._headers_to_client(stream_id, flags & END_STREAM, headers)
+        if flags & END_STREAM:
+            self._forget(stream_id)
+
+    def _headers_to_client(self, stream_id: int, flags: int, headers: list) -> None:
+        block = self.encoder.encode(headers)
+        pieces = [block[i : i + MAX_FRAME_BYTES] for i in range(0, len(block), MAX_FRAME_BYTES)] or [b""]
+        for i, piece in enumerate(pieces):
+            last = END_HEADERS if i == len(pieces) - 1 else 0
+            self.to_client.append(
+                frame(HEADERS if i == 0 else CONTINUATION, (flags if i == 0 else 0) | last, stream_id, piece)
+            )
+
+
 class StreamGate:
     """Relays ModelStreamInfer calls to `upstream`, each with at most `max_open` open requests."""
 
@@ -82,52 +499,20 @@ class StreamGate:
         self.upstream = upstream
         self.max_open = max_open
         self.max_message_bytes = max_message_bytes
-        self.channel: grpc.aio.Channel | None = None
-
-    async def relay(self, requests, context: grpc.aio.ServicerContext):
-        """One client stream: requests forwarded while its open count allows, responses relayed
-        as the client takes them, the final status passed on."""
-        metadata = [(k, v) for k, v in context.invocation_metadata() if not k.startswith(":") and k not in HOP_HEADERS]
-        call = self.channel.stream_stream(METHOD)(metadata=metadata, timeout=context.time_remaining())
-        slots = asyncio.BoundedSemaphore(self.max_open)
-
-        async def forward_requests() -> None:
-            async for request in requests:
-                await slots.acquire()
-                await call.write(request)
-            await call.done_writing()
-
-        forwarding = asyncio.ensure_future(forward_requests())
-        try:
-            async for response in call:
-                if is_final(response):
-                    with contextlib.suppress(ValueError):  # an error and a final flag for one request
-                        slots.release()
-                await context.write(response)
-            code = await call.code()
-            if code != grpc.StatusCode.OK:
-                await context.abort(code, await call.details())
-        finally:
-            forwarding.cancel()
-            call.cancel()
+        self.relays: set[Relay] = set()  # the connections open now
 
     async def serve(self, listen: str, stop: asyncio.Event) -> None:
         """Serve on `listen` until `stop` is set."""
-        options = [("grpc.max_receive_message_length", self.max_message_bytes), ("grpc.max_send_message_length", -1)]
-        self.channel = grpc.aio.insecure_channel(
-            self.upstream,
-            options=[("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)],
-        )
-        server = grpc.aio.server(options=options)
-        handler = grpc.method_handlers_generic_handler(
-            SERVICE, {"ModelStreamInfer": grpc.stream_stream_rpc_method_handler(self.relay)}
-        )
-        server.add_generic_rpc_handlers((handler,))
-        server.add_insecure_port(listen)
-        await server.start()
+        host, port = listen.rsplit(":", 1)
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(lambda: Relay(self).client, host, int(port))
         await stop.wait()
-        await server.stop(grace=2.0)
-        await self.channel.close()
+        server.close()  # no new connections; those open get STOP_GRACE_S to finish
+        deadline = loop.time() + STOP_GRACE_S
+        while self.relays and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        for relay in list(self.relays):
+            relay.close()
 
 
 async def _main(args: argparse.Namespace) -> None:

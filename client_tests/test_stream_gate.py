@@ -1,0 +1,90 @@
+"""The stream gate (ops.stream_gate) in front of the session's tritonserver, as the front door runs
+it between HAProxy and the server's gRPC port, here with one open request per stream and a 64 KiB
+message cap: a stream's requests then run one at a time, an oversized request is refused with
+RESOURCE_EXHAUSTED, and neither the refusal nor the bytes it drops harm the connection's other
+streams."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from triton_sampling_mask.client import AsyncGenerateClient, GenerateError
+from triton_sampling_mask.client.sampling_params import SamplingParams
+from triton_sampling_mask.ops.server_process import free_port
+
+MAX_MESSAGE_BYTES = 65536
+PARAMS = SamplingParams(temperature=1.0, top_k=20, return_sampling_mask=True)
+
+
+@pytest.fixture(scope="module")
+def gate(triton_server):
+    """A gate with --max-open 1 relaying to the session server's gRPC port; its URL."""
+    port = free_port()
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "triton_sampling_mask.ops.stream_gate",
+            f"--listen=127.0.0.1:{port}",
+            f"--upstream={triton_server.grpc_url}",
+            "--max-open=1",
+            f"--max-message-bytes={MAX_MESSAGE_BYTES}",
+        ]
+    )
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            if time.monotonic() > deadline or process.poll() is not None:
+                process.kill()
+                raise RuntimeError("the stream gate did not start") from None
+            time.sleep(0.1)
+    yield f"127.0.0.1:{port}"
+    process.terminate()
+    process.wait(timeout=10)
+
+
+def arrival_order(url: str, prompts: list, budget: int) -> list[int]:
+    """The request index of each streamed chunk, in arrival order: all requests on one stream."""
+
+    async def run():
+        async with AsyncGenerateClient(url, mask_width=128) as client:
+            async with client.stream(prompts, PARAMS, budget, ignore_eos=True) as chunks:
+                return [chunk.index async for chunk in chunks]
+
+    return asyncio.run(run())
+
+
+def test_a_streams_requests_run_one_at_a_time_through_a_gate_of_one(triton_server, gate):
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    direct = arrival_order(triton_server.grpc_url, prompts, 24)
+    gated = arrival_order(gate, prompts, 24)
+    assert sorted(direct) == sorted(gated) == [i for i in range(3) for _ in range(24)]
+    # Straight to the server the three run together (their tokens interleave); through the gate the
+    # next one is forwarded only once the previous one has had its final response.
+    assert direct != sorted(direct)
+    assert gated == [0] * 24 + [1] * 24 + [2] * 24
+
+
+def test_an_oversized_request_is_refused_and_its_connection_keeps_serving(gate):
+    async def run():
+        async with AsyncGenerateClient(gate, mask_width=128) as client:
+            # Each refusal drops the rest of its message: were those bytes not credited back, the
+            # connection's flow-control window (64 KiB to start) would be spent in a few rounds.
+            for _ in range(20):
+                with pytest.raises(GenerateError) as refused:
+                    await client.generate([list(range(5, 5 + MAX_MESSAGE_BYTES // 4))], PARAMS, 1)
+                assert refused.value.status == "StatusCode.RESOURCE_EXHAUSTED"
+                assert f"more than {MAX_MESSAGE_BYTES}" in refused.value.message
+            return await asyncio.wait_for(client.generate([[5, 6, 7]], PARAMS, 8, ignore_eos=True), 60)
+
+    (result,) = asyncio.run(run())
+    assert len(result.output_ids) == 8

@@ -1,0 +1,132 @@
+"""The stream gate's relay without sockets: HTTP/2 frames in from the proxy and the server, the
+frames it writes on either side read back. The bound and the refusal are checked against
+offsets computed from the requests' sizes (the reference), for any split of the bytes into frames.
+(client_tests/test_stream_gate.py runs the gate in front of a real tritonserver.)"""
+
+from __future__ import annotations
+
+import struct
+
+import hpack
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tritonclient.grpc import service_pb2
+
+from triton_sampling_mask.ops import stream_gate
+from triton_sampling_mask.ops.stream_gate import DATA, END_STREAM, HEADERS, RST_STREAM, WINDOW_UPDATE, frame
+
+STREAM = 1
+
+
+class Transport:
+    """What the relay writes on one side."""
+
+    def __init__(self):
+        self.written = bytearray()
+
+    def write(self, data: bytes) -> None:
+        self.written += data
+
+    def frames(self) -> list[tuple[int, int, int, bytes]]:
+        out, pos = [], 0
+        data = bytes(self.written)
+        while pos < len(data):
+            length = int.from_bytes(data[pos : pos + 3], "big")
+            stream = int.from_bytes(data[pos + 5 : pos + 9], "big")
+            out.append((data[pos + 3], data[pos + 4], stream, data[pos + 9 : pos + 9 + length]))
+            pos += 9 + length
+        return out
+
+
+def relay(max_open: int, max_message_bytes: int = 2**31 - 1) -> stream_gate.Relay:
+    """A relay with both sides connected and stream 1 opened by the proxy."""
+    gate = stream_gate.StreamGate("127.0.0.1:1", max_open, max_message_bytes)
+    relay = stream_gate.Relay(gate)
+    relay.client.transport, relay.server.transport = Transport(), Transport()
+    relay.client_data(stream_gate.PREFACE + frame(HEADERS, 0x4, STREAM, b"\x83"))
+    relay.server.transport.written.clear()
+    return relay
+
+
+def grpc_message(payload: bytes) -> bytes:
+    return b"\x00" + struct.pack(">I", len(payload)) + payload
+
+
+def response(final: bool) -> bytes:
+    message = service_pb2.ModelStreamInferResponse()
+    message.infer_response.id = "r"
+    message.infer_response.parameters["triton_final_response"].bool_param = final
+    return grpc_message(message.SerializeToString())
+
+
+def forwarded(relay: stream_gate.Relay) -> tuple[bytes, bool]:
+    """The request bytes the server has been sent on the stream, and whether END_STREAM came."""
+    frames = [f for f in relay.server.transport.frames() if f[0] == DATA and f[2] == STREAM]
+    return b"".join(f[3] for f in frames), any(f[1] & END_STREAM for f in frames)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 200), min_size=1, max_size=12),
+    cuts=st.lists(st.integers(1, 300), min_size=1, max_size=12),
+    max_open=st.integers(1, 4),
+    chatter=st.integers(0, 2),
+)
+def test_a_stream_has_at_most_max_open_requests_forwarded_beyond_its_final_responses(sizes, cuts, max_open, chatter):
+    requests = [grpc_message(bytes([i % 251]) * size) for i, size in enumerate(sizes)]
+    sent = b"".join(requests)
+    ends = [sum(len(r) for r in requests[: i + 1]) for i in range(len(requests))]  # the reference offsets
+    gate = relay(max_open)
+    pos, k = 0, 0
+    while pos < len(sent):  # the proxy's DATA frames, cut anywhere
+        step = cuts[k % len(cuts)]
+        k += 1
+        piece = sent[pos : pos + step]
+        pos += len(piece)
+        gate.client_data(frame(DATA, END_STREAM if pos == len(sent) else 0, STREAM, piece))
+    finals = 0
+    while True:
+        allowed = min(len(requests), finals + max_open)
+        data, end = forwarded(gate)
+        assert data == sent[: ends[allowed - 1]]  # whole requests, as many as the bound allows, in order
+        assert end == (allowed == len(requests))
+        if allowed == len(requests):
+            break
+        for _ in range(chatter):  # streamed tokens: not final, nothing more may pass
+            gate.server_data(frame(DATA, 0, STREAM, response(final=False)))
+        assert forwarded(gate)[0] == data
+        gate.server_data(frame(DATA, 0, STREAM, response(final=True)))
+        finals += 1
+
+
+@given(before=st.integers(0, 3), size=st.integers(1025, 5000), cut=st.integers(1, 700))
+def test_an_oversized_request_ends_its_stream_and_every_dropped_byte_is_credited_back(before, size, cut):
+    gate = relay(max_open=64, max_message_bytes=1024)
+    sent = b"".join(grpc_message(b"a" * 10) for _ in range(before)) + grpc_message(b"b" * size)
+    for pos in range(0, len(sent), cut):
+        gate.client_data(frame(DATA, 0, STREAM, sent[pos : pos + cut]))
+    data, _ = forwarded(gate)
+    to_client = gate.client.transport.frames()
+    credited = sum(int.from_bytes(f[3], "big") for f in to_client if f[0] == WINDOW_UPDATE and f[2] == 0)
+    assert len(data) + credited == len(sent)  # the connection's window is whole again
+    assert (RST_STREAM, STREAM) in {(f[0], f[2]) for f in gate.server.transport.frames()}
+    (trailers,) = [f for f in to_client if f[0] == HEADERS]
+    assert trailers[1] & END_STREAM and trailers[2] == STREAM
+    headers = dict(hpack.Decoder().decode(trailers[3]))
+    assert headers["grpc-status"] == "8" and headers[":status"] == "200"
+    assert f"request message of {size} bytes, more than 1024" == headers["grpc-message"]
+
+
+def test_a_release_waits_for_the_end_of_a_header_block_the_proxy_has_begun():
+    """No frame may come between HEADERS and its CONTINUATION: a request a final response
+    releases then is sent after the block."""
+    gate = relay(max_open=1)
+    first, second = grpc_message(b"1" * 20), grpc_message(b"2" * 20)
+    gate.client_data(frame(DATA, 0, STREAM, first + second))
+    gate.client_data(frame(HEADERS, 0, 3, b"\x83"))  # a new stream's headers, to be continued
+    gate.server_data(frame(DATA, 0, STREAM, response(final=True)))
+    assert forwarded(gate)[0] == first
+    gate.client_data(frame(stream_gate.CONTINUATION, 0x4, 3, b"\x86"))
+    assert forwarded(gate)[0] == first + second
+    kinds = [(f[0], f[2]) for f in gate.server.transport.frames()]
+    assert kinds[-3:] == [(HEADERS, 3), (stream_gate.CONTINUATION, 3), (DATA, STREAM)]
