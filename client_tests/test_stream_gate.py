@@ -22,6 +22,11 @@ MAX_MESSAGE_BYTES = 65536
 PARAMS = SamplingParams(temperature=1.0, top_k=20, return_sampling_mask=True)
 
 
+def direct_grpc_url(triton_server) -> str:
+    """tritonserver's own gRPC port: the gate under test sits right in front of it, as in the stack."""
+    return getattr(triton_server, "server", triton_server).grpc_url
+
+
 @pytest.fixture(scope="module")
 def gate(triton_server):
     """A gate with --max-open 1 relaying to the session server's gRPC port; its URL."""
@@ -32,7 +37,7 @@ def gate(triton_server):
             "-m",
             "triton_sampling_mask.ops.stream_gate",
             f"--listen=127.0.0.1:{port}",
-            f"--upstream={triton_server.grpc_url}",
+            f"--upstream={direct_grpc_url(triton_server)}",
             "--max-open=1",
             f"--max-message-bytes={MAX_MESSAGE_BYTES}",
         ]
@@ -65,7 +70,7 @@ def arrival_order(url: str, prompts: list, budget: int) -> list[int]:
 
 def test_a_streams_requests_run_one_at_a_time_through_a_gate_of_one(triton_server, gate):
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
-    direct = arrival_order(triton_server.grpc_url, prompts, 24)
+    direct = arrival_order(direct_grpc_url(triton_server), prompts, 24)
     gated = arrival_order(gate, prompts, 24)
     assert sorted(direct) == sorted(gated) == [i for i in range(3) for _ in range(24)]
     # Straight to the server the three run together (their tokens interleave); through the gate the
