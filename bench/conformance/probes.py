@@ -20,8 +20,9 @@ GENERATE_BODY = {"input_ids": [5, 6, 7], "max_new_tokens": 4, "top_k": 20, "seed
 CLIENT_ERRORS = tuple(range(400, 500))
 
 
-def _json(document) -> bytes:
-    # ensure_ascii: every non-ASCII character becomes a \u escape, as Python clients send it
+def json_body(document) -> bytes:
+    """`document` as a request body the way Python clients send it (json.dumps: every non-ASCII
+    character becomes a \\u escape)."""
     return json.dumps(document).encode()
 
 
@@ -52,9 +53,9 @@ def probes() -> list[Probe]:
             "200",
             (200,),
             [
-                ("POST", SAMPLER, _json(SAMPLER_BODY)),
-                ("POST", GENERATE, _json(GENERATE_BODY)),
-                ("POST", GENERATE_STREAM, _json({**GENERATE_BODY, "stream": True})),
+                ("POST", SAMPLER, json_body(SAMPLER_BODY)),
+                ("POST", GENERATE, json_body(GENERATE_BODY)),
+                ("POST", GENERATE_STREAM, json_body({**GENERATE_BODY, "stream": True})),
                 ("GET", "/v2"),
                 ("GET", "/v2/health/ready"),
                 ("GET", "/v2/models/sampler"),
@@ -67,14 +68,14 @@ def probes() -> list[Probe]:
             "200",
             (200,),
             [
-                ("POST", SAMPLER, _json({"id": "café", **SAMPLER_BODY})),
+                ("POST", SAMPLER, json_body({"id": "café", **SAMPLER_BODY})),
                 (
                     "POST",
                     SAMPLER,
                     b'{"inputs": [{"name": "\\u006cogits", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}]}',
                 ),
-                ("POST", GENERATE, _json({"id": "naïve", **GENERATE_BODY})),
-                ("POST", GENERATE_STREAM, _json({"id": "日本", **GENERATE_BODY, "stream": True})),
+                ("POST", GENERATE, json_body({"id": "naïve", **GENERATE_BODY})),
+                ("POST", GENERATE_STREAM, json_body({"id": "日本", **GENERATE_BODY, "stream": True})),
             ],
         ),
         *_group(
@@ -89,15 +90,19 @@ def probes() -> list[Probe]:
                 ],
                 ("POST", SAMPLER, b'{"inputs": []}'),
                 ("POST", SAMPLER, b'{"inputs": [{"name": "logits"}]}'),
-                ("POST", SAMPLER, _json({"inputs": [{**LOGITS, "data": [1, 2, 3]}]})),
-                ("POST", SAMPLER, _json({"inputs": [{**LOGITS, "data": ["a", "b", "c", "d"]}]})),
-                ("POST", SAMPLER, _json({"inputs": [{**LOGITS, "datatype": "FP99"}]})),
+                ("POST", SAMPLER, json_body({"inputs": [{**LOGITS, "data": [1, 2, 3]}]})),
+                ("POST", SAMPLER, json_body({"inputs": [{**LOGITS, "data": ["a", "b", "c", "d"]}]})),
+                ("POST", SAMPLER, json_body({"inputs": [{**LOGITS, "datatype": "FP99"}]})),
                 ("POST", GENERATE, b"{}"),
-                ("POST", GENERATE, _json({"input_ids": "5", "max_new_tokens": 1})),
-                ("POST", GENERATE, _json({"input_ids": [5], "max_new_tokens": "1"})),
-                ("POST", GENERATE, _json({"input_ids": [], "max_new_tokens": 1})),
-                ("POST", GENERATE, _json({"input_ids": [5], "max_new_tokens": 1, "top_p": 2.0})),
-                ("POST", GENERATE_STREAM, _json({"input_ids": [5], "max_new_tokens": 1, "top_k": 0, "stream": True})),
+                ("POST", GENERATE, json_body({"input_ids": "5", "max_new_tokens": 1})),
+                ("POST", GENERATE, json_body({"input_ids": [5], "max_new_tokens": "1"})),
+                ("POST", GENERATE, json_body({"input_ids": [], "max_new_tokens": 1})),
+                ("POST", GENERATE, json_body({"input_ids": [5], "max_new_tokens": 1, "top_p": 2.0})),
+                (
+                    "POST",
+                    GENERATE_STREAM,
+                    json_body({"input_ids": [5], "max_new_tokens": 1, "top_k": 0, "stream": True}),
+                ),
             ],
         ),
         *_group(
@@ -105,11 +110,11 @@ def probes() -> list[Probe]:
             "4xx",
             CLIENT_ERRORS,
             [
-                ("POST", GENERATE, _json({**GENERATE_BODY, "stream": True})),
+                ("POST", GENERATE, json_body({**GENERATE_BODY, "stream": True})),
                 (
                     "POST",
                     "/v2/models/generate/infer",
-                    _json({"inputs": [{"name": "input_ids", "shape": [1, 1], "datatype": "INT32", "data": [5]}]}),
+                    json_body({"inputs": [{"name": "input_ids", "shape": [1, 1], "datatype": "INT32", "data": [5]}]}),
                 ),
             ],
         ),
@@ -125,7 +130,7 @@ def probes() -> list[Probe]:
                 ("GET", "/v2/health"),
                 ("GET", "/v2/models/sampler/nope"),
                 ("POST", "/v2/models/sampler/versions/1/nope", b"{}"),
-                ("POST", "/v2/models/sampler/infer/more", _json(SAMPLER_BODY)),
+                ("POST", "/v2/models/sampler/infer/more", json_body(SAMPLER_BODY)),
                 ("GET", "/metrics"),
             ],
         ),
@@ -136,8 +141,8 @@ def probes() -> list[Probe]:
             [
                 ("GET", "/v2/models/nosuchmodel"),
                 ("GET", "/v2/models/nosuchmodel/ready"),
-                ("POST", "/v2/models/nosuchmodel/infer", _json(SAMPLER_BODY)),
-                ("POST", "/v2/models/nosuchmodel/generate", _json(GENERATE_BODY)),
+                ("POST", "/v2/models/nosuchmodel/infer", json_body(SAMPLER_BODY)),
+                ("POST", "/v2/models/nosuchmodel/generate", json_body(GENERATE_BODY)),
             ],
         ),
         *_group(
@@ -150,7 +155,7 @@ def probes() -> list[Probe]:
                 ("PATCH", "/v2", b"{}"),
                 ("PUT", "/v2/models/sampler", b"{}"),
                 ("GET", SAMPLER),
-                ("PUT", SAMPLER, _json(SAMPLER_BODY)),
+                ("PUT", SAMPLER, json_body(SAMPLER_BODY)),
                 ("GET", GENERATE),
                 ("DELETE", GENERATE_STREAM),
             ],
@@ -174,12 +179,12 @@ def probes() -> list[Probe]:
                 (
                     "POST",
                     "/v2/systemsharedmemory/region/r0/register",
-                    _json({"key": "r0", "offset": 0, "byte_size": 8}),
+                    json_body({"key": "r0", "offset": 0, "byte_size": 8}),
                 ),
                 ("POST", "/v2/systemsharedmemory/unregister"),
                 ("GET", "/v2/cudasharedmemory/status"),
                 ("GET", "/v2/logging"),
-                ("POST", "/v2/logging", _json({"log_verbose_level": 1})),
+                ("POST", "/v2/logging", json_body({"log_verbose_level": 1})),
                 ("GET", "/v2/trace/setting"),
                 ("GET", "/v2/models/sampler/trace/setting"),
             ],

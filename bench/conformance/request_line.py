@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from .checks import Answer, Failure, answer_failures
-from .probes import SAMPLER_BODY, _json
+from .probes import SAMPLER_BODY, json_body
 from .tally import Tally
 
 OPERATION = "raw request head"
@@ -106,7 +106,7 @@ def _base(rng: random.Random) -> RawRequest:
     if choice == 1:
         return RawRequest(b"GET", b"/v2/models/sampler")
     if choice == 2:
-        return RawRequest(b"POST", b"/v2/models/sampler/infer", body=_json(SAMPLER_BODY))
+        return RawRequest(b"POST", b"/v2/models/sampler/infer", body=json_body(SAMPLER_BODY))
     return RawRequest(b"POST", b"/v2/logging", body=b'{"log_verbose_level": 1}')
 
 
