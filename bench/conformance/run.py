@@ -3,7 +3,7 @@ then route probes, schemathesis over openapi_v2.yaml and a raw request-head fuzz
 count and time; prints the report (requests and statuses per operation, failures per class with
 one reproducer each) and exits 1 on any failure.
 
-    python -m bench.conformance.run [--examples 20] [--budget-s 150] [--raw-requests 300]
+    python -m bench.conformance.run [--examples 30] [--budget-s 150] [--raw-requests 300]
                                     [--report bench/results/conformance-run.md] [--title TEXT]
 """
 
@@ -38,7 +38,7 @@ def _commit() -> str:
 def main(argv: list[str] | None = None) -> int:
     """Start the stack, run the three parts, print (and optionally write) the report; 1 on any failure."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--examples", type=int, default=20, help="cases per operation and generation mode")
+    parser.add_argument("--examples", type=int, default=30, help="cases per operation and generation mode")
     parser.add_argument(
         "--budget-s", type=float, default=150.0, help="seconds for the schemathesis part, all operations"
     )
