@@ -1,5 +1,11 @@
 """A real tritonserver on free ports for the whole session, with HTTP and gRPC clients.
 
+The session's server is what `make serve` runs: tritonserver on loopback behind its front door
+(HAProxy and the gRPC stream gate, `ops.proxy.FrontedTritonServer`), its admin APIs open as with
+`--open-admin-apis`; the tests reach it only through the proxy's ports, as users do. A test of
+tritonserver's own answers starts a server of its own and says why. Without HAProxy (a host where
+`make setup` could not install it) the session falls back to the bare server, with a warning.
+
 With TRITON_EXTERNAL_HTTP_URL set (docker/run-gpu-tests.sh) every test runs against that server
 instead, and the tests that need a local server of their own are skipped, each for a stated
 reason. The run ends with a summary of what ran where.
@@ -7,12 +13,14 @@ reason. The run ends with a summary of what ran where.
 
 from __future__ import annotations
 
+import warnings
 from collections import Counter, defaultdict
 
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
+from triton_sampling_mask.ops.proxy import FrontedTritonServer, find_haproxy
 from triton_sampling_mask.ops.server_process import TritonServer
 
 from .server import ExternalTritonServer, build_test_repository
@@ -43,7 +51,7 @@ def _place(item, external: ExternalTritonServer | None) -> str:
     if external is not None and any(name in item.fixturenames for name in SERVER_FIXTURES):
         return f"the external server {external.http_url}"
     if "triton_server" in item.fixturenames:
-        return "the session's local CPU server"
+        return "the session's local CPU server, behind its front door"
     if item.nodeid.startswith("client_tests/test_scale_out.py"):
         return "three local CPU servers of its own"
     if item.nodeid.startswith(
@@ -132,7 +140,12 @@ def triton_server(tmp_path_factory):
         yield external
         return
     repository = build_test_repository(tmp_path_factory.mktemp("models") / "model_repository")
-    server = TritonServer(repository, log_path=tmp_path_factory.mktemp("logs") / "tritonserver.log")
+    log_path = tmp_path_factory.mktemp("logs") / "tritonserver.log"
+    if find_haproxy() is None:
+        warnings.warn("haproxy is not installed: the client tests run against the bare tritonserver", stacklevel=1)
+        server = TritonServer(repository, log_path=log_path)
+    else:
+        server = FrontedTritonServer(repository, log_path=log_path)
     server.start()
     yield server
     server.stop()

@@ -105,6 +105,10 @@ def collect(responses: list[dict]) -> Generation:
     )
 
 
+def _not_json(constant: str):
+    raise ValueError(f"the answer is not strict JSON: it carries {constant}")
+
+
 def grpc_generate(url: str, prompt, max_new_tokens: int, model: str = "generate", **params) -> Generation:
     """One request over a gRPC stream, read to its final response; raises its error, if any."""
     with GenerateStream(url, model) as stream:
@@ -133,11 +137,11 @@ def http_generate(
     )
     try:
         with urllib.request.urlopen(request, timeout=120) as response:
-            reply = json.loads(response.read())
+            reply = json.loads(response.read(), parse_constant=_not_json)
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read())
-    # JSON carries tensors flat (mask rows as n*W values); -inf padding arrives as JSON's
-    # -Infinity, which json.loads reads as -inf.
+    # JSON carries tensors flat (mask rows as n*W values), the -inf padding as float32's lowest
+    # value: a strict parser reads every answer.
     arrays = {
         spec.name: np.array(reply[spec.name], spec.dtype).reshape((-1, width) if spec.per == MASK else -1)
         for spec in TOKEN_OUTPUTS

@@ -210,7 +210,7 @@ def test_replica_failures_are_told_from_final_answers():
     from triton_sampling_mask.client.replicas import is_replica_failure
 
     assert is_replica_failure(None, "could not reach the server: ConnectionRefusedError")
-    assert is_replica_failure("503", "Exceeds maximum queue size")
+    assert not is_replica_failure("503", "Exceeds maximum queue size")  # busy: retried on the same replica
     assert is_replica_failure("StatusCode.UNAVAILABLE", "failed to connect to all addresses")
     assert is_replica_failure(
         "500",

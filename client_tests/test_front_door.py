@@ -95,19 +95,32 @@ def post(port: int, path: str, body: bytes, headers: dict | None = None) -> tupl
             rb'{"inputs":[{"name":"logits","\u0073hape":[1,1099511627776],"datatype":"FP32","data":[1.0]}]}',
             {},
             400,
-            "escapes",
+            "shape declares",  # the key is decoded, then checked
         ),
         (
-            json.dumps({"inputs": [{"name": "logits", "shape": [1, 2**40]}]}).encode(),
+            json.dumps(
+                {"inputs": [{"name": "logits", "shape": [1, 2**40], "datatype": "FP32", "data": [1.0]}]}
+            ).encode(),
             {},
             400,
-            "more than the request body",
+            "shape declares",
         ),
-        (json.dumps({"inputs": [{"name": "logits", "shape": [1, -5]}]}).encode(), {}, 400, "non-negative integers"),
+        (
+            json.dumps({"inputs": [{"name": "logits", "shape": [1, 2**40], "datatype": "FP32"}]}).encode(),
+            {"Inference-Header-Content-Length": "70"},
+            400,
+            "not valid JSON",  # a JSON part cut short by its declared length
+        ),
+        (
+            json.dumps({"inputs": [{"name": "logits", "shape": [1, -5], "datatype": "FP32", "data": [1.0]}]}).encode(),
+            {},
+            400,
+            "non-negative integers",
+        ),
         (b"{" + b" " * 20000 + b"}", {}, 413, "send tensors as binary data"),
         (b"{}", {"Content-Encoding": "gzip"}, 400, "compressed"),
     ],
-    ids=["nested", "escaped-key", "huge-shape", "negative-shape", "json-over-cap", "compressed"],
+    ids=["nested", "escaped-key", "huge-shape", "cut-json", "negative-shape", "json-over-cap", "compressed"],
 )
 def test_the_proxy_refuses_what_tritonserver_would_choke_on(stack, body, headers, status, message):
     if not stack.proxied:
@@ -141,9 +154,10 @@ def test_metrics_and_probe_ports_answer_reads_only(stack):
     if not stack.proxied:
         pytest.skip("the proxy's own routes")
     assert hostile.request(stack.ports["metrics"], "GET", "/metrics")[0] == 200
-    assert hostile.request(stack.ports["metrics"], "POST", "/metrics", b"x")[0] == 403
+    assert hostile.request(stack.ports["metrics"], "POST", "/metrics", b"x")[0] == 405
+    assert hostile.request(stack.ports["metrics"], "GET", "/elsewhere")[0] == 404
     assert hostile.request(stack.ports["probe"], "GET", "/ready")[0] == 200
-    assert hostile.request(stack.ports["probe"], "DELETE", "/ready")[0] == 403
+    assert hostile.request(stack.ports["probe"], "DELETE", "/ready")[0] == 405
 
 
 def listening_addresses(port: int) -> set[str]:

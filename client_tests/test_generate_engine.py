@@ -233,7 +233,7 @@ def test_huge_prompts_beyond_the_waiting_token_budget_are_refused_naming_it(engi
     # Larger than the whole KV budget: never admissible, so a 400 (no retry would help).
     with pytest.raises(InferenceServerException) as never:
         grpc_generate(engine_server.grpc_url, [5] * 10, 300, model=QUEUE)
-    assert "kv_budget_tokens" in never.value.message() and "retry later" not in never.value.message()
+    assert "kv_budget_tokens" in never.value.message() and "retry with backoff" not in never.value.message()
     status, body = http_generate(engine_server.http_url, [5] * 10, 300, 128, model=QUEUE)
     assert status == 400 and "kv_budget_tokens" in body["error"]
     stream = GenerateStream(engine_server.grpc_url, QUEUE)
@@ -246,7 +246,7 @@ def test_huge_prompts_beyond_the_waiting_token_budget_are_refused_naming_it(engi
         )
         with pytest.raises(InferenceServerException) as refused:  # 40 + 40 > 64
             grpc_generate(engine_server.grpc_url, [9] * 40, 4, model=QUEUE)
-        assert "max_waiting_tokens 64" in refused.value.message() and "retry later" in refused.value.message()
+        assert "max_waiting_tokens 64" in refused.value.message() and "retry with backoff" in refused.value.message()
         status, body = http_generate(engine_server.http_url, [9] * 40, 4, 128, model=QUEUE)
         assert status == 503 and "max_waiting_tokens" in body["error"]
         stream.send([9] * 24, 4, request_id="fits", **dict(SAMPLED, seed=3))  # 40 + 24 = 64: waits

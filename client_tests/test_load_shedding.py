@@ -18,6 +18,8 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+from triton_sampling_mask.client import GenerateClient, SamplerClient
+from triton_sampling_mask.client.sampling_params import SamplingParams
 from triton_sampling_mask.client.wire import sampler_inputs
 from triton_sampling_mask.ops import settings
 from triton_sampling_mask.ops.proxy import FrontedTritonServer, find_haproxy
@@ -105,3 +107,49 @@ def test_refused_requests_never_reach_the_server(slow_server):
     before = received()
     outcomes = burst(slow_server, "http", BURST)
     assert received() - before == outcomes.count("ok"), outcomes
+
+
+# The busy contract end to end: a generate deployment whose engine takes few waiting requests,
+# behind a front door that lets few into tritonserver and queues fewer, so that a big submission
+# is refused as busy both at the proxy (HTTP) and by the engine (both protocols).
+BUSY_LIMITS = ProxyLimits(max_in_flight=8, max_queue=4, queue_timeout_s=0.5)
+SUBMISSION = 2000
+
+
+@pytest.fixture(scope="module")
+def busy_generate_server(tmp_path_factory):
+    """The shipped generate model, its engine's waiting list cut to 16, behind a tight front door."""
+    if find_haproxy() is None:
+        pytest.skip("haproxy is not installed (make setup installs it where it can)")
+    repository = tmp_path_factory.mktemp("busy")
+    shutil.copytree(
+        MODEL_REPOSITORY / "generate", repository / "generate", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    config = repository / "generate" / "config.pbtxt"
+    config.write_text(set_parameter(config.read_text(), "max_waiting", "16"))
+    with FrontedTritonServer(repository, limits=BUSY_LIMITS) as server:
+        yield server
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_a_big_submission_completes_through_busy_refusals(busy_generate_server, protocol):
+    """2,000 prompts in one call with the clients' defaults: every one completes, each refusal
+    retried after a backoff (one marker shared by the proxy, the engine and the client)."""
+    url = busy_generate_server.http_url if protocol == "http" else busy_generate_server.grpc_url
+    prompts = [[1 + i % 50, 2 + i % 7] for i in range(SUBMISSION)]
+    with GenerateClient(url, protocol=protocol) as client:
+        results = client.generate(prompts, SamplingParams(seed=7), max_new_tokens=1, outputs=["output_ids"])
+        refusals = client.busy_refusals
+    assert len(results) == SUBMISSION and all(len(result.output_ids) == 1 for result in results)
+    assert refusals > 0, "nothing was refused as busy: the test did not force shedding"
+    assert busy_generate_server.process.poll() is None
+
+
+def test_the_sampler_client_retries_a_shed_request(slow_server):
+    """The sampler client reads the proxy's shedding as busy: retried after a backoff, not raised,
+    and the replica is not ejected for it."""
+    logits = np.random.default_rng(1).standard_normal((1, 2000)).astype(np.float32)
+    with ThreadPoolExecutor(BURST) as pool, SamplerClient(slow_server.http_url, model_name=MODEL) as client:
+        results = list(pool.map(lambda _: client.sample(logits, SamplingParams(top_k=5)), range(BURST)))
+        assert client.busy_refusals > 0 and client.healthy_replicas() == [slow_server.http_url]
+    assert all(result.output_ids.shape == (1,) for result in results)

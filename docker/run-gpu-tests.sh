@@ -47,12 +47,10 @@ mapfile -t server_flags <<<"$flags"
 # user's, mode 0600, so the server runs as this user too (--user; the image runs as any uid).
 # serve.sh adds the shm and CUDA-pool sizes.
 # The container locks its admin APIs with this key; the tests that load and unload models send it.
-# TRITON_PROXY=none: the client tests check tritonserver and the models' own answers (hand-built
-# malformed bodies included, which the front door would refuse first); the front door has its own
-# tests (client_tests/test_front_door.py, test_load_shedding.py) on a local launcher.
+# The front door is on, as users reach the container: the client tests run through it, as they do
+# locally (client_tests/conftest.py); the attacks on the front door itself run on a local launcher.
 ADMIN_KEY="$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')"
 container="$(docker run -d --gpus all --ipc=host --user "$(id -u):$(id -g)" -e "TRITON_ADMIN_KEY=$ADMIN_KEY" \
-    -e TRITON_PROXY=none \
     -p "$HTTP_PORT:8000" -p "$GRPC_PORT:8001" -p "$METRICS_PORT:8002" \
     -v "$workdir/models:/models:ro" "$IMAGE" bash /opt/triton-sampling-mask/serve.sh "${server_flags[@]}")"
 # Some tests read the server's log (test_reload, test_generate): stream it to a file as it grows.

@@ -115,8 +115,9 @@ def pip_install_targets(text: str, line) -> list[str]:
                     continue
                 word = substitute(word)
                 if word.startswith((".", "/")):
-                    assert workdir / word == project_dir, f"pip installs {word}, pyproject.toml is in {project_dir}"
-                    word = str(REPO_ROOT)
+                    path, extras = re.fullmatch(r"(.+?)(\[[\w,-]+\])?", word).groups()
+                    assert workdir / path == project_dir, f"pip installs {word}, pyproject.toml is in {project_dir}"
+                    word = str(REPO_ROOT) + (extras or "")
                 targets.append(word)
     assert targets, "docker/Dockerfile installs nothing with pip"
     return targets
@@ -238,6 +239,8 @@ def test_dockerfile_pins_install_on_the_line_python_and_platform(line_name, tmp_
             assert Version(f"{python}.0") in SpecifierSet(requires_python), (name, requires_python)
     for name in ("torch", "transformers", "numpy"):
         assert resolved[name]["version"] == getattr(line, name), (line_name, name, resolved[name]["version"])
+    # what the front door's own processes import (the stream gate: grpc) is installed too
+    assert "grpcio" in resolved, "the image lacks grpcio, which ops/stream_gate.py imports"
 
 
 def test_the_lines_and_the_default():

@@ -440,12 +440,12 @@ def test_huge_prompts_beyond_the_token_budget_are_refused_naming_it():
         running.submit(request([6] * 60, 4, ignore_eos=True), waiting)  # 60 tokens wait
         with pytest.raises(EngineFull, match="max_waiting_tokens 100") as refused:
             running.submit(request([7] * 41, 4), RecordingHandle())  # 60 + 41 > 100
-        assert "retry later" in refused.value.message
+        assert "retry with backoff" in refused.value.message
         small = RecordingHandle()
         running.submit(request([7] * 40, 4, ignore_eos=True), small)  # 60 + 40 fits
     finally:
         running.stop()
-    assert small.errors and small.errors[0][0] == "UNAVAILABLE" and "retry later" in small.errors[0][1]
+    assert small.errors and small.errors[0][0] == "UNAVAILABLE" and "retry with backoff" in small.errors[0][1]
 
 
 def test_a_prompt_larger_than_the_token_budget_is_taken_at_the_head_of_an_empty_queue():

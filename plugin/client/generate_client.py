@@ -29,9 +29,7 @@ import asyncio
 import concurrent.futures
 import inspect
 import itertools
-import random
 import threading
-import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -40,11 +38,13 @@ import numpy as np
 from ..model_config import output_width, string_parameter
 from ..sampling.outputs import BY_NAME, FINISH_REASON, SAMPLING_MASK, TOKEN_OUTPUTS
 from ..sampling.params import PARAM_SPECS, SEED, RowParams
+from ..sampling.refusals import DEFAULT_ROUTE_CAPACITY
 from ..sampling.validation import SPECULATIVE_ALGORITHMS, MaskPolicy, SamplingRequestError
 from .generate_transport import GenerateError, GrpcConnection, HttpConnection, WireRequest
 from .replicas import (
     DEFAULT_EJECT_BACKOFF_S,
     DEFAULT_MAX_EJECT_BACKOFF_S,
+    BusyPolicy,
     ReplicatedClient,
     split_urls,
     start_probe_tasks,
@@ -65,13 +65,13 @@ __all__ = [
 
 DEFAULT_MODEL = "generate"
 _PROTOCOLS = ("grpc", "http")
-# Requests on the wire per replica at most: enough to keep a server's 32 slots and its queue fed;
-# with prompts of up to 4096 tokens, what one client keeps waiting fits the server's default
-# max_waiting_tokens (256 x 4096 = 1048576).
-DEFAULT_MAX_IN_FLIGHT_PER_REPLICA = 256
-DEFAULT_BACKOFF_S = 0.05
-DEFAULT_MAX_BACKOFF_S = 2.0
-DEFAULT_BUSY_TIMEOUT_S = 600.0
+# Requests on the wire per replica at most: what the front door lets into one model route at once
+# (twice the engine's 32 active rows, so its queue stays fed), so one client is not shed by its own
+# load; the others wait in the client.
+DEFAULT_MAX_IN_FLIGHT_PER_REPLICA = DEFAULT_ROUTE_CAPACITY
+DEFAULT_BACKOFF_S = BusyPolicy.backoff_s
+DEFAULT_MAX_BACKOFF_S = BusyPolicy.max_backoff_s
+DEFAULT_BUSY_TIMEOUT_S = BusyPolicy.timeout_s
 _PROBE_TIMEOUT_S = 2.0
 _INT32_MAX = 2**31 - 1
 
@@ -250,7 +250,7 @@ _CLIENT_ARGS_DOC = """
     `url` is one "host:port" (gRPC 8001, HTTP 8000) or a list of replicas serving the same model
     repository, balanced, ejected and probed back in as SamplerClient does (`max_attempts`,
     `eject_backoff_s`, `max_eject_backoff_s`; see its docstring). `max_in_flight` bounds the
-    requests on the wire over the whole client (default 256 per replica); the others wait in the
+    requests on the wire over the whole client (default 64 per replica, a front door route's capacity); the others wait in the
     client. A refusal that says the server is busy is retried after `backoff_s` doubling up to
     `max_backoff_s` (each pause jittered), until `busy_timeout_s` has passed since the request's
     first refusal. `mask_width` skips reading W from the model config. `channel_options` go to
@@ -285,17 +285,13 @@ class AsyncGenerateClient(ReplicatedClient):
         self.max_in_flight = max_in_flight or DEFAULT_MAX_IN_FLIGHT_PER_REPLICA * len(urls)
         if self.max_in_flight < 1:
             raise ValueError(f"max_in_flight must be at least 1, got {self.max_in_flight}")
-        if not 0 < backoff_s <= max_backoff_s or busy_timeout_s < 0:
-            raise ValueError("need 0 < backoff_s <= max_backoff_s and busy_timeout_s >= 0")
-        self.backoff_s, self.max_backoff_s, self.busy_timeout_s = backoff_s, max_backoff_s, busy_timeout_s
+        busy_policy = BusyPolicy(backoff_s, max_backoff_s, busy_timeout_s)
         self._mask_width = mask_width
         self._limits: GenerateLimits | None = None
         self._channel_options = tuple(channel_options)
-        self._init_replicas(urls, self._connect, True, max_attempts, eject_backoff_s, max_eject_backoff_s)
+        self._init_replicas(urls, self._connect, True, max_attempts, eject_backoff_s, max_eject_backoff_s, busy_policy)
         self._in_flight = asyncio.Semaphore(self.max_in_flight)
-        self._random = random.Random()
         self._calls: set = set()  # tasks of calls in progress (cancelled by close)
-        self.busy_refusals = 0  # refusals that said the server was busy (each retried after a backoff)
 
     def _connect(self, url: str):
         if self.protocol == "grpc":
@@ -422,7 +418,7 @@ class AsyncGenerateClient(ReplicatedClient):
     async def _run_job(self, call: _Call, job: _Job, deliver):
         """One request to its end: busy refusals retried after a backoff, failed replicas left."""
         async with self._in_flight:
-            attempts, busy_since, busy_tries = self._attempts(), None, 0
+            attempts = self._attempts()
             while True:
                 lease = attempts.next_lease()
                 if lease is None:  # every replica failed this round: pause, then try them all again
@@ -435,28 +431,14 @@ class AsyncGenerateClient(ReplicatedClient):
                             deliver(chunk)
                 except GenerateError as error:
                     error.index = job.index
-                    if not error.busy:
-                        attempts.failed(lease, error)  # raises unless another replica should answer
-                        job.retry(error)
-                        continue
-                    self._replicas.release(*lease, reachable=True)  # it answered: busy, not broken
-                    self.busy_refusals += 1
-                    now = time.monotonic()
-                    busy_since = busy_since or now
-                    if now - busy_since >= self.busy_timeout_s:
-                        raise
+                    pause = attempts.failed(lease, error)  # raises unless a retry is due
                     job.retry(error)
-                    await asyncio.sleep(self._backoff_s(busy_tries))
-                    attempts, busy_tries = self._attempts(), busy_tries + 1  # busy is no failed try
+                    if pause:
+                        await asyncio.sleep(pause)
                     continue
                 except BaseException as exc:  # cancelled, or a bug: released, raised as it is
                     attempts.failed(lease, exc)
                 return attempts.served(lease, job.result(), served=True)
-
-    def _backoff_s(self, tries: int) -> float:
-        """Half the exponential step, plus up to as much again at random (clients spread out)."""
-        step = min(self.max_backoff_s, self.backoff_s * 2**tries)
-        return step / 2 + self._random.uniform(0, step / 2)
 
     @staticmethod
     def _server_error(exc: BaseException) -> GenerateError | None:

@@ -23,14 +23,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..sampling.outputs import FINISH_REASON, MASK, TOKEN_OUTPUTS
+from ..sampling.outputs import FINISH_REASON, MASK, TOKEN_OUTPUTS, from_wire_values
+from ..sampling.refusals import is_busy
 from .sampler_client import SamplerError
 
 IN_BAND = "in-band"
-# Messages of refusals that a later try may get past: the engine's bounds or an unloading model
-# (the engine ends those messages with this, plugin/generation/engine.py RETRY_LATER) and Triton's
-# own queue limit.
-BUSY_MESSAGES = ("retry later", "Exceeds maximum queue size")
 # tritonclient's own cap on a gRPC message (INT32_MAX): a long generation's masks are large.
 _MAX_GRPC_MESSAGE_BYTES = 2**31 - 1
 _FINAL = "triton_final_response"
@@ -47,7 +44,7 @@ class GenerateError(SamplerError):
     @property
     def busy(self) -> bool:
         """Whether the server said it cannot take the request now (so a later try may succeed)."""
-        return any(text in self.message for text in BUSY_MESSAGES)
+        return is_busy(self.message)
 
     def copy(self, index: int | None = None) -> GenerateError:
         """The same error for the request at `index`."""
@@ -217,7 +214,7 @@ def _grpc_outputs(infer_response) -> dict:
     result = InferResult(infer_response)
     outputs = {}
     for spec in TOKEN_OUTPUTS:
-        value = result.as_numpy(spec.name)
+        value = from_wire_values(spec.name, result.as_numpy(spec.name))
         outputs[spec.name] = None if value is None else value[0]
     finish = result.as_numpy(FINISH_REASON.name)
     outputs[FINISH_REASON.name] = "" if finish is None else _text(finish.reshape(-1)[0])
@@ -326,7 +323,7 @@ def _json_outputs(reply: dict, mask_width: int) -> dict:
         if spec.name not in reply:
             outputs[spec.name] = None
             continue
-        array = np.array(reply[spec.name], spec.dtype)
+        array = from_wire_values(spec.name, np.array(reply[spec.name], spec.dtype))
         width = -1 if tokens else mask_width  # the server's own W when there are rows to tell it
         outputs[spec.name] = array.reshape((tokens, width) if spec.per == MASK else (-1,))
     finish = reply.get(FINISH_REASON.name, "")

@@ -7,17 +7,23 @@ client probes it in the background (server and model ready) and readmits it on s
 ejects it again for twice as long, up to `max_eject_backoff_s`. A request is never refused on the
 client side: with every untried replica ejected, the call is sent to an ejected one anyway, and an
 answer from it readmits it at once. `Attempts` is one request's way through them: the next
-replica, the pause after a round where all failed, and which errors end the request. No Triton
-import beyond what the caller passes in.
+replica, the pause after a round where all failed, which errors end the request, and the busy
+contract (`sampling.refusals`): a refusal that says the server is busy is retried on the same
+terms by every client, after a jittered exponential backoff, until `BusyPolicy.timeout_s` has
+passed since the request's first such refusal; it neither ejects the replica nor uses up an
+attempt. No Triton import beyond what the caller passes in.
 """
 
 from __future__ import annotations
 
 import asyncio
+import random
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+
+from ..sampling.refusals import is_busy
 
 # The messages of a replica that is up but cannot serve: the Python backend's answer (500 /
 # INTERNAL) when a model's stub process died.
@@ -35,6 +41,8 @@ def is_replica_failure(status: str | None, message: str) -> bool:
     no answer at all (status None: refused, reset), 503 / UNAVAILABLE (shedding load, down), or a
     model whose stub died ("... is not healthy"). User errors (400 / INVALID_ARGUMENT) and every
     other server answer are final: another replica would answer the same."""
+    if is_busy(message):  # it answered: busy, not broken
+        return False
     if status is None or status in _UNAVAILABLE_STATUSES:
         return True
     return any(text in message for text in _UNHEALTHY_MESSAGES)
@@ -192,6 +200,34 @@ def round_pause_s(round_number: int) -> float:
     return min(1.0, 0.05 * 2**round_number)
 
 
+@dataclass(frozen=True)
+class BusyPolicy:
+    """How a request refused as busy is retried: after `backoff_s` doubling up to `max_backoff_s`
+    (each pause half the step plus up to as much again at random, so clients spread out), until
+    `timeout_s` has passed since its first busy refusal."""
+
+    backoff_s: float = 0.05
+    max_backoff_s: float = 2.0
+    timeout_s: float = 600.0
+
+    def __post_init__(self):
+        if not 0 < self.backoff_s <= self.max_backoff_s or self.timeout_s < 0:
+            raise ValueError("need 0 < backoff_s <= max_backoff_s and busy_timeout_s >= 0")
+
+    def pause_s(self, tries: int, rng: random.Random) -> float:
+        """The pause before busy retry number `tries` (0 first)."""
+        step = min(self.max_backoff_s, self.backoff_s * 2**tries)
+        return step / 2 + rng.uniform(0, step / 2)
+
+
+class BusyCounter:
+    """Busy refusals a client met (each retried after a backoff), shared by its requests."""
+
+    def __init__(self):
+        self.count = 0
+        self.rng = random.Random()
+
+
 class Attempts:
     """One request's retry policy, shared by every client: which replica next, when a whole round
     failed, and whether an error ends the request or moves it on.
@@ -206,11 +242,16 @@ class Attempts:
         max_attempts: int,
         start_probes: Callable[[], None],
         server_error: Callable[[BaseException], Exception | None],
+        busy_policy: BusyPolicy | None = None,
+        busy_counter: BusyCounter | None = None,
     ):
         self.replicas, self.max_attempts = replicas, max_attempts
         self.start_probes, self.server_error = start_probes, server_error
+        self.busy_policy, self.busy_counter = busy_policy or BusyPolicy(), busy_counter or BusyCounter()
         self.tried: set = set()
         self.attempts = self.rounds = 0
+        self.busy_since: float | None = None
+        self.busy_tries = 0
 
     def next_lease(self):
         """(replica, tritonclient) not yet tried this round, or None when every replica failed
@@ -227,19 +268,33 @@ class Attempts:
     def pause_s(self) -> float:
         return round_pause_s(self.rounds)
 
-    def failed(self, lease, exc: BaseException) -> None:
+    def failed(self, lease, exc: BaseException) -> float:
         """Release the replica after `exc`; re-raise it (as its server error for server and
-        transport errors) unless it says the replica failed and attempts remain."""
+        transport errors) unless it says the server is busy and the busy timeout has not passed,
+        or that the replica failed and attempts remain. Returns the pause before the next try."""
         replica, tritonclient = lease
         error = self.server_error(exc)
         if error is None:
             self.replicas.release(replica, tritonclient, reachable=True)
             raise exc
+        if is_busy(error.message):
+            self.replicas.release(replica, tritonclient, reachable=True)
+            now = time.monotonic()
+            self.busy_since = self.busy_since or now
+            if now - self.busy_since >= self.busy_policy.timeout_s:
+                raise error from None
+            self.busy_counter.count += 1
+            pause = self.busy_policy.pause_s(self.busy_tries, self.busy_counter.rng)
+            self.busy_tries += 1
+            self.attempts, self.rounds = 0, 0  # a busy refusal is no failed try
+            self.tried.clear()
+            return pause
         failed = is_replica_failure(error.status, error.message)
         self.replicas.release(replica, tritonclient, reachable=not failed)
         if not failed or self.attempts >= self.max_attempts:
             raise error from None
         self.tried.add(replica)
+        return 0.0
 
     def served(self, lease, result, served: bool):
         """Release the replica after a success and pass the result on."""
@@ -258,7 +313,9 @@ class Attempts:
             try:
                 result = work(lease[1])
             except BaseException as exc:
-                self.failed(lease, exc)  # raises unless another replica should be tried
+                pause = self.failed(lease, exc)  # raises unless a retry is due
+                if pause:
+                    time.sleep(pause)
                 continue
             return self.served(lease, result, served)
 
@@ -272,7 +329,9 @@ class Attempts:
             try:
                 result = await work(lease[1])
             except BaseException as exc:
-                self.failed(lease, exc)
+                pause = self.failed(lease, exc)
+                if pause:
+                    await asyncio.sleep(pause)
                 continue
             return self.served(lease, result, served)
 
@@ -299,6 +358,7 @@ class ReplicatedClient:
         max_attempts: int | None,
         eject_backoff_s: float,
         max_eject_backoff_s: float,
+        busy_policy: BusyPolicy | None = None,
     ) -> None:
         self.urls = split_urls(url)
         if max_attempts is None:  # one URL: fail at once, as a plain tritonclient would
@@ -306,6 +366,8 @@ class ReplicatedClient:
         if max_attempts < 1:
             raise ValueError(f"max_attempts must be at least 1, got {max_attempts}")
         self.max_attempts = max_attempts
+        self.busy_policy = busy_policy or BusyPolicy()
+        self._busy = BusyCounter()
         self._probes: set = set()  # background health probes of ejected replicas (threads or tasks)
         self._replicas = ReplicaSet(self.urls, make_client, shared, eject_backoff_s, max_eject_backoff_s)
 
@@ -320,4 +382,11 @@ class ReplicatedClient:
 
     def _attempts(self) -> Attempts:
         """The retry policy of one request over this client's replicas."""
-        return Attempts(self._replicas, self.max_attempts, self._start_probes, self._server_error)
+        return Attempts(
+            self._replicas, self.max_attempts, self._start_probes, self._server_error, self.busy_policy, self._busy
+        )
+
+    @property
+    def busy_refusals(self) -> int:
+        """Refusals that said the server was busy so far (each retried after a backoff)."""
+        return self._busy.count

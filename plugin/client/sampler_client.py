@@ -35,17 +35,20 @@ import numpy as np
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 from ..model_config import output_width, string_parameter
-from ..sampling.outputs import SAMPLING_MASK, TOKEN, TOKEN_OUTPUTS
+from ..sampling.outputs import SAMPLING_MASK, TOKEN, TOKEN_OUTPUTS, from_wire_values
 from ..sampling.params import LOGITS, MIN_P, RETURN_SAMPLING_MASK, SEED, TEMPERATURE, TOP_K, TOP_P, RowParams
 from ..sampling.validation import MaskPolicy, SamplingRequestError
 from .replicas import (
     DEFAULT_EJECT_BACKOFF_S,
     DEFAULT_MAX_EJECT_BACKOFF_S,
+    BusyPolicy,
     ReplicatedClient,
     start_probe_tasks,
 )
 from .sampling_params import SamplingParams, check_rows_like_server, rows_to_params
 
+# Sampler calls are short: a busy server is retried for this long before the refusal is raised.
+DEFAULT_BUSY_TIMEOUT_S = 30.0
 DEFAULT_MODEL = "sampler"
 _PROTOCOLS = ("http", "grpc")
 # Seconds a health probe of an ejected replica may take.
@@ -222,7 +225,7 @@ def _parse(result) -> SampleResult:
     declare) is None."""
     outputs = {}
     for spec in TOKEN_OUTPUTS:
-        value = result.as_numpy(spec.name)
+        value = from_wire_values(spec.name, result.as_numpy(spec.name))
         if value is not None:  # tritonclient may hand read-only views of its buffers: own copies
             value = np.array(value).reshape(-1) if spec.per == TOKEN else np.array(value)
         outputs[spec.name] = value
@@ -330,6 +333,7 @@ class _SamplerClientBase(ReplicatedClient):
         max_attempts: int | None = None,
         eject_backoff_s: float = DEFAULT_EJECT_BACKOFF_S,
         max_eject_backoff_s: float = DEFAULT_MAX_EJECT_BACKOFF_S,
+        busy_timeout_s: float = DEFAULT_BUSY_TIMEOUT_S,
         **kwargs,
     ):
         asynchronous = self._ASYNCHRONOUS
@@ -344,7 +348,8 @@ class _SamplerClientBase(ReplicatedClient):
         # gRPC clients and asyncio ones take concurrent requests; tritonclient.http's sync one does not.
         shared = asynchronous or protocol == "grpc"
         make_client = lambda u: self._module.InferenceServerClient(u, **kwargs)  # noqa: E731
-        self._init_replicas(url, make_client, shared, max_attempts, eject_backoff_s, max_eject_backoff_s)
+        busy_policy = BusyPolicy(timeout_s=busy_timeout_s)
+        self._init_replicas(url, make_client, shared, max_attempts, eject_backoff_s, max_eject_backoff_s, busy_policy)
 
     def _failure(self, exc: BaseException) -> SamplerError:
         return exc if isinstance(exc, SamplerError) else SamplerError.from_exception(exc)
@@ -388,10 +393,13 @@ class _SamplerClientBase(ReplicatedClient):
 
 _CLIENT_ARGS_DOC = """`url` is one "host:port" or a list of them, replicas serving the same model repository:
     each request goes to the healthy replica with the fewest outstanding requests; one that fails
-    (unreachable, 503 / UNAVAILABLE when it sheds load, a model whose stub died) is ejected, probed
+    (unreachable, 503 / UNAVAILABLE when it is down, a model whose stub died) is ejected, probed
     in the background after `eject_backoff_s` (doubling up to `max_eject_backoff_s`) and readmitted
     once ready, and the request is retried on another replica, up to `max_attempts` tries in all
     (default: 1 with one URL, so errors surface at once as before; 2 per replica with several).
+    A refusal that says the server is busy (the front door shedding load, `sampling.refusals`)
+    is retried after a jittered backoff on the same terms as GenerateClient's, for up to
+    `busy_timeout_s` (default 30 s), without ejecting the replica or using up a try.
     A seeded row gives the same draw on every replica, so a retry changes nothing; an unseeded
     request that is retried is a fresh draw. User errors (400 / INVALID_ARGUMENT) are never
     retried. With `use_shared_memory=True` the region is registered on the replica that serves

@@ -38,15 +38,12 @@ import torch
 from ..sampling.batching import BatchSampler, outputs_to_numpy
 from ..sampling.outputs import MASK_OUTPUT_NAMES, OUTPUT_IDS, TOKEN_OUTPUT_NAMES, UNMASKED_OUTPUT_NAMES, padding
 from ..sampling.params import RowParams
+from ..sampling.refusals import RETRY_MARKER
 from ..sampling.results import ROW_MAX
 from ..sampling.validation import SamplingRequestError, check_logit_rows
 from .drafting import PAD, NgramDrafter, TokenHistory
 from .lm import CausalLM, can_merge, can_speculate
 from .request import FINISH_LENGTH, FINISH_STOP, GenerationChunk, GenerationRequest, step_params, stop_ids
-
-# Ends the message of every refusal that a later try may get past (UNAVAILABLE: the bounds are
-# full, the model is unloading): clients read an in-band gRPC error's message only, without its code.
-RETRY_LATER = "retry later"
 
 
 class EngineFull(Exception):
@@ -173,17 +170,17 @@ class ContinuousEngine:
         prompt_tokens = int(request.prompt.size)
         with self._cv:
             if self._stopping:
-                raise EngineFull(f"the generate model is shutting down; {RETRY_LATER}")
+                raise EngineFull(f"the generate model is shutting down; {RETRY_MARKER}")
             if len(self._waiting) >= self.limits.max_waiting:
                 raise EngineFull(
                     f"generate is at capacity: {len(self._waiting)} requests already wait "
-                    f"(max_waiting {self.limits.max_waiting}); {RETRY_LATER}"
+                    f"(max_waiting {self.limits.max_waiting}); {RETRY_MARKER}"
                 )
             # The head of an empty queue is always taken, so no prompt is refused for good.
             if self._waiting and self._waiting_tokens + prompt_tokens > self.limits.max_waiting_tokens:
                 raise EngineFull(
                     f"generate is at capacity: {self._waiting_tokens} prompt tokens already wait and this "
-                    f"prompt has {prompt_tokens} (max_waiting_tokens {self.limits.max_waiting_tokens}); {RETRY_LATER}"
+                    f"prompt has {prompt_tokens} (max_waiting_tokens {self.limits.max_waiting_tokens}); {RETRY_MARKER}"
                 )
             self._waiting.append(sequence)
             self._waiting_tokens += prompt_tokens
@@ -199,7 +196,7 @@ class ContinuousEngine:
         )
 
     def stop(
-        self, message: str = f"the generate model was unloaded before this request finished; {RETRY_LATER}"
+        self, message: str = f"the generate model was unloaded before this request finished; {RETRY_MARKER}"
     ) -> None:
         """End the loop after its current step; every request not yet finished gets `message` as its final."""
         with self._cv:

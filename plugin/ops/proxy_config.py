@@ -9,9 +9,14 @@ front door"):
 - an allow-list of routes: everything but health, metadata, statistics and inference needs the
   admin key, which the proxy checks against a 0600 file and replaces with tritonserver's
   internal key; no client can register the server's own stub regions as shared memory;
-- no chunked or compressed bodies, a body cap per route (derived from each model's
-  config.pbtxt), and the JSON part of HTTP /infer bodies read and checked before any byte
-  reaches the server (json_checks.lua: declared shapes larger than the body, deep nesting);
+- no chunked or compressed bodies, one strict value per framing header (Content-Length,
+  Inference-Header-Content-Length), a body cap per route (derived from each model's
+  config.pbtxt), and the JSON of HTTP /infer and /generate bodies parsed strictly and checked
+  against the request's shape before any byte reaches the server (json_checks.lua: malformed or
+  wrongly typed JSON, declared shapes larger than what carries their values, deep nesting);
+- every answer is JSON (RFC 8259) with its content type: HAProxy's own errors, tritonserver's
+  plain-text 404 / 405, and the checks' messages (escaped); unknown paths are 404, a known path
+  with the wrong method 405, an admin path without the key 403;
 - per model route, at most PROXY_MAX_IN_FLIGHT requests in tritonserver: the next ones wait in
   the proxy, which sheds them with 503 / UNAVAILABLE beyond PROXY_MAX_QUEUE waiting or after
   PROXY_QUEUE_TIMEOUT_S, before their bodies reach the server;
@@ -24,10 +29,12 @@ front door"):
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..sampling.refusals import RETRY_MARKER
 from . import settings
 
 LUA_CHECKS = Path(__file__).resolve().parent / "haproxy" / "json_checks.lua"
@@ -73,10 +80,40 @@ OTHER_BODY_BYTES = 64 * 1024  # any other route (admin JSON bodies)
 # What a client without the key reads (the header's name follows).
 RESTRICTED = "this API is restricted: it needs the header"
 # What a shed client reads: refused at once (the queue is full) or after waiting out the queue.
-QUEUE_FULL = "server busy: the queue for this model is full, retry with backoff"
+QUEUE_FULL = f"server busy: the queue for this model is full, {RETRY_MARKER}"
 QUEUE_TIMEOUT = (
-    "server unavailable: no slot freed within the queue timeout, or the server is restarting; retry with backoff"
+    f"server unavailable: no slot freed within the queue timeout, or the server is restarting; {RETRY_MARKER}"
 )
+# The statuses HAProxy may answer itself (parse errors, timeouts, no server): each as JSON.
+PROXY_ERROR_STATUSES = {
+    400: "bad request",
+    403: "forbidden",
+    404: "not found",
+    405: "method not allowed",
+    408: "the request did not arrive in time",
+    410: "gone",
+    413: "request too large",
+    425: "too early",
+    429: "too many requests",
+    500: "internal proxy error",
+    501: "not implemented",
+    502: "bad gateway: the server did not answer",
+    503: "service unavailable",
+    504: "gateway timeout: the server did not answer in time",
+}
+# Triton's HTTP routes (its v2 protocol and extensions) that anyone may use, by method.
+PUBLIC_READ_PATHS = ("/v2", "/v2/health/live", "/v2/health/ready", "/v2/models/stats")
+PUBLIC_READ_MODEL = r"^/v2/models/[^/]+(/versions/[0-9]+)?(/ready|/config|/stats)?$"
+PUBLIC_POST_MODEL = r"^/v2/models/[^/]+(/versions/[0-9]+)?/(infer|generate|generate_stream)$"
+# Triton's routes that need the admin key (repository, shared memory, tracing, logging).
+ADMIN_PATHS = (
+    r"^/v2/(repository|systemsharedmemory|cudasharedmemory|trace|logging)(/.*)?$",
+    r"^/v2/models/[^/]+(/versions/[0-9]+)?/trace/setting$",
+)
+# Content-Length and Inference-Header-Content-Length: digits only, one value, well under 2^63.
+LENGTH_PATTERN = "^[0-9]{1,12}$"
+# A /generate body is parsed whole: it must fit the proxy's buffer beside the request's head.
+GENERATE_JSON_BYTES = 262144 - 16384
 SIDE_PORT_CONNECTIONS = 64  # the metrics and probe ports each: scrapers and kubelets
 # HAProxy's buffer per direction of a connection, taken only while data passes, and the HTTP/2
 # window it grants each stream: with 2.6's defaults (16 KiB, 64 KiB) a large gRPC call spends most
@@ -96,6 +133,7 @@ class ModelRoute:
     name: str
     decoupled: bool
     body_limit_bytes: int
+    input_spec: str = ""  # "name:DATATYPE ..." of its inputs (the /generate checks read it)
 
 
 def _strip_comments(text: str) -> str:
@@ -145,11 +183,12 @@ def model_route(config_path: Path, json_header_bytes: int) -> ModelRoute:
         elements = 1
         for dim in (int(d) for d in dims.group(1).replace(",", " ").split()):
             if dim < 0 and bound is None:
-                return ModelRoute(name, decoupled, UNBOUNDED_MODEL_BODY_BYTES)
+                return ModelRoute(name, decoupled, UNBOUNDED_MODEL_BODY_BYTES, input_spec(config_path))
             elements *= bound if dim < 0 else dim
         row_bytes += elements * DTYPE_BYTES.get(data_type.group(1), 8)
     factor = JSON_TEXT_FACTOR if decoupled else 1
-    return ModelRoute(name, decoupled, rows * row_bytes * factor + json_header_bytes + BODY_SLACK_BYTES)
+    body_limit = rows * row_bytes * factor + json_header_bytes + BODY_SLACK_BYTES
+    return ModelRoute(name, decoupled, body_limit, input_spec(config_path))
 
 
 def model_routes(repository: Path, json_header_bytes: int) -> list[ModelRoute]:
@@ -236,7 +275,19 @@ def _seconds(value: float) -> str:
 
 def _json_error(message: str) -> str:
     """A `content-type ... string ...` clause answering Triton's JSON error shape."""
-    return f'content-type application/json string "{{\\"error\\":\\"{message}\\"}}"'
+    return f'content-type application/json string "{{\\"error\\":\\"{_json_escape(message)}\\"}}"'
+
+
+def _json_escape(message: str) -> str:
+    """`message` as the inside of a JSON string, written into a quoted HAProxy argument."""
+    return json.dumps(message)[1:-1].replace("\\", "\\\\").replace('"', '\\"')
+
+
+def input_spec(config_path: Path) -> str:
+    """ "name:DATATYPE ..." for each input of a model's config.pbtxt (the /generate checks' argument)."""
+    text = _strip_comments(Path(config_path).read_text())
+    pairs = re.findall(r'name\s*:\s*"([^"]+)"\s*,?\s*data_type\s*:\s*TYPE_(\w+)', _block(text, "input"))
+    return " ".join(f"{name}:{'BYTES' if data_type == 'STRING' else data_type}" for name, data_type in pairs)
 
 
 def _grpc_error(code: int, message: str) -> str:
@@ -311,6 +362,7 @@ def render(plan: ProxyPlan) -> str:
         f"    timeout queue {_seconds(limits.queue_timeout_s)}",
         "    timeout client-fin 5s",
         "    timeout server-fin 5s",
+        *(f"    http-error status {status} " + _json_error(text) for status, text in PROXY_ERROR_STATUSES.items()),
         "",
         *_table("st_http"),
         *_table("st_grpc"),
@@ -327,16 +379,28 @@ def render(plan: ProxyPlan) -> str:
         "    acl is_read method GET HEAD",
         "    acl is_post method POST",
         "    acl has_ihcl req.fhdr(inference-header-content-length) -m found",
-        "    acl r_read path /v2 /v2/health/live /v2/health/ready /v2/models/stats",
-        r"    acl r_read path_reg ^/v2/models/[^/]+(/versions/[0-9]+)?(/ready|/config|/stats)?$",
+        f"    acl r_read path {' '.join(PUBLIC_READ_PATHS)}",
+        f"    acl r_read path_reg {PUBLIC_READ_MODEL}",
+        f"    acl r_post path_reg {PUBLIC_POST_MODEL}",
+        *(f"    acl r_admin path_reg {pattern}" for pattern in ADMIN_PATHS),
     ]
     if samplers:
         lines.append(f"    acl r_sampler path_reg {_model_path(samplers, '/infer')}")
     if generators:
         lines.append(f"    acl r_generate path_reg {_model_path(generators, '/(infer|generate|generate_stream)')}")
     lines += [
-        *([f"    acl r_infer path_reg {_model_path([r.name for r in routes], '/infer')}"] if routes else []),
+        r"    acl r_infer path_reg ^/v2/models/[^/]+(/versions/[0-9]+)?/infer$",
         r"    acl r_register path_reg ^/v2/(system|cuda)sharedmemory/region/[^/]+/register$",
+        "    # one strict value per framing header: two copies, or a value HAProxy and tritonserver",
+        "    # could read apart (signs, fractions, overflow), would let a body past its cap or its check",
+        "    http-request deny deny_status 400 "
+        + _json_error("send one Content-Length, of digits only")
+        + " if { req.fhdr_cnt(content-length) gt 1 } or { req.fhdr(content-length) -m found }"
+        + f" !{{ req.fhdr(content-length) -m reg {LENGTH_PATTERN} }}",
+        "    http-request deny deny_status 400 "
+        + _json_error("send one Inference-Header-Content-Length, of digits only")
+        + " if { req.fhdr_cnt(inference-header-content-length) gt 1 }"
+        + f" or has_ihcl !{{ req.fhdr(inference-header-content-length) -m reg {LENGTH_PATTERN} }}",
         "    # framing no cap can see: chunked bodies, and compressed ones (Triton would inflate them)",
         "    http-request deny deny_status 400 "
         + _json_error("chunked request bodies are not accepted: send Content-Length")
@@ -344,24 +408,29 @@ def render(plan: ProxyPlan) -> str:
         "    http-request deny deny_status 400 "
         + _json_error("compressed request bodies are not accepted")
         + " if { req.hdr(content-encoding) -m found }",
-        "    # the allow-list: anything but reads and inference needs the admin key",
-        "    http-request set-var(txn.public) bool(true) if is_read r_read",
-    ]
-    if samplers:
-        lines.append("    http-request set-var(txn.public) bool(true) if is_post r_sampler")
-    if generators:
-        lines.append("    http-request set-var(txn.public) bool(true) if is_post r_generate")
-    lines += [
+        "    http-request deny deny_status 400 "
+        + _json_error(f"send one '{plan.admin_header}' header")
+        + f" if {{ req.fhdr_cnt({plan.admin_header}) gt 1 }}",
+        "    # the routes: unknown paths 404, a known one with another method 405, admin ones need the key",
+        "    http-request deny deny_status 404 "
+        + _json_error("not found: no such route")
+        + " unless r_read or r_post or r_admin",
+        "    http-request return status 405 "
+        + _json_error("method not allowed: use GET or HEAD")
+        + ' hdr allow "GET, HEAD" if r_read !is_read',
+        "    http-request return status 405 "
+        + _json_error("method not allowed: use POST")
+        + ' hdr allow "POST" if r_post !is_post',
         "    http-request deny deny_status 403 "
         + _json_error(f"{RESTRICTED} '{plan.admin_header}'")
-        + " unless { var(txn.public) -m bool } or admin_ok",
+        + " if r_admin !admin_ok",
         "    # the server's own stub regions are never a client's shared memory",
         "    http-request wait-for-body time " + _seconds(limits.request_timeout_s) + " if r_register",
         "    http-request deny deny_status 403 "
         + _json_error("the server's own shared-memory regions cannot be registered")
         + f" if r_register {{ req.body -m sub {STUB_REGION_PREFIX} }} or r_register {{ path -m sub {STUB_REGION_PREFIX} }}",
         "    http-request deny deny_status 400 "
-        + _json_error("\\\\u escapes are not accepted in request JSON")
+        + _json_error("\\u escapes are not accepted when registering shared memory")
         + ' if r_register { req.body -m sub "\\\\u" }',
         "    # body caps, checked on Content-Length before any byte is read",
     ]
@@ -396,14 +465,26 @@ def render(plan: ProxyPlan) -> str:
             + " if r_infer { req.body_len,sub(txn.json_bytes) lt 0 }",
             "    http-request lua.check_infer_json if r_infer",
         ]
-    if generators:
+    for index, route in enumerate(routes):
+        if not route.decoupled:
+            continue
         lines += [
-            f"    http-request wait-for-body time {_seconds(limits.request_timeout_s)} if r_generate !r_infer",
-            "    http-request lua.check_generate_json if r_generate !r_infer",
+            f"    acl r_json_{index} path_reg {_model_path([route.name], '/(generate|generate_stream)')}",
+            "    http-request deny deny_status 413 "
+            + _json_error(
+                f"a generate body may be {GENERATE_JSON_BYTES} bytes at most (the proxy checks it whole): "
+                "send longer requests to /infer with binary tensors, or over gRPC"
+            )
+            + f" if r_json_{index} {{ req.body_size gt {GENERATE_JSON_BYTES} }}",
+            f"    http-request wait-for-body time {_seconds(limits.request_timeout_s)} if r_json_{index}",
+            f'    http-request lua.check_generate_json "{route.input_spec}" generate_stream'
+            f" if r_json_{index} {{ path -m end /generate_stream }}",
+            f'    http-request lua.check_generate_json "{route.input_spec}" generate'
+            f" if r_json_{index} !{{ path -m end /generate_stream }}",
         ]
     lines += [
         "    http-request deny deny_status 400 content-type application/json "
-        + 'lf-string "{\\"error\\":\\"%[var(txn.json_error)]\\"}" if { var(txn.json_error) -m found }',
+        + 'lf-string "{\\"error\\":\\"%[var(txn.json_error),json(utf8s)]\\"}" if { var(txn.json_error) -m found }',
         "    # shedding: beyond max_queue waiting a request is refused at once, before its body is read",
     ]
     if samplers:
@@ -428,7 +509,13 @@ def render(plan: ProxyPlan) -> str:
         lines.append("    use_backend be_http_sampler if r_sampler")
     if generators:
         lines.append("    use_backend be_http_generate if r_generate")
-    lines += ["    default_backend be_http_other", ""]
+    lines += [
+        "    default_backend be_http_other",
+        "    # tritonserver's own 404 / 405 carry a JSON body under text/plain",
+        "    http-response set-header content-type application/json"
+        + " if { status ge 400 } { res.hdr(content-type) -m beg text/plain }",
+        "",
+    ]
     shed_503 = "    http-error status 503 " + _json_error(QUEUE_TIMEOUT)
     lines += _shed_backend("be_http_sampler", internal["http"], limits, limits.queue_timeout_s, extra=(shed_503,))
     lines += _shed_backend("be_http_generate", internal["http"], limits, limits.server_timeout_s, extra=(shed_503,))
@@ -448,10 +535,15 @@ def render(plan: ProxyPlan) -> str:
         f"    acl g_infer path {GRPC_SERVICE}ModelInfer",
         f"    acl g_stream path {GRPC_SERVICE}ModelStreamInfer",
         f"    acl g_register path {GRPC_SERVICE}SystemSharedMemoryRegister {GRPC_SERVICE}CudaSharedMemoryRegister",
-        "    acl g_compressed req.hdr(grpc-encoding) -m found",
-        "    acl g_identity req.hdr(grpc-encoding) identity",
-        "    # a compressed message would hide its body from the checks below",
-        "    " + _grpc_error(3, "compressed gRPC messages are not accepted") + " if g_compressed !g_identity",
+        "    # a compressed message would hide its body from the checks below: one grpc-encoding at most,",
+        "    # and it says identity (two copies could be read apart by the proxy and the server)",
+        "    "
+        + _grpc_error(3, "compressed gRPC messages are not accepted: send one grpc-encoding, identity")
+        + " if { req.fhdr_cnt(grpc-encoding) gt 1 }"
+        + " or { req.fhdr(grpc-encoding) -m found } !{ req.fhdr(grpc-encoding) -m str identity }",
+        "    "
+        + _grpc_error(3, f"send one '{plan.grpc_admin_header}' header")
+        + f" if {{ req.fhdr_cnt({plan.grpc_admin_header}) gt 1 }}",
         "    " + _grpc_error(7, f"{RESTRICTED} '{plan.grpc_admin_header}'") + " unless g_public or admin_ok",
         f"    http-request wait-for-body time {_seconds(limits.request_timeout_s)} if g_register",
         "    "
@@ -496,7 +588,12 @@ def render(plan: ProxyPlan) -> str:
             f"fe_{name}", plan.bind_address, public[name], "st_side", SIDE_PORT_CONNECTIONS, SIDE_PORT_CONNECTIONS // 2
         )
         lines += [
-            f"    http-request deny deny_status 403 unless {{ method GET HEAD }} {{ path {paths} }}",
+            "    http-request deny deny_status 404 "
+            + _json_error("not found: no such route")
+            + f" unless {{ path {paths} }}",
+            "    http-request return status 405 "
+            + _json_error("method not allowed: use GET or HEAD")
+            + ' hdr allow "GET, HEAD" unless { method GET HEAD }',
             f"    default_backend be_{name}",
             "",
             f"backend be_{name}",

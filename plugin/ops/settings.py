@@ -18,6 +18,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+from ..sampling.refusals import DEFAULT_ROUTE_CAPACITY
+
 T = TypeVar("T")
 MIB = 2**20
 SERVER, IMAGE = "server", "image"
@@ -115,7 +117,9 @@ PROXY_CONNECTIONS_PER_IP = Setting(int, 256, "HTTP connections one client addres
 # sends the HTTP/2 preface lasts PROXY_SERVER_TIMEOUT_S on HAProxy 2.6, hence a lower cap.
 PROXY_GRPC_CONNECTIONS_PER_IP = Setting(int, 32, "gRPC connections one client address may hold at once")
 PROXY_STREAMS_PER_CONNECTION = Setting(int, 64, "concurrent HTTP/2 (gRPC) streams per connection")
-PROXY_MAX_IN_FLIGHT = Setting(int, 64, "requests (or gRPC streams) per model route in flight to tritonserver at once")
+PROXY_MAX_IN_FLIGHT = Setting(
+    int, DEFAULT_ROUTE_CAPACITY, "requests (or gRPC streams) per model route in flight to tritonserver at once"
+)
 PROXY_MAX_QUEUE = Setting(int, 32, "requests per model route waiting in the proxy; beyond it a request is shed at once")
 PROXY_QUEUE_TIMEOUT_S = Setting(float, 2.0, "seconds a sampler request may wait in the proxy before it is shed")
 # Open: sent, not finally answered; beyond it the stream gate stops reading the stream.

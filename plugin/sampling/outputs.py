@@ -10,7 +10,11 @@ result, in a generation chunk and in the client's result. Its dtype is the wire 
 | "mask"    | [ W ]                  | [ -1, W ]                   |
 | "request" | (not an output)        | [ 1 ]                       |
 
-`fill` is the value of a row that did not ask for a mask (and the padding of a mask row).
+`fill` is the value of a row that did not ask for a mask (and the padding of a mask row). JSON
+(RFC 8259) has no -Infinity, and parsers outside Python reject a document carrying it: a `-inf`
+fill travels as `WIRE_NEG_INF`, float32's lowest finite value, which `to_wire_values` writes and
+`from_wire_values` (the clients) turns back into -inf. No log-prob comes near it, and the mask
+length says which columns are valid either way.
 """
 
 from __future__ import annotations
@@ -60,7 +64,8 @@ SAMPLING_MASK_LOGPROBS = OutputSpec(
     np.float32,
     MASK,
     -np.inf,
-    "each mask id's log-prob renormalised over the support, aligned with sampling_mask, -inf padded",
+    "each mask id's log-prob renormalised over the support, aligned with sampling_mask, padded with "
+    "float32's lowest value (-3.4028235e38; JSON has no -inf)",
 )
 FINISH_REASON = OutputSpec("finish_reason", np.object_, REQUEST, "", '"length" or "stop" (generate only)')
 
@@ -87,6 +92,27 @@ def to_wire(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The token outputs of `arrays` (keyed by output name, any numeric dtype) in their wire dtypes,
     in wire order; other keys (the sampler's internal `row_max`) are left out."""
     return {spec.name: np.asarray(arrays[spec.name]).astype(spec.dtype, copy=False) for spec in TOKEN_OUTPUTS}
+
+
+WIRE_NEG_INF = float(np.finfo(np.float32).min)
+# The outputs whose -inf fill travels as WIRE_NEG_INF.
+NEG_INF_FILLED = frozenset(spec.name for spec in TOKEN_OUTPUTS if spec.fill == -np.inf)
+
+
+def to_wire_values(name: str, array: np.ndarray) -> np.ndarray:
+    """Output `name` as it is sent: -inf (padding) as WIRE_NEG_INF, so every answer is strict JSON."""
+    if name not in NEG_INF_FILLED:
+        return array
+    return np.where(np.isneginf(array), np.float32(WIRE_NEG_INF), array).astype(array.dtype, copy=False)
+
+
+def from_wire_values(name: str, array: np.ndarray | None) -> np.ndarray | None:
+    """Output `name` as a client hands it to its user: WIRE_NEG_INF padding back to -inf."""
+    if array is None or name not in NEG_INF_FILLED:
+        return array
+    array = np.array(array)  # own, writable copy (tritonclient may hand read-only views)
+    array[array <= WIRE_NEG_INF] = -np.inf
+    return array
 
 
 def padding(name: str, rows: int, mask_width: int) -> np.ndarray:

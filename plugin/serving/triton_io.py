@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from ..generation.request import GenerationChunk, GenerationRequest, check_generation_request
-from ..sampling.outputs import FINISH_REASON
+from ..sampling.outputs import FINISH_REASON, to_wire_values
 from ..sampling.params import LOGITS, PARAM_SPECS, SEED, RowParams
 from ..sampling.validation import SamplingRequestError, check_vocab_size
 
@@ -118,7 +118,7 @@ def sampler_response(pb_utils, outputs: dict[str, np.ndarray], wanted: set[str] 
     """A response carrying the sampler outputs (numpy arrays keyed by output name), only the
     `wanted` ones when given: bytes not asked for are never built into a tensor or sent."""
     tensors = [
-        pb_utils.Tensor(name, np.ascontiguousarray(value))
+        pb_utils.Tensor(name, np.ascontiguousarray(to_wire_values(name, value)))
         for name, value in outputs.items()
         if wanted is None or name in wanted
     ]
@@ -170,7 +170,7 @@ def chunk_response(pb_utils, chunk: GenerationChunk, wanted: set[str] | None = N
     batch dimension of 1."""
     arrays = {**chunk.outputs, FINISH_REASON.name: np.array([chunk.finish_reason.encode()], dtype=FINISH_REASON.dtype)}
     tensors = [
-        pb_utils.Tensor(name, np.ascontiguousarray(value)[np.newaxis])
+        pb_utils.Tensor(name, np.ascontiguousarray(to_wire_values(name, value))[np.newaxis])
         for name, value in arrays.items()
         if wanted is None or name in wanted
     ]

@@ -1,0 +1,175 @@
+"""What the front door answers: JSON a client in any language can parse, 4xx for client errors.
+
+Against the session's fronted server (conftest.py), over raw sockets so that a request can carry
+what no well-behaved client sends (two copies of a header, a malformed length). tritonserver 2.51
+answers a malformed or wrongly typed body with a 500, reads a shape before its data, streams on
+`/generate` into a 200 carrying an error, and answers unknown routes in text/plain: each case
+below is one it got wrong without the proxy's strict checks.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+
+import pytest
+
+from triton_sampling_mask.ops.proxy import FrontedTritonServer, find_haproxy
+
+SAMPLER = "/v2/models/sampler/infer"
+GENERATE = "/v2/models/generate/generate"
+LOGITS_4 = {"name": "logits", "shape": [1, 4], "datatype": "FP32", "data": [1.0, 2.0, 3.0, 4.0]}
+
+
+@pytest.fixture(scope="module")
+def port(triton_server) -> int:
+    if find_haproxy() is None or not isinstance(triton_server, FrontedTritonServer):
+        pytest.skip("no front door here (haproxy missing, or an external server)")
+    return triton_server.ports["http"]
+
+
+def send(port: int, method: str, path: str, body: bytes = b"", headers: list[tuple[str, str]] | None = None):
+    """(status, content type, body text) of one request written byte for byte; `headers` may
+    repeat a name. Content-Length is added unless `headers` names it."""
+    headers = list(headers or [])
+    if not any(name.lower() == "content-length" for name, _ in headers):
+        headers.append(("Content-Length", str(len(body))))
+    head = f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
+    head += "".join(f"{name}: {value}\r\n" for name, value in headers) + "\r\n"
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(head.encode() + body)
+        response = http.client.HTTPResponse(sock, method=method)
+        response.begin()
+        return response.status, response.getheader("content-type", ""), response.read().decode(errors="replace")
+
+
+def strict_json(text: str):
+    def refuse(constant):
+        raise ValueError(f"not JSON: {constant}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def error_of(answer) -> str:
+    """The message of a JSON error answer (asserting it is one)."""
+    status, content_type, text = answer
+    assert content_type.startswith("application/json"), answer
+    return strict_json(text)["error"]
+
+
+@pytest.mark.parametrize(
+    "body, says",
+    [
+        (b"", "not valid JSON"),
+        (b"0", "JSON object"),
+        (b'{"inputs": []}', "non-empty list"),
+        (b'{"inputs": 5}', "non-empty list"),
+        (b'{"inputs": [5]}', "must be an object"),
+        (b'{"inputs": [{"name": "logits", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, "x"]}]}', "FP32"),
+        (b'{"inputs": [{"name": "logits", "shape": [1, 4.5], "datatype": "FP32", "data": [1]}]}', "shape"),
+        (b'{"inputs": [{"name": "logits", "shape": [1, 1099511627776], "datatype": "FP32", "data": [1]}]}', "shape"),
+        (b'{"inputs": [{"name": "logits", "shape": [2, 2], "datatype": "FP32", "data": [[1, 2], [3]]}]}', "nests"),
+        (b'{"inputs": [], "inputs": []}', "duplicate key"),
+        (b'{"inputs": [{"name": "logits", "shape": [1], "datatype": "FP32", "data": [1]}], "extra": 1}', "extra"),
+        (b'{"inputs": [{"name": "\xff", "shape": [1], "datatype": "FP32", "data": [1]}]}', "UTF-8"),
+        (b"[" * 40 + b"]" * 40, "levels deep"),
+    ],
+)
+def test_a_malformed_or_wrongly_typed_infer_body_is_a_400_naming_the_problem(port, body, says):
+    answer = send(port, "POST", SAMPLER, body)
+    assert answer[0] == 400, answer
+    assert says in error_of(answer)
+
+
+@pytest.mark.parametrize(
+    "body, says",
+    [
+        (b"", "not valid JSON"),
+        (b"0", "JSON object"),
+        (b'{"input_ids": "abc", "max_new_tokens": 2}', "INT32"),
+        (b'{"input_ids": [1, 2], "max_new_tokens": 2, "temperature": "hot"}', "FP32"),
+        (b'{"input_ids": [1, 2], "max_tokens": 2}', "unknown field 'max_tokens'"),
+        (b'{"input_ids": [1, 2], "max_new_tokens": 2, "stream": true}', "generate_stream"),
+    ],
+)
+def test_a_bad_generate_body_is_a_400_naming_the_problem(port, body, says):
+    answer = send(port, "POST", GENERATE, body)
+    assert answer[0] == 400, answer
+    assert says in error_of(answer)
+
+
+def test_escapes_are_decoded_not_refused(port):
+    """Python's json.dumps writes \\u escapes for every non-ASCII character: they are JSON."""
+    body = json.dumps({"id": "r\u00e9sum\u00e9 \U0001f600", "inputs": [LOGITS_4]}).encode()
+    assert b"\\u" in body
+    status, _, text = send(port, "POST", SAMPLER, body)
+    assert status == 200, text
+    assert strict_json(text)["id"] == "r\u00e9sum\u00e9 \U0001f600"
+    # An escaped key is the key it spells: the shape check still sees it.
+    sneaky = b'{"inputs": [{"name": "logits", "\\u0073hape": [1, 1099511627776], "datatype": "FP32", "data": [1]}]}'
+    answer = send(port, "POST", SAMPLER, sneaky)
+    assert answer[0] == 400 and "shape" in error_of(answer)
+
+
+def test_a_check_error_message_is_escaped_json(port):
+    answer = send(port, "POST", GENERATE, b'{"input_ids": [1], "max_new_tokens": 1, "a\\"b\\\\c": 1}')
+    assert answer[0] == 400 and 'a"b\\c' in error_of(answer)
+
+
+def test_answers_carry_no_infinity(port):
+    body = json.dumps({"inputs": [LOGITS_4]}).encode()
+    status, _, text = send(port, "POST", SAMPLER, body)
+    assert status == 200 and "Infinity" not in text and "NaN" not in text
+    strict_json(text)
+    body = json.dumps({"input_ids": [1, 2], "max_new_tokens": 2, "top_k": 3, "return_sampling_mask": True}).encode()
+    status, _, text = send(port, "POST", GENERATE, body)
+    assert status == 200 and "Infinity" not in text
+    assert len(strict_json(text)["sampling_mask_logprobs"]) > 3
+
+
+@pytest.mark.parametrize(
+    "method, path, status",
+    [
+        ("GET", "/v2/no-such-route", 404),
+        ("GET", "/", 404),
+        ("POST", "/v2/models/sampler/explode", 404),
+        ("DELETE", "/v2/health/ready", 405),
+        ("POST", "/v2/health/live", 405),
+        ("GET", SAMPLER, 405),
+        ("PUT", GENERATE, 405),
+    ],
+)
+def test_unknown_routes_are_404_and_wrong_methods_405_in_json(port, method, path, status):
+    answer = send(port, method, path)
+    assert answer[0] == status, answer
+    error_of(answer)
+
+
+def test_tritonservers_own_errors_are_labelled_json(port):
+    """tritonserver answers an unknown model in text/plain; the proxy labels its JSON."""
+    answer = send(port, "GET", "/v2/models/no_such_model/config")
+    assert answer[0] >= 400
+    assert "no_such_model" in error_of(answer)
+
+
+def test_a_signed_length_is_refused_by_haproxys_own_parser(port):
+    """HAProxy 2.6's HTTP/1 parser refuses it before any rule runs, with its built-in HTML 400 (no
+    errorfile applies there): refused all the same (docs/operations.md lists it)."""
+    answer = send(port, "POST", SAMPLER, b"{}", [("Content-Length", "+2")])
+    assert answer[0] == 400, answer
+
+
+@pytest.mark.parametrize(
+    "headers, says",
+    [
+        ([("Content-Length", "18446744073709551615")], "Content-Length"),
+        ([("Inference-Header-Content-Length", "1.5")], "Inference-Header-Content-Length"),
+        ([("Inference-Header-Content-Length", "2"), ("Inference-Header-Content-Length", "9")], "Inference-Header"),
+        ([("triton-admin-key", "a"), ("triton-admin-key", "b")], "triton-admin-key"),
+    ],
+)
+def test_framing_headers_are_read_strictly(port, headers, says):
+    answer = send(port, "POST", SAMPLER, json.dumps({"inputs": [LOGITS_4]}).encode(), headers)
+    assert answer[0] == 400, answer
+    assert says in error_of(answer)
