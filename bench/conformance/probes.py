@@ -14,6 +14,8 @@ from .tally import Tally
 SAMPLER = "/v2/models/sampler/infer"
 GENERATE = "/v2/models/generate/generate"
 GENERATE_STREAM = "/v2/models/generate/generate_stream"
+# Triton's generate extension serves any model: the sampler's inputs as top-level keys.
+SAMPLER_GENERATE = "/v2/models/sampler/generate"
 LOGITS = {"name": "logits", "shape": [1, 4], "datatype": "FP32", "data": [0.5, 2.0, -1.0, 1.5]}
 SAMPLER_BODY = {"inputs": [LOGITS]}
 GENERATE_BODY = {"input_ids": [5, 6, 7], "max_new_tokens": 4, "top_k": 20, "seed": 1, "return_sampling_mask": True}
@@ -56,6 +58,7 @@ def probes() -> list[Probe]:
                 ("POST", SAMPLER, json_body(SAMPLER_BODY)),
                 ("POST", GENERATE, json_body(GENERATE_BODY)),
                 ("POST", GENERATE_STREAM, json_body({**GENERATE_BODY, "stream": True})),
+                ("POST", SAMPLER_GENERATE, json_body({"logits": [0.5, 2.0, -1.0, 1.5], "top_k": 2})),
                 ("GET", "/v2"),
                 ("GET", "/v2/health/ready"),
                 ("GET", "/v2/models/sampler"),
@@ -85,7 +88,7 @@ def probes() -> list[Probe]:
             [
                 *[
                     ("POST", path, body)
-                    for path in (SAMPLER, GENERATE, GENERATE_STREAM)
+                    for path in (SAMPLER, GENERATE, GENERATE_STREAM, SAMPLER_GENERATE)
                     for body in (b"", b"0", b"[]", b"{", b'{"inputs": 0}', b"\xff\xfe{}")
                 ],
                 ("POST", SAMPLER, b'{"inputs": []}'),
