@@ -58,7 +58,7 @@ from triton_sampling_mask.ops.server_process import LoopbackUrls, free_port
 from .load.procfs import process_tree_rss
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-ADMIN_KEY = "hostile-suite-admin-key"
+ADMIN_KEY = "hostile-suite-admin-key-0123456789abcdef"
 ADMIN_HEADER = "triton-admin-key"
 GRPC_ADMIN_HEADER = "triton-grpc-protocol-" + ADMIN_HEADER
 START_LIMIT_S = 180.0

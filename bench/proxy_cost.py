@@ -38,7 +38,7 @@ from .served_call import CALL_PARAMS, call_params, explicit_models
 FULL = {"call": (64, 151936), "step": (1, 151936)}
 TINY = {"call": (4, 2000), "step": (1, 2000)}
 TIMING = {"full": {"min_rounds": 15, "budget_s": 20.0}, "tiny": {"min_rounds": 2, "budget_s": 0.0}}
-ADMIN_KEY = "proxy-cost-admin-key"
+ADMIN_KEY = "proxy-cost-admin-key-0123456789abcdef"
 TARGETS = {
     "proxy_call": "B=64 x V=151936 one call over gRPC through the proxy <= 1.10x straight to tritonserver (p50)",
     "proxy_step": "B=1 step over gRPC through the proxy adds <= 0.5 ms to the p50",

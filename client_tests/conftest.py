@@ -23,6 +23,7 @@ import tritonclient.http as httpclient
 from triton_sampling_mask.ops.proxy import FrontedTritonServer, find_haproxy
 from triton_sampling_mask.ops.server_process import TritonServer
 
+from .api_server import ApiProcess
 from .server import ExternalTritonServer, build_test_repository
 
 # Tests that start a tritonserver of their own on this host (nodeid -> why that cannot be the
@@ -50,6 +51,8 @@ def _place(item, external: ExternalTritonServer | None) -> str:
         return "nowhere (needs a local server of its own)"
     if external is not None and any(name in item.fixturenames for name in SERVER_FIXTURES):
         return f"the external server {external.http_url}"
+    if "api_server" in item.fixturenames:
+        return "the session's local CPU server, through the HTTP API process"
     if "triton_server" in item.fixturenames:
         return "the session's local CPU server, behind its front door"
     if item.nodeid.startswith("client_tests/test_scale_out.py"):
@@ -59,6 +62,7 @@ def _place(item, external: ExternalTritonServer | None) -> str:
             "client_tests/test_generate_engine.py",
             "client_tests/test_speculative.py",
             "client_tests/test_checkpoints.py",
+            "client_tests/test_weight_updates.py",
         )
     ):
         return "a local CPU server of its own"
@@ -149,6 +153,16 @@ def triton_server(tmp_path_factory):
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def api_server(triton_server):
+    """The HTTP API process (`python -m triton_sampling_mask.api`) in front of the session's server;
+    it must leave with exit code 0 on SIGTERM, as a supervisor expects."""
+    api = ApiProcess(triton_server.grpc_url).start()
+    yield api
+    code = api.stop()
+    assert code == 0, f"the API exited with {code} on SIGTERM:\n{api.log_tail()}"
 
 
 @pytest.fixture(scope="session")

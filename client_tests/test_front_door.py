@@ -17,19 +17,25 @@ import json
 import os
 import shlex
 import signal
+import socket
+import threading
 import time
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
+from tritonclient.grpc import service_pb2
 from tritonclient.utils import InferenceServerException
 
 from bench import hostile
 from triton_sampling_mask.client import SamplerClient
 from triton_sampling_mask.client.sampling_params import SamplingParams
+from triton_sampling_mask.ops.proxy_config import WRONG_KEYS_PER_MINUTE
+from triton_sampling_mask.ops.server_process import ADMIN_HEADER
 
 from .server import ExternalTritonServer
 
@@ -252,3 +258,165 @@ def test_a_dead_proxy_is_restarted_by_the_supervisor(stack):
         time.sleep(0.2)
     assert proxy_pid(stack) not in (None, pid)
     assert "haproxy died (signal SIGKILL): restart #1" in stack.log_tail(20000)
+
+
+# ---- one client cannot hold every slot, and no spelling of the key gets past its check ----
+# Each attack comes from an address of its own on loopback (127.0.0.x), so that the well-behaved
+# client on 127.0.0.1 is another source, as in production; each test checks that client is
+# served while the attack goes on.
+
+SERVER_READY = "/inference.GRPCInferenceService/ServerReady"
+MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
+
+
+def skip_unless_proxied(stack) -> None:
+    if not stack.proxied:
+        pytest.skip("the proxy's own limits")
+
+
+def connect_from(source: str, port: int) -> socket.socket:
+    sock = socket.socket()
+    sock.bind((source, 0))
+    sock.settimeout(10)
+    sock.connect(("127.0.0.1", port))
+    return sock
+
+
+def served_meanwhile(stack, attempts: int = 5) -> int:
+    """How many of `attempts` health calls from 127.0.0.1 are answered 200 within 5 s each."""
+    return sum(
+        hostile.request(stack.ports["http"], "GET", "/v2/health/ready", timeout_s=5.0)[0] == 200
+        for _ in range(attempts)
+    )
+
+
+def test_bodies_trickled_from_one_address_leave_the_route_to_others(stack):
+    """64 connections, each sending a body a byte every second: they wait at the proxy (which
+    forwards a request once its body is in), never in tritonserver's 64 slots."""
+    skip_unless_proxied(stack)
+    slow = []
+    try:
+        for _ in range(64):
+            sock = connect_from("127.0.0.4", stack.ports["http"])
+            sock.sendall(b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\nContent-Length: 70\r\n\r\n")
+            slow.append(sock)
+        stop = threading.Event()
+
+        def trickle():
+            while not stop.is_set():
+                for sock in slow:
+                    try:
+                        sock.send(b"x")
+                    except OSError:
+                        pass
+                stop.wait(1.0)
+
+        trickler = threading.Thread(target=trickle, daemon=True)
+        trickler.start()
+        time.sleep(1.0)
+        assert served_meanwhile(stack) == 5
+        assert stack.sampler_answers()
+        stop.set()
+        trickler.join()
+    finally:
+        for sock in slow:
+            sock.close()
+
+
+def _header_only_calls(channel: grpc.Channel, method: str, count: int) -> list:
+    """`count` calls of `method` that send their headers and no message (a request iterator
+    that never yields), kept open until cancelled."""
+    hold = threading.Event()
+
+    def nothing():
+        hold.wait()
+        return
+        yield  # a generator that ends without a message once released
+
+    call = channel.stream_unary(method, request_serializer=lambda m: m, response_deserializer=lambda b: b)
+    futures = [call.future(nothing()) for _ in range(count)]
+    futures.append(hold)
+    return futures
+
+
+def test_grpc_calls_that_send_only_headers_hold_no_slot(stack):
+    """64 ModelInfer calls on one connection that never send their message: they wait at the
+    proxy and are cut after its request timeout; another client's calls are answered meanwhile."""
+    skip_unless_proxied(stack)
+    channel = grpc.insecure_channel(stack.grpc_url)
+    held = _header_only_calls(channel, MODEL_INFER, 64)
+    try:
+        time.sleep(1.0)
+        other = grpc.insecure_channel(stack.grpc_url)
+        try:
+            ready = other.unary_unary(
+                SERVER_READY,
+                request_serializer=service_pb2.ServerReadyRequest.SerializeToString,
+                response_deserializer=service_pb2.ServerReadyResponse.FromString,
+            )
+            assert ready(service_pb2.ServerReadyRequest(), timeout=10).ready
+            assert stack.sampler_answers()
+        finally:
+            other.close()
+    finally:
+        held[-1].set()
+        for future in held[:-1]:
+            future.cancel()
+        channel.close()
+
+
+def test_unfinished_requests_on_the_probe_port_leave_ready_answered(stack):
+    """Two addresses each opening 32 requests they never finish: per-address caps and a short
+    head timeout keep /ready answering the kubelet."""
+    skip_unless_proxied(stack)
+    held = []
+    try:
+        for source in ("127.0.0.5", "127.0.0.6"):
+            for _ in range(32):
+                try:
+                    sock = connect_from(source, stack.ports["probe"])
+                    sock.sendall(b"GET /ready HTTP/1.1\r\nHost: x\r\n")  # the head never ends
+                    held.append(sock)
+                except OSError:
+                    pass  # refused at the address's cap
+        for _ in range(5):
+            assert hostile.request(stack.ports["probe"], "GET", "/ready", timeout_s=3.0)[0] == 200
+    finally:
+        for sock in held:
+            sock.close()
+
+
+def _raw_status(source: str, port: int, request: bytes) -> int:
+    with connect_from(source, port) as sock:
+        sock.sendall(request)
+        return int(sock.recv(4096).split(b" ", 2)[1])
+
+
+def test_a_key_with_a_nul_or_a_suffix_is_not_the_key(stack):
+    skip_unless_proxied(stack)
+    for key in (hostile.ADMIN_KEY.encode() + b"\0anything", hostile.ADMIN_KEY.encode() + b"x"):
+        request = (
+            b"POST /v2/logging HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n"
+            + ADMIN_HEADER.encode()
+            + b": "
+            + key
+            + b"\r\nConnection: close\r\n\r\n{}"
+        )
+        assert _raw_status("127.0.0.7", stack.ports["http"], request) in (400, 403)
+
+
+def test_wrong_keys_are_rate_limited_per_address(stack):
+    skip_unless_proxied(stack)
+
+    def logging_status(key: str) -> int:
+        request = (
+            f"GET /v2/logging HTTP/1.1\r\nHost: x\r\n{ADMIN_HEADER}: {key}\r\nConnection: close\r\n\r\n"
+        ).encode()
+        return _raw_status("127.0.0.8", stack.ports["http"], request)
+
+    wrong = [logging_status("w" * 40) for _ in range(WRONG_KEYS_PER_MINUTE + 3)]
+    assert wrong[0] == 403 and wrong[-1] == 429, wrong
+    assert logging_status(hostile.ADMIN_KEY) == 429  # the right key too, from that address, for a minute
+    assert (
+        hostile.request(stack.ports["http"], "GET", "/v2/logging", headers={ADMIN_HEADER: hostile.ADMIN_KEY})[0] == 200
+    )

@@ -47,7 +47,7 @@ from .test_survival import (
     sampler_answers,
 )
 
-ADMIN_KEY = "recovery-test-admin-key"
+ADMIN_KEY = "recovery-test-admin-key-0123456789abcdef"
 HANGING = "sampler_hanging"
 REGION_BYTES = 4 * 2**20
 KILLS_WITHIN_LIMIT = 2

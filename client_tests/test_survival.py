@@ -59,7 +59,7 @@ from triton_sampling_mask.ops.shm_cleanup import remove_unused_regions, server_s
 from .generate_client import generate_inputs
 from .server import MODEL_REPOSITORY, REPO_ROOT, ExternalTritonServer
 
-ADMIN_KEY = "survival-test-admin-key"
+ADMIN_KEY = "survival-test-admin-key-0123456789abcdef"
 RECOVERY_LIMIT_S = 20.0
 MEMORY_LIMIT_BYTES = 3 * 2**30
 SHUTDOWN_LIMIT_S = 10.0

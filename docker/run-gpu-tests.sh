@@ -49,7 +49,7 @@ mapfile -t server_flags <<<"$flags"
 # The container locks its admin APIs with this key; the tests that load and unload models send it.
 # The front door is on, as users reach the container: the client tests run through it, as they do
 # locally (client_tests/conftest.py); the attacks on the front door itself run on a local launcher.
-ADMIN_KEY="$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')"
+ADMIN_KEY="$(od -An -N32 -tx1 /dev/urandom | tr -d ' \n')"
 container="$(docker run -d --gpus all --ipc=host --user "$(id -u):$(id -g)" -e "TRITON_ADMIN_KEY=$ADMIN_KEY" \
     -p "$HTTP_PORT:8000" -p "$GRPC_PORT:8001" -p "$METRICS_PORT:8002" \
     -v "$workdir/models:/models:ro" "$IMAGE" bash /opt/triton-sampling-mask/serve.sh "${server_flags[@]}")"

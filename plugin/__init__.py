@@ -5,6 +5,7 @@ Subpackages, each depending only on those listed before it:
 - `sampling`: the math (parameters, rules, seeded noise, the batched sampler, backends); torch only.
 - `generation`: the causal-LM plugin interface and the generation loop; no Triton.
 - `client`: what a trainer imports (typed client, `SamplingParams`, converters, replay).
+- `api`: the HTTP API process (OpenAI and SGLang dialects, text in and out) over the generate model.
 - `serving`: the Triton glue the `model.py` files call (everything that touches `pb_utils`).
 - `ops`: running the server (launcher, supervisor, server process, settings, probe, GPU repository).
 

@@ -23,7 +23,8 @@ from triton_sampling_mask.ops.stream_gate import is_final
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 REPOSITORY = REPO_ROOT / "model_repository"
-BYTES = {"TYPE_FP32": 4, "TYPE_INT32": 4, "TYPE_UINT64": 8, "TYPE_BOOL": 1}
+# TYPE_STRING (generate's `control`): 8, the proxy's figure for a type without a fixed size.
+BYTES = {"TYPE_FP32": 4, "TYPE_INT32": 4, "TYPE_UINT64": 8, "TYPE_BOOL": 1, "TYPE_STRING": 8}
 needs_haproxy = pytest.mark.skipif(proxy.find_haproxy() is None, reason="haproxy is not installed")
 
 

@@ -88,6 +88,25 @@ def test_a_chosen_key_file_in_a_private_directory_is_written_and_kept_there(tmp_
 
 
 def test_a_key_given_in_the_environment_writes_no_file(tmp_dir, monkeypatch):
-    monkeypatch.setenv("TRITON_ADMIN_KEY", "given-key")
-    assert resolve_admin_key(PORT) == ("given-key", "from TRITON_ADMIN_KEY", None)
+    monkeypatch.setenv("TRITON_ADMIN_KEY", "given-key-0123456789abcdef-0123456789")
+    assert resolve_admin_key(PORT) == ("given-key-0123456789abcdef-0123456789", "from TRITON_ADMIN_KEY", None)
     assert list(tmp_dir.iterdir()) == []
+
+
+@pytest.mark.parametrize("key", ["a", "x" * 31, "y" * 513, "k" * 40 + "==", "k" * 40 + " space"])
+def test_a_short_or_malformed_chosen_key_stops_the_start(tmp_dir, monkeypatch, key):
+    """A one-character key is guessed in a few tries: a chosen key is 32 to 512 characters that
+    tritonserver's flags can carry, else the launcher stops before anything starts."""
+    monkeypatch.setenv("TRITON_ADMIN_KEY", key)
+    with pytest.raises(SystemExit) as refusal:
+        resolve_admin_key(PORT)
+    assert "TRITON_ADMIN_KEY" in str(refusal.value) and (len(key) < 8 or key not in str(refusal.value))
+
+
+def test_a_long_chosen_key_is_taken_and_a_generated_one_is_long(tmp_dir, monkeypatch):
+    monkeypatch.setenv("TRITON_ADMIN_KEY", "k" * 32)
+    assert resolve_admin_key(PORT)[0] == "k" * 32
+    monkeypatch.delenv("TRITON_ADMIN_KEY")
+    key, _, path = resolve_admin_key(PORT)
+    assert len(key) >= 32
+    remove_secret_file(path)

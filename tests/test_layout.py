@@ -23,7 +23,7 @@ TREES = {
 }
 # The package's layers, lowest first (plugin/__init__.py): each may import only those before it.
 # model_config is shared by client and serving.
-LAYERS = ("sampling", "generation", "model_config", "client", "serving", "ops")
+LAYERS = ("sampling", "generation", "model_config", "client", "api", "serving", "ops")
 # ops runs the server and talks to it over HTTP only: none of the client's code.
 NEVER = {("ops", "client")}
 
@@ -51,6 +51,12 @@ FORBIDDEN = {
         "transformers",
         "triton_sampling_mask.serving",
         "triton_sampling_mask.generation",
+        "triton_sampling_mask.ops",
+    ],
+    # The HTTP API: a client of the generate model in a process of its own, never inside Triton.
+    "api": [
+        "triton_python_backend_utils",
+        "triton_sampling_mask.serving",
         "triton_sampling_mask.ops",
     ],
     "serving": [

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..model_config import output_width, string_parameter
-from ..sampling.outputs import BY_NAME, FINISH_REASON, SAMPLING_MASK, TOKEN_OUTPUTS
+from ..sampling.outputs import BY_NAME, CONTROL_RESULT, FINISH_REASON, SAMPLING_MASK, TOKEN_OUTPUTS, WEIGHT_VERSION
 from ..sampling.params import PARAM_SPECS, SEED, RowParams
 from ..sampling.refusals import DEFAULT_ROUTE_CAPACITY
 from ..sampling.validation import SPECULATIVE_ALGORITHMS, MaskPolicy, SamplingRequestError
@@ -51,6 +51,7 @@ from .replicas import (
 )
 from .sampler_client import SampleResult
 from .sampling_params import SamplingParams, check_rows_like_server, rows_to_params
+from .weight_updates import SharedTensors, check_pause_mode, on_every_replica
 from .wire import INPUT_DTYPES
 
 __all__ = [
@@ -83,10 +84,13 @@ class GenerateResult(SampleResult):
     sampling_mask_len [n], sampling_logprobs [n], sampling_mask_logprobs [n, W] (an output left
     out of `outputs=` is None). `finish_reason` is "length" or "stop" ("" on a streamed chunk
     before the last); `index` is the request's position in the call's prompts. The mask fields
-    are what the converters take: `to_vllm_csr(r.sampling_mask, r.sampling_mask_len)`."""
+    are what the converters take: `to_vllm_csr(r.sampling_mask, r.sampling_mask_len)`.
+    `weight_version` [n] (str) names the weights that sampled each token: a request that straddles
+    a weight update has the old version on its first tokens and the new one after."""
 
     finish_reason: str = ""
     index: int = 0
+    weight_version: np.ndarray | None = None
 
 
 def concatenate_tokens(results: Sequence[SampleResult]) -> SampleResult:
@@ -204,8 +208,10 @@ def _result(index: int, parts: list[dict]) -> GenerateResult:
     for spec in TOKEN_OUTPUTS:
         values = [p[spec.name] for p in parts]
         arrays[spec.name] = None if any(v is None for v in values) else np.concatenate(values).astype(spec.dtype)
+    versions = [p.get(WEIGHT_VERSION.name) for p in parts]
+    version = None if not parts or any(v is None for v in versions) else np.concatenate(versions)
     finish = parts[-1][FINISH_REASON.name] if parts else ""
-    return GenerateResult(**arrays, finish_reason=finish, index=index)
+    return GenerateResult(**arrays, finish_reason=finish, index=index, weight_version=version)
 
 
 class _Call:
@@ -254,7 +260,8 @@ _CLIENT_ARGS_DOC = """
     client. A refusal that says the server is busy is retried after `backoff_s` doubling up to
     `max_backoff_s` (each pause jittered), until `busy_timeout_s` has passed since the request's
     first refusal. `mask_width` skips reading W from the model config. `channel_options` go to
-    each gRPC channel."""
+    each gRPC channel. `admin_key` is sent with the weight operations (update_weights_from_*,
+    pause_generation, continue_generation), which every replica gets, each answering for itself."""
 
 
 class AsyncGenerateClient(ReplicatedClient):
@@ -277,6 +284,7 @@ class AsyncGenerateClient(ReplicatedClient):
         eject_backoff_s: float = DEFAULT_EJECT_BACKOFF_S,
         max_eject_backoff_s: float = DEFAULT_MAX_EJECT_BACKOFF_S,
         channel_options: Sequence[tuple] = (),
+        admin_key: str | None = None,
     ):
         if protocol not in _PROTOCOLS:
             raise ValueError(f"protocol must be one of {_PROTOCOLS}, got {protocol!r}")
@@ -289,6 +297,7 @@ class AsyncGenerateClient(ReplicatedClient):
         self._mask_width = mask_width
         self._limits: GenerateLimits | None = None
         self._channel_options = tuple(channel_options)
+        self._admin_key = admin_key
         self._init_replicas(urls, self._connect, True, max_attempts, eject_backoff_s, max_eject_backoff_s, busy_policy)
         self._in_flight = asyncio.Semaphore(self.max_in_flight)
         self._calls: set = set()  # tasks of calls in progress (cancelled by close)
@@ -397,7 +406,7 @@ class AsyncGenerateClient(ReplicatedClient):
         wanted = None
         if outputs is not None:
             wanted = tuple(outputs)
-            unknown = [name for name in wanted if name not in BY_NAME]
+            unknown = [name for name in wanted if name not in BY_NAME or name == CONTROL_RESULT.name]
             if unknown:
                 raise ValueError(f"unknown outputs {unknown}; the generate model sends {sorted(BY_NAME)}")
             wanted = tuple(dict.fromkeys((*wanted, FINISH_REASON.name, "output_ids")))
@@ -462,6 +471,125 @@ class AsyncGenerateClient(ReplicatedClient):
             await connection.close()
         self._replicas.probed(replica, ready)
 
+    # Weight operations: one control request to every replica (serving.weight_control), each
+    # replica's answer by URL: {"weight_version", "paused", ...}.
+
+    async def _control(self, commands: dict | Sequence[dict], admin_key: str | None) -> dict[str, dict]:
+        commands = [commands] * len(self.urls) if isinstance(commands, dict) else list(commands)
+        key = admin_key if admin_key is not None else self._admin_key
+        return await on_every_replica(self._connect, self.urls, commands, key)
+
+    async def update_weights_from_disk(
+        self,
+        model_path: str,
+        *,
+        weight_version: str | None = None,
+        pause_mode: str = "in_place",
+        admin_key: str | None = None,
+    ) -> dict[str, dict]:
+        """Load the Hugging Face checkpoint `model_path` (a directory relative to the servers'
+        weights root) into every replica's running LM, in place; tokens sampled after it carry
+        `weight_version` (default: the update's count). `pause_mode`: "abort" (requests in flight
+        end with a retryable error and are resent), "finish" (they finish on the old weights
+        first) or "in_place" (they go on, on the new weights). A refused checkpoint raises
+        GenerateError naming the replica and the first bad tensor; the old weights keep serving."""
+        command = {
+            "op": "update_weights_from_disk",
+            "model_path": model_path,
+            "pause_mode": check_pause_mode(pause_mode),
+        }
+        return await self._control(_versioned(command, weight_version), admin_key)
+
+    async def update_weights_from_tensor(
+        self,
+        tensors: dict,
+        *,
+        weight_version: str | None = None,
+        pause_mode: str = "in_place",
+        admin_key: str | None = None,
+    ) -> dict[str, dict]:
+        """Copy named tensors (torch or numpy; some or all of the LM's weights, named as in its
+        state dict) into every replica on this host, through one shared-memory region (removed
+        afterwards); as update_weights_from_disk otherwise."""
+        check_pause_mode(pause_mode)
+        with SharedTensors(tensors) as shared:
+            command = {
+                "op": "update_weights_from_tensor",
+                "shm_name": shared.name,
+                "tensors": shared.manifest,
+                "pause_mode": pause_mode,
+            }
+            return await self._control(_versioned(command, weight_version), admin_key)
+
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        *,
+        group_name: str = "weight_update_group",
+        backend: str = "gloo",
+        admin_key: str | None = None,
+    ) -> dict[str, dict]:
+        """Have replica i join a torch.distributed process group as rank `rank_offset + i` (the
+        trainer is rank 0, `generation.weight_transfer.open_process_group`); returns once every
+        rank has joined, so the trainer opens its end meanwhile (another thread or task)."""
+        commands = [
+            {
+                "op": "init_weights_update_group",
+                "master_address": master_address,
+                "master_port": int(master_port),
+                "rank_offset": int(rank_offset) + i,
+                "world_size": int(world_size),
+                "group_name": group_name,
+                "backend": backend,
+            }
+            for i in range(len(self.urls))
+        ]
+        return await self._control(commands, admin_key)
+
+    async def update_weights_from_distributed(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        *,
+        weight_version: str | None = None,
+        pause_mode: str = "in_place",
+        admin_key: str | None = None,
+    ) -> dict[str, dict]:
+        """Receive these tensors (torch dtype names, e.g. "float32") from the trainer's rank 0 over
+        the weights update group, in this order, and copy them in once all are checked; the
+        trainer broadcasts them meanwhile (`weight_transfer.broadcast_tensors`)."""
+        manifest = [
+            {"name": name, "dtype": dtype, "shape": list(shape)} for name, dtype, shape in zip(names, dtypes, shapes)
+        ]
+        command = {
+            "op": "update_weights_from_distributed",
+            "tensors": manifest,
+            "pause_mode": check_pause_mode(pause_mode),
+        }
+        return await self._control(_versioned(command, weight_version), admin_key)
+
+    async def destroy_weights_update_group(self, *, admin_key: str | None = None) -> dict[str, dict]:
+        """Leave the weights update group on every replica."""
+        return await self._control({"op": "destroy_weights_update_group"}, admin_key)
+
+    async def pause_generation(self, mode: str = "abort", *, admin_key: str | None = None) -> dict[str, dict]:
+        """Hold every replica's generation between two steps (requests in flight treated as `mode`
+        says, as for an update); new requests wait until continue_generation."""
+        return await self._control({"op": "pause_generation", "mode": check_pause_mode(mode, "mode")}, admin_key)
+
+    async def continue_generation(self, *, admin_key: str | None = None) -> dict[str, dict]:
+        """Let every paused replica generate again."""
+        return await self._control({"op": "continue_generation"}, admin_key)
+
+    async def get_weight_version(self) -> dict[str, str]:
+        """Each replica's weight version, by URL (no admin key needed)."""
+        answers = await self._control({"op": "get_weight_version"}, None)
+        return {url: answer["weight_version"] for url, answer in answers.items()}
+
     async def close(self) -> None:
         """Cancel the calls in progress (and their requests on the server), then close every connection."""
         for task in list(self._calls):
@@ -483,6 +611,10 @@ _STREAM_SIGNATURE = _STREAM_SIGNATURE.replace(
     parameters=[p for p in _STREAM_SIGNATURE.parameters.values() if p.name != "return_exceptions"]
 )
 AsyncGenerateClient.stream.__signature__ = _STREAM_SIGNATURE
+
+
+def _versioned(command: dict, weight_version: str | None) -> dict:
+    return command if weight_version is None else {**command, "weight_version": str(weight_version)}
 
 
 def _wire_inputs(prompt, budget: int, rows: RowParams, row: int, stops, ignore_eos: bool, stream: bool) -> dict:
@@ -576,6 +708,40 @@ class GenerateClient:
     def replica_shares(self) -> dict[str, int]:
         """Requests each replica answered so far, by URL."""
         return self._client.replica_shares()
+
+    def update_weights_from_disk(self, model_path: str, **kwargs) -> dict[str, dict]:
+        """As AsyncGenerateClient.update_weights_from_disk, waited for."""
+        return self._run(self._client.update_weights_from_disk(model_path, **kwargs))
+
+    def update_weights_from_tensor(self, tensors: dict, **kwargs) -> dict[str, dict]:
+        """As AsyncGenerateClient.update_weights_from_tensor, waited for."""
+        return self._run(self._client.update_weights_from_tensor(tensors, **kwargs))
+
+    def init_weights_update_group(self, *args, **kwargs) -> dict[str, dict]:
+        """As AsyncGenerateClient.init_weights_update_group, waited for (call it from another
+        thread than the one that opens the trainer's end of the group)."""
+        return self._run(self._client.init_weights_update_group(*args, **kwargs))
+
+    def update_weights_from_distributed(self, *args, **kwargs) -> dict[str, dict]:
+        """As AsyncGenerateClient.update_weights_from_distributed, waited for (the trainer
+        broadcasts from another thread meanwhile)."""
+        return self._run(self._client.update_weights_from_distributed(*args, **kwargs))
+
+    def destroy_weights_update_group(self, **kwargs) -> dict[str, dict]:
+        """As AsyncGenerateClient.destroy_weights_update_group, waited for."""
+        return self._run(self._client.destroy_weights_update_group(**kwargs))
+
+    def pause_generation(self, mode: str = "abort", **kwargs) -> dict[str, dict]:
+        """As AsyncGenerateClient.pause_generation, waited for."""
+        return self._run(self._client.pause_generation(mode, **kwargs))
+
+    def continue_generation(self, **kwargs) -> dict[str, dict]:
+        """As AsyncGenerateClient.continue_generation, waited for."""
+        return self._run(self._client.continue_generation(**kwargs))
+
+    def get_weight_version(self) -> dict[str, str]:
+        """Each replica's weight version, by URL."""
+        return self._run(self._client.get_weight_version())
 
     def healthy_replicas(self) -> list[str]:
         """The URLs of the replicas not ejected right now."""

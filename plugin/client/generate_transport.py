@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..sampling.outputs import FINISH_REASON, MASK, TOKEN_OUTPUTS, from_wire_values
+from ..sampling.outputs import CONTROL_RESULT, FINISH_REASON, MASK, TOKEN_OUTPUTS, WEIGHT_VERSION, from_wire_values
 from ..sampling.refusals import is_busy
 from .sampler_client import SamplerError
 
@@ -64,6 +64,7 @@ class WireRequest:
     stream: bool
     inputs: dict[str, tuple[np.ndarray, str]]  # name -> (array with the batch dimension 1, Triton datatype)
     outputs: tuple[str, ...] | None  # output names to ask for (None: every one)
+    parameters: dict[str, str] = field(default_factory=dict)  # request parameters (the admin key)
 
 
 def _text(value) -> str:
@@ -114,6 +115,17 @@ class GrpcConnection:
         server = await stub.ServerReady(service_pb2.ServerReadyRequest(), timeout=timeout_s)
         model = await stub.ModelReady(service_pb2.ModelReadyRequest(name=self.model_name), timeout=timeout_s)
         return bool(server.ready and model.ready)
+
+    async def control(self, request: WireRequest) -> dict:
+        """Send one control request on a stream of its own; its `control_result` (raises GenerateError)."""
+        stream = self.open_stream()
+        try:
+            async for outputs in stream.exchange(request):
+                if outputs[CONTROL_RESULT.name] is not None:
+                    return outputs[CONTROL_RESULT.name]
+            raise GenerateError(None, "the server ended the control request without an answer")
+        finally:
+            await stream.close(cancel=False)
 
     async def close(self) -> None:
         if self._channel is not None:
@@ -176,7 +188,8 @@ class GrpcStream:
                     raise GenerateError(IN_BAND, item.error_message)
                 outputs = _grpc_outputs(item.infer_response)
                 parameters = item.infer_response.parameters
-                final = parameters[_FINAL].bool_param if _FINAL in parameters else bool(outputs[FINISH_REASON.name])
+                ended = bool(outputs[FINISH_REASON.name]) or outputs[CONTROL_RESULT.name] is not None
+                final = parameters[_FINAL].bool_param if _FINAL in parameters else ended
                 yield outputs
                 if final:
                     return
@@ -201,9 +214,16 @@ def _infer_request(request: WireRequest, model_name: str):
         tensor = message.inputs.add()
         tensor.name, tensor.datatype = name, datatype
         tensor.shape.extend(array.shape)
-        message.raw_input_contents.append(np.ascontiguousarray(array).tobytes())
+        if datatype == "BYTES":  # length-prefixed elements, as Triton reads BYTES
+            from tritonclient.utils import serialize_byte_tensor
+
+            message.raw_input_contents.append(serialize_byte_tensor(array).item())
+        else:
+            message.raw_input_contents.append(np.ascontiguousarray(array).tobytes())
     for name in request.outputs or ():
         message.outputs.add().name = name
+    for name, value in request.parameters.items():
+        message.parameters[name].string_param = value
     return message
 
 
@@ -216,9 +236,18 @@ def _grpc_outputs(infer_response) -> dict:
     for spec in TOKEN_OUTPUTS:
         value = from_wire_values(spec.name, result.as_numpy(spec.name))
         outputs[spec.name] = None if value is None else value[0]
+    versions = result.as_numpy(WEIGHT_VERSION.name)
+    outputs[WEIGHT_VERSION.name] = None if versions is None else _texts(versions[0])
     finish = result.as_numpy(FINISH_REASON.name)
     outputs[FINISH_REASON.name] = "" if finish is None else _text(finish.reshape(-1)[0])
+    control = result.as_numpy(CONTROL_RESULT.name)
+    outputs[CONTROL_RESULT.name] = None if control is None else json.loads(_text(control.reshape(-1)[0]))
     return outputs
+
+
+def _texts(values) -> np.ndarray:
+    """Strings (bytes on the wire) as an object array of str."""
+    return np.array([_text(v) for v in np.asarray(values).reshape(-1)], dtype=object)
 
 
 class HttpConnection:
@@ -294,6 +323,13 @@ class HttpConnection:
         except Exception as exc:  # aiohttp's ClientError, a reset connection, a broken body
             raise unreachable(exc) from None
 
+    async def control(self, request: WireRequest) -> dict:
+        """POST one control request; its `control_result` (raises GenerateError)."""
+        async for outputs in self.exchange(request, mask_width=0):
+            if outputs[CONTROL_RESULT.name] is not None:
+                return outputs[CONTROL_RESULT.name]
+        raise GenerateError(None, "the server ended the control request without an answer")
+
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()
@@ -308,9 +344,10 @@ def _error_message(text: str) -> str:
 
 def _json_body(request: WireRequest) -> dict:
     """The JSON body of a generate request: each input as a list, a one-value input as a scalar."""
-    body = {}
+    body = dict(request.parameters)  # fields that are not inputs are request parameters
     for name, (array, _) in request.inputs.items():
         values = array.reshape(-1).tolist()
+        values = [_text(v) for v in values] if array.dtype == object else values
         body[name] = values if name in ("input_ids", "stop_token_ids") else values[0]
     return body
 
@@ -326,6 +363,14 @@ def _json_outputs(reply: dict, mask_width: int) -> dict:
         array = from_wire_values(spec.name, np.array(reply[spec.name], spec.dtype))
         width = -1 if tokens else mask_width  # the server's own W when there are rows to tell it
         outputs[spec.name] = array.reshape((tokens, width) if spec.per == MASK else (-1,))
+    versions = reply.get(WEIGHT_VERSION.name)
+    outputs[WEIGHT_VERSION.name] = (
+        None if versions is None else _texts(versions if isinstance(versions, list) else [versions])
+    )
     finish = reply.get(FINISH_REASON.name, "")
     outputs[FINISH_REASON.name] = _text(finish[0] if isinstance(finish, list) else finish)
+    control = reply.get(CONTROL_RESULT.name)
+    if isinstance(control, list):
+        control = control[0]
+    outputs[CONTROL_RESULT.name] = None if control is None else json.loads(_text(control))
     return outputs

@@ -17,6 +17,13 @@ sampled with step s + i's seed, exactly as plain decoding would sample it, and a
 is kept only if it is the token sampled before it; the first sampled token that differs (or the
 one after the last draft) is emitted too, and the rejected drafts leave the cache. Each step
 emits 1 to 1 + drafts tokens per row: the tokens, masks and log-probs of plain decoding.
+
+Weight updates (`update_weights`) happen between two steps, with the loop paused, in one of
+SGLang's pause modes (`PAUSE_MODES`): "abort" ends every request in flight or waiting with a
+retryable error, "finish" lets the rows in flight finish on the old weights while new requests
+wait, "in_place" keeps the rows in flight and recomputes their KV cache on the new weights, so
+every later token is the new weights' own. Every token carries the weight version it was
+sampled with (`weight_version`). `pause` / `resume` hold and release the loop on their own.
 No Triton here: results go through a `RequestHandle`, counters through an `EngineObserver`.
 """
 
@@ -36,7 +43,14 @@ import numpy as np
 import torch
 
 from ..sampling.batching import BatchSampler, outputs_to_numpy
-from ..sampling.outputs import MASK_OUTPUT_NAMES, OUTPUT_IDS, TOKEN_OUTPUT_NAMES, UNMASKED_OUTPUT_NAMES, padding
+from ..sampling.outputs import (
+    GENERATION_TOKEN_OUTPUT_NAMES,
+    MASK_OUTPUT_NAMES,
+    OUTPUT_IDS,
+    UNMASKED_OUTPUT_NAMES,
+    WEIGHT_VERSION,
+    padding,
+)
 from ..sampling.params import RowParams
 from ..sampling.refusals import RETRY_MARKER
 from ..sampling.results import ROW_MAX
@@ -44,6 +58,11 @@ from ..sampling.validation import SamplingRequestError, check_logit_rows
 from .drafting import PAD, NgramDrafter, TokenHistory
 from .lm import CausalLM, can_merge, can_speculate
 from .request import FINISH_LENGTH, FINISH_STOP, GenerationChunk, GenerationRequest, step_params, stop_ids
+
+# How a weight update (or a pause) treats the requests in flight, as SGLang's pause_generation modes.
+ABORT, FINISH, IN_PLACE = "abort", "finish", "in_place"
+PAUSE_MODES = (ABORT, FINISH, IN_PLACE)
+DEFAULT_WEIGHT_VERSION = "default"
 
 
 class EngineFull(Exception):
@@ -106,6 +125,7 @@ class _Sequence:
     enqueued: float
     stops: np.ndarray
     step: int = 0
+    tokens: list = field(default_factory=list)  # ids generated so far (to recompute the cache after an update)
     parts: list = field(default_factory=list)  # per step: dict of that step's tokens' outputs (non-streamed)
 
     @cached_property
@@ -132,6 +152,7 @@ class ContinuousEngine:
         observer: EngineObserver,
         log_error: Callable[[str], None] = print,
         drafter: NgramDrafter | None = None,
+        weight_version: str = DEFAULT_WEIGHT_VERSION,
     ):
         self.lm, self.sampler, self.limits, self.observer, self.log_error = lm, sampler, limits, observer, log_error
         self.width = sampler.policy.mask_width
@@ -150,6 +171,13 @@ class ContinuousEngine:
         self._params: RowParams | None = None  # every row seeded
         self._history = TokenHistory() if self.drafter else None  # what the drafter looks in
         self._reserved = 0
+        self.weight_version = weight_version  # tags every token sampled until the next update
+        self._version_tag = np.array([weight_version.encode()], dtype=WEIGHT_VERSION.dtype)
+        self._pause_mode: str | None = None  # a pause asked for and not yet reached
+        self._pause_reason = ""
+        self._draining = False  # "finish": rows in flight finish, nothing new is admitted
+        self._paused = False  # the loop holds between two steps; requests wait
+        self._updating = threading.Lock()  # one weight update at a time
         self._thread = threading.Thread(target=self._run, name="generate-engine", daemon=True)
 
     def start(self) -> ContinuousEngine:
@@ -184,7 +212,7 @@ class ContinuousEngine:
                 )
             self._waiting.append(sequence)
             self._waiting_tokens += prompt_tokens
-            self._cv.notify()
+            self._cv.notify_all()
 
     def never_fits(self, request: GenerationRequest) -> str | None:
         """Why `request` can never be admitted here (it needs more than the whole KV budget), or None."""
@@ -202,19 +230,101 @@ class ContinuousEngine:
         with self._cv:
             self._stopping = True
             self._stop_message = message
-            self._cv.notify()
+            self._cv.notify_all()
         self._thread.join()
 
+    @property
+    def paused(self) -> bool:
+        """Whether the loop holds between two steps (requests wait; nothing is generated)."""
+        return self._paused
+
+    def pause(self, mode: str = IN_PLACE, reason: str = "pause_generation") -> None:
+        """Hold the loop between two steps, the requests in flight treated as `mode` says (one of
+        PAUSE_MODES; `reason` ends up in an aborted request's message); returns once it holds.
+        New requests are queued meanwhile (within the bounds) and start after `resume`."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
+        with self._cv:
+            if self._paused:
+                return
+            self._pause_mode, self._pause_reason = mode, reason
+            self._cv.notify_all()
+            while not self._paused and not self._stopping:
+                self._cv.wait()
+
+    def resume(self) -> None:
+        """Let a paused loop go on (a no-op when it is not paused)."""
+        with self._cv:
+            self._paused, self._pause_mode, self._draining = False, None, False
+            self._cv.notify_all()
+
+    def update_weights(self, apply: Callable[[], object], version: str, mode: str = IN_PLACE) -> object:
+        """Pause the loop in `mode`, run `apply()` (which writes the new weights into the LM, or
+        raises with nothing written), tag every later token `version`, and resume unless the loop
+        was paused before. In "in_place" mode the rows in flight get their KV cache recomputed on
+        the new weights. Returns what `apply` returned; its exception passes through, the old
+        weights and version left serving."""
+        with self._updating:
+            was_paused = self._paused
+            self.pause(mode, f"the weight update to version {version!r}")
+            try:
+                outcome = apply()
+                self._set_version(version)
+                if self._rows:
+                    self._recompute_cache()
+                return outcome
+            finally:
+                if not was_paused:
+                    self.resume()
+
+    def _set_version(self, version: str) -> None:
+        self.weight_version = version
+        self._version_tag = np.array([version.encode()], dtype=WEIGHT_VERSION.dtype)
+
+    def _recompute_cache(self) -> None:
+        """The rows' KV cache rebuilt by the LM as it is now (the loop holds: nothing else touches
+        it): each row's prompt and tokens but its last, which is fed at the next step as ever."""
+        prefixes = [
+            torch.from_numpy(np.concatenate([s.request.prompt, np.asarray(s.tokens[:-1], np.int64)]))
+            for s in self._rows
+        ]
+        _, self._state = self.lm.prefill(prefixes)
+
     # The loop (engine thread only below this line).
+
+    def _hold(self) -> bool:
+        """Wait (under the lock) until there is a step to run; False when the loop must end. A pause
+        asked for is reached here, between two steps."""
+        while not self._stopping:
+            if self._pause_mode is not None and not self._paused:
+                self._enter_pause()
+            if self._paused or (self._draining and not self._rows) or not (self._waiting or self._rows):
+                self._cv.wait()
+                continue
+            return True
+        return False
+
+    def _enter_pause(self) -> None:
+        mode = self._pause_mode
+        if mode == ABORT:
+            message = f"generation aborted by {self._pause_reason}; {RETRY_MARKER}"
+            for sequence in self._rows + list(self._waiting):
+                _quietly(sequence.handle.fail, message, "UNAVAILABLE")
+            self._waiting.clear()
+            self._waiting_tokens = 0
+            self._reset()
+        if mode == FINISH and self._rows:
+            self._draining = True  # paused once the last row in flight finishes
+            return
+        self._paused, self._draining = True, False
+        self._cv.notify_all()
 
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not self._waiting and not self._rows and not self._stopping:
-                    self._cv.wait()
-                if self._stopping:
+                if not self._hold():
                     break
-                newcomers = self._admit()
+                newcomers = [] if self._draining else self._admit()
             try:
                 self._step(newcomers)
             except Exception as exc:  # an internal fault: end this batch's requests, keep serving
@@ -306,6 +416,7 @@ class ContinuousEngine:
         # (NaN, +inf, all -inf) are found here, without a separate pass over the logits.
         broken = ~np.equal(check_logit_rows(result.host()[ROW_MAX]), None).astype(bool)
         arrays = outputs_to_numpy(result)
+        arrays[WEIGHT_VERSION.name] = np.broadcast_to(self._version_tag, (owner.size,))
         width = int(positions.max())
         sampled = np.full((rows, width), PAD, np.int64)
         sampled[owner, within] = arrays["output_ids"]
@@ -331,6 +442,7 @@ class ContinuousEngine:
                 sequence, arrays, int(first[i]), count, (FINISH_STOP if stopped else FINISH_LENGTH) if done else ""
             )
             sequence.step += count
+            sequence.tokens.extend(tokens[:count])
             emitted[i], finished[i] = count, done
             if not done and unusable[i, accepted[i]]:  # plain decoding would fail at this step
                 finished[i] = True
@@ -360,7 +472,8 @@ class ContinuousEngine:
                 sequence.handle.send(GenerationChunk(row, finish_reason if last else ""), final=done and last)
             return
         if count:  # copies: a view would keep the whole step's arrays alive
-            kept = TOKEN_OUTPUT_NAMES if sequence.request.params.return_sampling_mask[0] else UNMASKED_OUTPUT_NAMES
+            masked = sequence.request.params.return_sampling_mask[0]
+            kept = GENERATION_TOKEN_OUTPUT_NAMES if masked else (*UNMASKED_OUTPUT_NAMES, WEIGHT_VERSION.name)
             sequence.parts.append({name: arrays[name][start : start + count].copy() for name in kept})
         if done:
             sequence.handle.send(_whole(sequence, finish_reason, self.width), final=True)
@@ -434,7 +547,7 @@ def _whole(sequence: _Sequence, finish_reason: str, width: int) -> GenerationChu
     for name in MASK_OUTPUT_NAMES:
         if name not in arrays:
             arrays[name] = padding(name, len(arrays[OUTPUT_IDS.name]), width)
-    return GenerationChunk({name: arrays[name] for name in TOKEN_OUTPUT_NAMES}, finish_reason)
+    return GenerationChunk({name: arrays[name] for name in GENERATION_TOKEN_OUTPUT_NAMES}, finish_reason)
 
 
 def _quietly(call, *args) -> None:

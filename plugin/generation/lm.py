@@ -32,6 +32,8 @@ import torch
 from ..sampling.backends import import_object
 
 DEFAULT_LM_CONFIG = Path(__file__).with_name("lm_configs") / "tiny_llama.json"
+# The default LM's tokenizer (Hugging Face format, with a chat template), for text in and out.
+DEFAULT_TOKENIZER = DEFAULT_LM_CONFIG.with_name("tiny_tokenizer")
 
 
 @runtime_checkable

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ..sampling import rng
-from ..sampling.outputs import TOKEN_OUTPUT_NAMES, padding
+from ..sampling.outputs import GENERATION_TOKEN_OUTPUT_NAMES, padding
 from ..sampling.params import RowParams
 from ..sampling.validation import MaskPolicy, SamplingRequestError, check_rows
 
@@ -34,7 +34,7 @@ class GenerationRequest:
 @dataclass
 class GenerationChunk:
     """Tokens of one request with their sampler outputs, aligned 1:1: `outputs` holds every token
-    output of `outputs.TOKEN_OUTPUTS` by name ([n] per token, [n, W] per mask row), and
+    output of `outputs.GENERATION_TOKEN_OUTPUTS` by name ([n] per token, [n, W] per mask row), and
     `finish_reason` is "" until the request's last chunk, then "length" or "stop"."""
 
     outputs: dict[str, np.ndarray]
@@ -46,7 +46,7 @@ class GenerationChunk:
     @classmethod
     def empty(cls, width: int, finish_reason: str) -> GenerationChunk:
         """No tokens (a request with max_new_tokens 0)."""
-        return cls({name: padding(name, 0, width) for name in TOKEN_OUTPUT_NAMES}, finish_reason)
+        return cls({name: padding(name, 0, width) for name in GENERATION_TOKEN_OUTPUT_NAMES}, finish_reason)
 
 
 def check_generation_request(

@@ -45,7 +45,7 @@ from .server_process import (
     ADMIN_HEADER,
     GRPC_ADMIN_HEADER,
     SERVER_UMASK,
-    admin_args,
+    check_user_admin_key,
     hardening_args,
     redact,
     server_command,
@@ -60,7 +60,10 @@ def resolve_admin_key(http_port: int) -> tuple[str, str, Path | None]:
     TRITON_ADMIN_KEY_FILE, or `admin-key` in a new private directory. The key is never printed."""
     key = settings.TRITON_ADMIN_KEY.value()
     if key:
-        admin_args(key)  # refuse a key the flags cannot carry, before anything starts
+        try:  # refused before anything starts
+            check_user_admin_key(key)
+        except ValueError as error:
+            raise SystemExit(f"[launcher] TRITON_ADMIN_KEY: {error}; unset it to have a random one generated") from None
         return key, "from TRITON_ADMIN_KEY", None
     chosen = settings.TRITON_ADMIN_KEY_FILE.value()
     key = secrets.token_urlsafe(32)
@@ -159,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
         print("+ " + " ".join(redact(command, admin_key)), flush=True)
         os.umask(SERVER_UMASK)
         cage.enter()
-        os.execve(command[0], command, server_environment())
+        os.execve(command[0], command, server_environment(admin_key))
     front_door = None
     if proxied:
         public = {**ports, "probe": args.probe_port}

@@ -34,8 +34,10 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..sampling.outputs import ADMIN_KEY_PARAMETER
 from ..sampling.refusals import RETRY_MARKER
 from . import settings
+from .server_process import ADMIN_HEADER, ADMIN_KEY_CHARACTERS, MIN_ADMIN_KEY_CHARS
 
 LUA_CHECKS = Path(__file__).resolve().parent / "haproxy" / "json_checks.lua"
 GRPC_SERVICE = "/inference.GRPCInferenceService/"
@@ -115,6 +117,15 @@ LENGTH_PATTERN = "^[0-9]{1,12}$"
 # A /generate body is parsed whole: it must fit the proxy's buffer beside the request's head.
 GENERATE_JSON_BYTES = 262144 - 16384
 SIDE_PORT_CONNECTIONS = 64  # the metrics and probe ports each: scrapers and kubelets
+# One address's share of a side port, and the time it has to send a request's head there: a
+# kubelet or a scraper sends one short request at a time.
+SIDE_PORT_CONNECTIONS_PER_IP = 8
+SIDE_PORT_REQUEST_TIMEOUT_S = 2.0
+# What an admin key may look like (the characters tritonserver's flags carry, at least the
+# shortest key the launcher accepts): anything else, a NUL included, never matches. Wrong keys
+# from one address: at most this many a minute.
+ADMIN_KEY_PATTERN = rf"^{ADMIN_KEY_CHARACTERS}{{{MIN_ADMIN_KEY_CHARS},512}}$"
+WRONG_KEYS_PER_MINUTE = 10
 # HAProxy's buffer per direction of a connection, taken only while data passes, and the HTTP/2
 # window it grants each stream: with 2.6's defaults (16 KiB, 64 KiB) a large gRPC call spends most
 # of its extra time through the proxy waiting on window updates and buffer turns. Memory stays
@@ -260,7 +271,7 @@ class ProxyPlan:
     internal_key: str
     routes: list[ModelRoute]
     limits: ProxyLimits = field(default_factory=ProxyLimits)
-    admin_header: str = "triton-admin-key"
+    admin_header: str = ADMIN_HEADER
     bind_address: str = "0.0.0.0"
 
     @property
@@ -287,6 +298,8 @@ def input_spec(config_path: Path) -> str:
     """ "name:DATATYPE ..." for each input of a model's config.pbtxt (the /generate checks' argument)."""
     text = _strip_comments(Path(config_path).read_text())
     pairs = re.findall(r'name\s*:\s*"([^"]+)"\s*,?\s*data_type\s*:\s*TYPE_(\w+)', _block(text, "input"))
+    # the request parameter a control request carries its admin key in: a string beside the inputs
+    pairs.append((ADMIN_KEY_PARAMETER, "STRING"))
     return " ".join(f"{name}:{'BYTES' if data_type == 'STRING' else data_type}" for name, data_type in pairs)
 
 
@@ -314,6 +327,25 @@ def _frontend_head(
 
 def _table(name: str) -> list[str]:
     return [f"backend {name}", "    stick-table type ip size 100k expire 60s store conn_cur", ""]
+
+
+def _admin_key_rules(header: str, key_file: Path | None, refuse: str) -> list[str]:
+    """The key check of a frontend: `admin_ok` when `header` holds exactly the key; a wrong key
+    counts against its address, which is refused (`refuse`, a rule's action) past
+    WRONG_KEYS_PER_MINUTE."""
+    if not key_file:
+        return ["    acl admin_ok always_true"]
+    return [
+        f"    acl has_key req.fhdr({header}) -m found",
+        f"    acl key_wellformed req.fhdr({header}) -m reg {ADMIN_KEY_PATTERN}",
+        f"    acl key_matches req.fhdr({header}) -m str -f {key_file}",
+        "    acl admin_ok var(txn.key_ok) -m bool",
+        "    http-request set-var(txn.key_ok) bool(true) if key_wellformed key_matches",
+        "    # wrong keys are counted per address, and past the limit refused before they are checked",
+        "    http-request track-sc1 src table st_keys if has_key",
+        f"    {refuse} if has_key {{ sc1_gpc0_rate(st_keys) gt {WRONG_KEYS_PER_MINUTE} }}",
+        "    http-request sc-inc-gpc0(1) if has_key !admin_ok",
+    ]
 
 
 def _shed_backend(
@@ -367,15 +399,20 @@ def render(plan: ProxyPlan) -> str:
         *_table("st_http"),
         *_table("st_grpc"),
         *_table("st_side"),
+        "backend st_keys",
+        "    stick-table type ip size 100k expire 60s store gpc0,gpc0_rate(60s)",
+        "",
     ]
 
     # ---- HTTP ----
     half = max(1, limits.max_connections // 2)
     lines += _frontend_head("fe_http", plan.bind_address, public["http"], "st_http", half, limits.connections_per_ip)
     lines += [
-        f"    acl admin_ok req.fhdr({plan.admin_header}) -m str -f {key_file}"
-        if key_file
-        else "    acl admin_ok always_true",
+        *_admin_key_rules(
+            plan.admin_header,
+            key_file,
+            "http-request deny deny_status 429 " + _json_error("too many wrong admin keys from this address"),
+        ),
         "    acl is_read method GET HEAD",
         "    acl is_post method POST",
         "    acl has_ihcl req.fhdr(inference-header-content-length) -m found",
@@ -505,6 +542,11 @@ def render(plan: ProxyPlan) -> str:
         f"    http-request set-header {plan.admin_header} {plan.internal_key} if {{ var(txn.admin) -m bool }}",
         f"    http-request del-header {plan.admin_header} unless {{ var(txn.admin) -m bool }}",
     ]
+    lines += [
+        "    # a request reaches a server slot only once its body (up to a buffer) is here, after every",
+        "    # check: a client trickling bodies holds connections at the proxy, never the route's slots",
+        f"    http-request wait-for-body time {_seconds(limits.request_timeout_s)}",
+    ]
     if samplers:
         lines.append("    use_backend be_http_sampler if r_sampler")
     if generators:
@@ -528,9 +570,9 @@ def render(plan: ProxyPlan) -> str:
     )
     lines += [
         f"    timeout client {_seconds(limits.server_timeout_s)}",
-        f"    acl admin_ok req.fhdr({plan.grpc_admin_header}) -m str -f {key_file}"
-        if key_file
-        else "    acl admin_ok always_true",
+        *_admin_key_rules(
+            plan.grpc_admin_header, key_file, _grpc_error(8, "too many wrong admin keys from this address")
+        ),
         f"    acl g_public path {public_methods}",
         f"    acl g_infer path {GRPC_SERVICE}ModelInfer",
         f"    acl g_stream path {GRPC_SERVICE}ModelStreamInfer",
@@ -556,6 +598,10 @@ def render(plan: ProxyPlan) -> str:
         "    http-request set-var(txn.admin) bool(true) if admin_ok",
         f"    http-request set-header {plan.grpc_admin_header} {plan.internal_key} if {{ var(txn.admin) -m bool }}",
         f"    http-request del-header {plan.grpc_admin_header} unless {{ var(txn.admin) -m bool }}",
+        "    # a call reaches a server slot only once its first message is here: a stream that sent",
+        "    # only headers waits at the proxy and is cut after the request timeout",
+        f"    http-request wait-for-body time {_seconds(limits.request_timeout_s)} if !g_stream",
+        f"    http-request wait-for-body time {_seconds(limits.request_timeout_s)} at-least 5 if g_stream",
         "    use_backend be_grpc_infer if g_infer",
         "    use_backend be_grpc_stream if g_stream",
         "    default_backend be_grpc_other",
@@ -585,9 +631,15 @@ def render(plan: ProxyPlan) -> str:
         if not public.get(name):
             continue
         lines += _frontend_head(
-            f"fe_{name}", plan.bind_address, public[name], "st_side", SIDE_PORT_CONNECTIONS, SIDE_PORT_CONNECTIONS // 2
+            f"fe_{name}",
+            plan.bind_address,
+            public[name],
+            "st_side",
+            SIDE_PORT_CONNECTIONS,
+            SIDE_PORT_CONNECTIONS_PER_IP,
         )
         lines += [
+            f"    timeout http-request {_seconds(SIDE_PORT_REQUEST_TIMEOUT_S)}",
             "    http-request deny deny_status 404 "
             + _json_error("not found: no such route")
             + f" unless {{ path {paths} }}",

@@ -24,6 +24,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from ..serving.admin_key import ADMIN_KEY_DIGEST_ENV, key_digest
 from . import settings
 from .allocator import with_allocator
 from .private_shm import with_private_shm
@@ -36,6 +37,10 @@ PORT_NAMES = ("http", "grpc", "metrics")
 # GRPC_ADMIN_HEADER. The client's copy is client.sampler_client.ADMIN_HEADER.
 ADMIN_APIS = ("shared-memory", "model-repository", "logging", "trace")
 ADMIN_HEADER = "triton-admin-key"
+# The characters tritonserver's restricted-API flags can carry in a key, and the shortest key a
+# user may choose (a short one is guessed; generated keys are 43 characters).
+ADMIN_KEY_CHARACTERS = "[A-Za-z0-9._~+/-]"
+MIN_ADMIN_KEY_CHARS = 32
 GRPC_ADMIN_HEADER = "triton-grpc-protocol-" + ADMIN_HEADER
 # tritonserver and its stubs create files for this user only (their /dev/shm regions need more:
 # the Python backend sets their mode explicitly, see ops.private_shm).
@@ -89,10 +94,15 @@ def system_tritonserver() -> str:
     return found
 
 
-def server_environment() -> dict[str, str]:
+def server_environment(admin_key: str | None = None) -> dict[str, str]:
     """The environment tritonserver needs: this venv's bin/ first, the wheel's shared libraries
-    (a Triton image's own server needs neither, and gets the environment unchanged but PATH)."""
+    (a Triton image's own server needs neither, and gets the environment unchanged but PATH).
+    With `admin_key`, the stubs get its SHA-256 (never the key), which the generate model's
+    weight operations check (serving.weight_control)."""
     env = dict(os.environ)
+    env.pop(ADMIN_KEY_DIGEST_ENV, None)
+    if admin_key:
+        env[ADMIN_KEY_DIGEST_ENV] = key_digest(admin_key)
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     if has_pytriton():
         libs = pytriton_root().parent / "nvidia_pytriton.libs"
@@ -199,13 +209,23 @@ def server_command(model_repository: Path, ports: dict[str, int], extra_args: li
 
 def admin_args(admin_key: str, header: str = ADMIN_HEADER) -> list[str]:
     """The tritonserver flags that lock ADMIN_APIS behind `header: admin_key` (HTTP and gRPC)."""
-    if not admin_key or not re.fullmatch(r"[A-Za-z0-9._~+/-]+", admin_key):
+    if not admin_key or not re.fullmatch(ADMIN_KEY_CHARACTERS + "+", admin_key):
         raise ValueError("the admin key must be non-empty and made of letters, digits and _.~+/- only")
     apis = ",".join(ADMIN_APIS)
     return [
         f"--http-restricted-api={apis}:{header}={admin_key}",
         f"--grpc-restricted-protocol={apis}:{header}={admin_key}",
     ]
+
+
+def check_user_admin_key(admin_key: str) -> None:
+    """Refuse a user-chosen admin key that is short or carries characters the flags cannot."""
+    if len(admin_key) < MIN_ADMIN_KEY_CHARS or len(admin_key) > 512:
+        raise ValueError(
+            f"the admin key must be {MIN_ADMIN_KEY_CHARS} to 512 characters long (got {len(admin_key)}): "
+            "a short key is guessed"
+        )
+    admin_args(admin_key)
 
 
 def hardening_args(
@@ -317,7 +337,7 @@ class TritonServer(LoopbackUrls):
             self.command(),
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            env=server_environment(),
+            env=server_environment(self.admin_key),
             start_new_session=True,
             umask=SERVER_UMASK,
         )

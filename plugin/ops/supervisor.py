@@ -148,6 +148,12 @@ class SupervisorConfig(LoopbackUrls):
         return self.front_door.public["http"] if self.front_door else self.ports["http"]
 
     @property
+    def public_admin_key(self) -> str | None:
+        """The key clients send (the proxy's public one, not its internal key): what the generate
+        model's weight operations check."""
+        return self.front_door.admin_key if self.front_door else self.admin_key
+
+    @property
     def shm_prefix(self) -> str:
         """The /dev/shm prefix of this server's stub regions."""
         return server_shm_prefix(self.public_http_port)
@@ -553,7 +559,7 @@ class Supervisor:
         cage = self.config.memory_cage
         self.child = subprocess.Popen(
             command,
-            env=server_environment(),
+            env=server_environment(self.config.public_admin_key),
             start_new_session=True,
             preexec_fn=_caged_child_setup(cage) if cage else _child_setup,
             umask=SERVER_UMASK,

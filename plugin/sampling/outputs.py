@@ -68,6 +68,12 @@ SAMPLING_MASK_LOGPROBS = OutputSpec(
     "float32's lowest value (-3.4028235e38; JSON has no -inf)",
 )
 FINISH_REASON = OutputSpec("finish_reason", np.object_, REQUEST, "", '"length" or "stop" (generate only)')
+# generate only: which weights sampled each token (a string the trainer sets with each update).
+WEIGHT_VERSION = OutputSpec(
+    "weight_version", np.object_, TOKEN, b"", "the weight version that sampled each token (generate only)"
+)
+# generate only: a control request's answer (JSON text), sent on control requests alone.
+CONTROL_RESULT = OutputSpec("control_result", np.object_, REQUEST, b"", "a control request's answer, JSON (generate)")
 
 # What the sampler returns for every sampled token, in wire order (both models send these).
 TOKEN_OUTPUTS = (
@@ -83,9 +89,12 @@ TOKEN_OUTPUT_NAMES = tuple(spec.name for spec in TOKEN_OUTPUTS)
 MASK_OUTPUT_NAMES = tuple(spec.name for spec in TOKEN_OUTPUTS if spec.per == MASK)
 # Kept for a token whose request did not ask for a mask (its mask columns are padding).
 UNMASKED_OUTPUT_NAMES = tuple(spec.name for spec in TOKEN_OUTPUTS if spec.per != MASK)
+# What the generate model sends for every generated token: the sampler's outputs and the weight version.
+GENERATION_TOKEN_OUTPUTS = (*TOKEN_OUTPUTS, WEIGHT_VERSION)
+GENERATION_TOKEN_OUTPUT_NAMES = tuple(spec.name for spec in GENERATION_TOKEN_OUTPUTS)
 # Every output of each model.
-MODEL_OUTPUTS = {"sampler": TOKEN_OUTPUTS, "generate": (*TOKEN_OUTPUTS, FINISH_REASON)}
-BY_NAME = {spec.name: spec for spec in (*TOKEN_OUTPUTS, FINISH_REASON)}
+MODEL_OUTPUTS = {"sampler": TOKEN_OUTPUTS, "generate": (*GENERATION_TOKEN_OUTPUTS, FINISH_REASON, CONTROL_RESULT)}
+BY_NAME = {spec.name: spec for spec in (*GENERATION_TOKEN_OUTPUTS, FINISH_REASON, CONTROL_RESULT)}
 
 
 def to_wire(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -94,6 +103,11 @@ def to_wire(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {spec.name: np.asarray(arrays[spec.name]).astype(spec.dtype, copy=False) for spec in TOKEN_OUTPUTS}
 
 
+# The control protocol's names on the wire: the generate model's input that makes a request a
+# control request (answered in CONTROL_RESULT), and the request parameter carrying the admin key
+# (the proxy admits it beside the inputs).
+CONTROL_INPUT = "control"
+ADMIN_KEY_PARAMETER = "admin_key"
 WIRE_NEG_INF = float(np.finfo(np.float32).min)
 # The outputs whose -inf fill travels as WIRE_NEG_INF.
 NEG_INF_FILLED = frozenset(spec.name for spec in TOKEN_OUTPUTS if spec.fill == -np.inf)

@@ -7,6 +7,9 @@ beyond the engine's bounds gets UNAVAILABLE at once). Every request ends with ex
 flagged COMPLETE_FINAL: its last token (streaming), its whole result (non-streaming), its error, or
 an empty final once it is cancelled.
 
+A request with the `control` input is a control request (weight updates, pause / continue, the
+weight version: `weight_control`), answered with one `control_result` response.
+
 The engine is the only generation loop. A config.pbtxt may still set the `scheduler` parameter,
 but only to "continuous"; any other value fails model load, naming the parameter and the file.
 """
@@ -20,7 +23,7 @@ import traceback
 import torch
 
 from ..generation.drafting import NGRAM, SPECULATIVE_ALGORITHMS, NgramDrafter
-from ..generation.engine import ContinuousEngine, EngineFull, EngineLimits
+from ..generation.engine import DEFAULT_WEIGHT_VERSION, ContinuousEngine, EngineFull, EngineLimits
 from ..generation.lm import can_speculate, load_lm
 from ..generation.request import GenerationChunk, admission_errors
 from ..model_config import int_parameter, string_parameter
@@ -28,6 +31,7 @@ from ..sampling.validation import SamplingRequestError
 from .deployment import load_deployment
 from .metrics import GenerateMetrics
 from .triton_io import chunk_response, error_response, parse_generation_request, wanted_outputs
+from .weight_control import CONTROL, ControlError, WeightControl, control_response
 
 SCHEDULER = "continuous"  # the only generation loop
 
@@ -199,8 +203,21 @@ class GenerateModel:
         )
         self.outbox = _Outbox(self.logger)
         self.engine = ContinuousEngine(
-            self.lm, self.sampler, limits, self.metrics, self.logger.log_error, drafter=drafter
+            self.lm,
+            self.sampler,
+            limits,
+            self.metrics,
+            self.logger.log_error,
+            drafter=drafter,
+            weight_version=string_parameter(model_config, "weight_version", DEFAULT_WEIGHT_VERSION),
         ).start()
+        module = getattr(self.lm, "model", None)
+        self.control = WeightControl(
+            self.engine,
+            module if isinstance(module, torch.nn.Module) else None,
+            string_parameter(model_config, "weights_root", ""),
+            self.logger,
+        )
         self.logger.log_info(
             deployment.ready_message(
                 "generate",
@@ -217,6 +234,7 @@ class GenerateModel:
         """Answers every request through its response sender; nothing escapes (decoupled: returns None)."""
         handles, engine_owned = [], set()  # once submitted, only the engine answers a request
         try:
+            requests = [r for r in requests if not self._is_control(r)]
             handles = [_RequestHandle(self, request, self.outbox) for request in requests]
             parsed, admitted_handles = [], []
             for handle in handles:
@@ -256,8 +274,38 @@ class GenerateModel:
                         pass
         return None
 
+    def _is_control(self, request) -> bool:
+        """Hand a control request to the control thread (True), or leave a generation request (False)."""
+        tensor = self.pb_utils.get_input_tensor_by_name(request, CONTROL)
+        if tensor is None:
+            return False
+        sender = request.get_response_sender()
+
+        def answer(outcome) -> None:
+            self.outbox.put(self._send_control, sender, outcome)
+
+        try:
+            text = tensor.as_numpy().reshape(-1)
+            if text.size != 1:
+                raise ControlError(f"{CONTROL} must hold one JSON text, got {text.size}")
+            self.control.submit(text[0], request.parameters(), answer)
+        except ControlError as error:
+            answer(error)
+        except Exception as exc:  # an internal fault: this request is answered all the same
+            self.logger.log_error(f"generate: control request not taken: {type(exc).__name__}: {exc}")
+            answer(ControlError(f"internal generate error ({type(exc).__name__}); see the server log", "INTERNAL"))
+        return True
+
+    def _send_control(self, sender, outcome) -> None:
+        final = self.pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        if isinstance(outcome, ControlError):
+            sender.send(error_response(self.pb_utils, outcome.message, outcome.code_name), flags=final)
+        else:
+            sender.send(control_response(self.pb_utils, outcome), flags=final)
+
     def finalize(self) -> None:
         """Stop the engine loop: requests still in flight or waiting end with an UNAVAILABLE final."""
-        self.engine.stop()
+        self.engine.stop()  # first: a control op waiting for a pause returns once it stops
+        self.control.stop()
         self.outbox.stop()
         self.logger.log_info("generate finalized")

@@ -1,0 +1,92 @@
+"""The HTTP API process (`python -m triton_sampling_mask.api`) on a free port, in front of a
+running tritonserver, for tests and benchmarks: started, waited for until /health answers 200,
+stopped with SIGTERM (its exit code is what a supervisor would see)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from triton_sampling_mask.ops.server_process import free_port
+
+
+class ApiProcess:
+    """One API process (a context manager); `url` is its base URL, http://127.0.0.1:PORT."""
+
+    def __init__(self, triton_grpc_url: str, extra_args: list[str] = (), env: dict | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.command = [
+            sys.executable,
+            "-m",
+            "triton_sampling_mask.api",
+            "--triton-url",
+            triton_grpc_url,
+            "--port",
+            str(self.port),
+            "--log-level",
+            "warning",
+            *extra_args,
+        ]
+        self.env = {**os.environ, **(env or {})}
+        self.log_path = Path(tempfile.gettempdir()) / f"api-{self.port}.log"
+        self.process: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float = 90.0) -> ApiProcess:
+        self._log = open(self.log_path, "w")  # noqa: SIM115 (open while the process runs)
+        self.process = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the API exited with {self.process.returncode}:\n{self.log_tail()}")
+            status, _ = self.get("/health")
+            if status == 200:
+                return self
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"the API was not healthy within {timeout_s}s:\n{self.log_tail()}")
+
+    def get(self, path: str, headers: dict | None = None) -> tuple[int, dict | None]:
+        """(status, JSON body) of a GET; (0, None) when nothing answers."""
+        request = urllib.request.Request(self.url + path, headers=headers or {})
+        try:
+            with urllib.request.urlopen(request, timeout=10) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as error:
+            return error.code, json.loads(error.read() or b"null")
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            return 0, None
+
+    def stop(self, timeout_s: float = 20.0) -> int | None:
+        """SIGTERM, then SIGKILL if it lingers; the exit code."""
+        if self.process is None:
+            return None
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log.close()
+        return self.process.returncode
+
+    def log_tail(self, chars: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def __enter__(self) -> ApiProcess:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

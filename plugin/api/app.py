@@ -1,0 +1,252 @@
+"""The FastAPI application and the process: routes, the API key, the body limit, every error in
+OpenAI's shape, Server-Sent Events, and `main` (uvicorn, SIGTERM drains requests in flight).
+
+Routes: GET /health (200 while the generate model is ready, else 503), GET /v1/models,
+POST /v1/completions, POST /v1/chat/completions, POST /generate. With an API key every route
+but /health needs `Authorization: Bearer <key>`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import signal
+import sys
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..client.generate_transport import GrpcConnection
+from .config import ApiConfig, build_parser, config_from_args
+from .errors import ApiError, from_validation_error
+from .openai_routes import OPENAI_NAMES, CompletionStream, OpenAIHandlers
+from .schemas import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from .service import ApiService
+from .sglang_routes import SGLANG_NAMES, GenerateHandler, SequenceSoFar
+
+logger = logging.getLogger("triton_sampling_mask.api")
+_HEALTH_TIMEOUT_S = 2.0
+_OPEN_PATHS = ("/health",)
+
+
+def _sse(payload: dict | str) -> bytes:
+    text = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"), allow_nan=False)
+    return f"data: {text}\n\n".encode()
+
+
+async def _body(request: Request, model: type[BaseModel], limit: int) -> BaseModel:
+    """The request body parsed strictly into `model` (a 400 naming each problem, 413 past `limit`)."""
+    raw = await request.body()
+    if len(raw) > limit:
+        raise ApiError(413, f"the body is {len(raw)} bytes; at most {limit} are accepted", None, code="body_too_large")
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as error:
+        raise from_validation_error(error) from None
+
+
+class KeyAndBodyLimit:
+    """ASGI middleware (no task per request, streams untouched): the Bearer key on every route
+    but /health, and a body whose Content-Length is over the limit refused before it is read."""
+
+    def __init__(self, app, api_key: str | None, max_body_bytes: int):
+        self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            refusal = self._refusal(scope)
+            if refusal is not None:
+                await refusal.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def _refusal(self, scope) -> ApiError | None:
+        headers = {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in scope["headers"]}
+        length = headers.get("content-length", "")
+        if length.isdigit() and int(length) > self.max_body_bytes:
+            return ApiError(413, f"the body is {length} bytes; at most {self.max_body_bytes} are accepted")
+        if self.api_key and scope["path"] not in _OPEN_PATHS:
+            scheme, _, token = headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+                return ApiError(
+                    401,
+                    "a valid API key is required: Authorization: Bearer <key>",
+                    None,
+                    "authentication_error",
+                    "invalid_api_key",
+                )
+        return None
+
+
+def create_app(config: ApiConfig, service: ApiService | None = None) -> FastAPI:
+    """The application serving `config` (a prepared `service` may be passed, e.g. by tests)."""
+    service = service or ApiService(config)
+    openai = OpenAIHandlers(service)
+    sglang = GenerateHandler(service)
+
+    @asynccontextmanager
+    async def lifespan(_app):
+        yield
+        await service.close()
+
+    app = FastAPI(title="triton-sampling-mask API", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.service = service
+
+    app.add_middleware(KeyAndBodyLimit, api_key=config.api_key, max_body_bytes=config.max_body_bytes)
+
+    @app.exception_handler(ApiError)
+    async def api_error(_request, error: ApiError):
+        return error.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_request, error: RequestValidationError):
+        return ApiError(400, str(error.errors()[:3])).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_request, error: StarletteHTTPException):
+        return ApiError(
+            error.status_code, str(error.detail), None, code="not_found" if error.status_code == 404 else None
+        ).response()
+
+    @app.exception_handler(Exception)
+    async def unexpected(_request, error: Exception):
+        logger.exception("unexpected error")
+        return ApiError(500, f"internal error: {type(error).__name__}", None, "internal_error").response()
+
+    @app.get("/health")
+    async def health():
+        connection = GrpcConnection(config.triton_url, config.triton_model)
+        try:
+            ready = await asyncio.wait_for(connection.ready(_HEALTH_TIMEOUT_S), 2 * _HEALTH_TIMEOUT_S)
+        except Exception:
+            ready = False
+        finally:
+            await connection.close()
+        if not ready:
+            return ApiError(
+                503, "the generate model is not ready", None, "service_unavailable", retry_after_s=1
+            ).response()
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return openai.models()
+
+    async def run_openai(request, prompts, sequences, render):
+        try:
+            if not request.stream:
+                results = await service.runner.generate(sequences)
+                return JSONResponse(render(request, prompts, results))
+            stream = CompletionStream(openai, request, prompts, sequences)
+            return await _streamed(service.runner.stream(sequences), stream.opening(), stream.chunk, stream.closing)
+        except ApiError:
+            raise
+        except Exception as error:
+            raise service.api_error(error, OPENAI_NAMES, "prompt") from None
+
+    @app.post("/v1/completions")
+    async def completions(raw: Request):
+        request = await _body(raw, CompletionRequest, config.max_body_bytes)
+        prompts, sequences = openai.completion_sequences(request)
+        return await run_openai(request, prompts, sequences, openai.completion_body)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(raw: Request):
+        request = await _body(raw, ChatCompletionRequest, config.max_body_bytes)
+        prompts, sequences = openai.chat_sequences(request)
+        return await run_openai(request, prompts, sequences, openai.chat_body)
+
+    @app.post("/generate")
+    async def generate(raw: Request):
+        request = await _body(raw, GenerateRequest, config.max_body_bytes)
+        sequences, batch, rids = sglang.sequences(request)
+        started = time.monotonic()
+        try:
+            if not request.stream:
+                results = await service.runner.generate(sequences)
+                items = [sglang.item(request, r, rid, started) for r, rid in zip(results, rids)]
+                return JSONResponse(items if batch else items[0])
+            so_far = [SequenceSoFar(s) for s in sequences]
+
+            def event(delta):
+                item = sglang.item(request, so_far[delta.index].add(delta), rids[delta.index], started)
+                if batch:
+                    item["index"] = delta.index
+                return item
+
+            return await _streamed(service.runner.stream(sequences), [], event, list)
+        except ApiError:
+            raise
+        except Exception as error:
+            raise service.api_error(error, SGLANG_NAMES, "input_ids") from None
+
+    return app
+
+
+async def _streamed(deltas, opening: list[dict], render, closing) -> StreamingResponse:
+    """An SSE response of `deltas`; the first is awaited before answering, so a request refused
+    before its first token gets its 4xx, not a 200 stream. A failure later in the stream is sent
+    as an `{"error": ...}` event; a client that leaves cancels the generation."""
+    iterator = deltas.__aiter__()
+    try:
+        first = await iterator.__anext__()
+    except StopAsyncIteration:
+        first = None
+
+    async def events():
+        try:
+            for chunk in opening:
+                yield _sse(chunk)
+            if first is not None:
+                yield _sse(render(first))
+                async for delta in iterator:
+                    yield _sse(render(delta))
+            for chunk in closing():
+                yield _sse(chunk)
+            yield _sse("[DONE]")
+        except Exception as error:  # after the status line: the error travels in the stream
+            yield _sse(_stream_error(error).body())
+            yield _sse("[DONE]")
+        finally:
+            await iterator.aclose()
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _stream_error(error: Exception) -> ApiError:
+    if isinstance(error, ApiError):
+        return error
+    return ApiError(502, f"the generation failed: {error}", None, "upstream_error")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse the command line, load the tokenizer (exit 2 on a bad setting) and serve until SIGTERM."""
+    import uvicorn
+
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        config = config_from_args(args)
+        app = create_app(config)
+    except ValueError as error:
+        print(f"triton_sampling_mask.api: {error}", file=sys.stderr)
+        sys.exit(2)
+    logger.info(
+        "serving %r (context %d) on %s:%d over %s",
+        config.served_model_name,
+        app.state.service.context_length,
+        args.host,
+        args.port,
+        config.triton_url,
+    )
+    # uvicorn stops accepting on SIGTERM / SIGINT and lets requests in flight finish, up to the grace
+    # period; then it raises the signal again under the handler found before it: exit 0 on SIGTERM.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=10)

@@ -1,0 +1,116 @@
+"""The API process's settings: its command line, and the secret it reads from the environment.
+
+Every setting has a flag; the API key is read from `TRITON_API_KEY` or a file
+(`--api-key-file`), never from the command line, where other local users could read it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+API_KEY_ENV = "TRITON_API_KEY"
+DEFAULT_PORT = 9000  # Triton's own OpenAI frontend listens here too
+DEFAULT_SERVED_MODEL = "generate"
+
+
+@dataclass(frozen=True)
+class ApiConfig:
+    """What the API serves and its limits (see `parse_args` for each)."""
+
+    triton_url: str
+    model_path: str = ""
+    triton_model: str = "generate"
+    served_model_name: str = DEFAULT_SERVED_MODEL
+    api_key: str | None = None
+    max_choices: int = 256
+    max_stop_strings: int = 64
+    max_stop_string_chars: int = 256
+    max_body_bytes: int = 32 * 2**20
+    busy_timeout_s: float = 5.0
+    retry_after_s: int = 1
+    max_model_len: int | None = None  # None: the checkpoint's own context length
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of `python -m triton_sampling_mask.api`."""
+    parser = argparse.ArgumentParser(
+        prog="python -m triton_sampling_mask.api",
+        description="OpenAI- and SGLang-compatible HTTP API over the generate model (docs/api.md).",
+    )
+    parser.add_argument("--triton-url", required=True, help="tritonserver's gRPC address, host:port (loopback)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback)")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port to listen on (default {DEFAULT_PORT})")
+    parser.add_argument(
+        "--model-path",
+        default="",
+        help="the checkpoint directory the generate model serves (its tokenizer and chat template); "
+        "empty: the built-in tiny LM's",
+    )
+    parser.add_argument("--triton-model", default="generate", help="the Triton model to call (default generate)")
+    parser.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the name clients pass as `model` (default: the checkpoint directory's name, or 'generate')",
+    )
+    parser.add_argument(
+        "--api-key-file", type=Path, default=None, help=f"a file holding the API key (else ${API_KEY_ENV}; none: open)"
+    )
+    parser.add_argument("--max-choices", type=_positive_int, default=256, help="sequences one request may ask for")
+    parser.add_argument("--max-stop-strings", type=_positive_int, default=64, help="stop strings one request may carry")
+    parser.add_argument("--max-body-bytes", type=_positive_int, default=32 * 2**20, help="largest request body")
+    parser.add_argument(
+        "--busy-timeout-s",
+        type=_non_negative_float,
+        default=5.0,
+        help="how long a request the model refuses as busy is retried before the API answers 503",
+    )
+    parser.add_argument("--max-model-len", type=_positive_int, default=None, help="context length (default: the LM's)")
+    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    return parser
+
+
+def read_api_key(path: Path | None) -> str | None:
+    """The API key from `path`, else from $TRITON_API_KEY; None when neither is set (no key)."""
+    if path is not None:
+        try:
+            key = path.read_text().strip()
+        except OSError as error:
+            raise ValueError(f"--api-key-file {path}: {error.strerror}") from None
+        if not key:
+            raise ValueError(f"--api-key-file {path} is empty")
+        return key
+    return os.environ.get(API_KEY_ENV, "").strip() or None
+
+
+def config_from_args(args: argparse.Namespace) -> ApiConfig:
+    """The ApiConfig of parsed arguments (raises ValueError for a bad key file)."""
+    name = args.served_model_name or (Path(args.model_path).name if args.model_path else DEFAULT_SERVED_MODEL)
+    return ApiConfig(
+        triton_url=args.triton_url,
+        model_path=args.model_path,
+        triton_model=args.triton_model,
+        served_model_name=name,
+        api_key=read_api_key(args.api_key_file),
+        max_choices=args.max_choices,
+        max_stop_strings=args.max_stop_strings,
+        max_body_bytes=args.max_body_bytes,
+        busy_timeout_s=args.busy_timeout_s,
+        max_model_len=args.max_model_len,
+    )

@@ -1,0 +1,343 @@
+"""OpenAI's dialect: GET /v1/models, POST /v1/completions and POST /v1/chat/completions, with
+vLLM's and SGLang's extensions for RL (token ids, sampling masks; docs/api.md).
+
+A request becomes one `SequenceRequest` per choice (prompt i's choice j is choice i * n + j, as
+OpenAI orders them); streamed answers are Server-Sent Events, one per generated token and
+choice, ending with `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from .errors import ApiError, bad_request
+from .schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from .sequences import Delta, SequenceRequest, SequenceResult
+from .service import ApiService, Knobs
+from .sglang_routes import meta_info
+from .text import ChatTemplateError, render_chat
+from .token_fields import finite, mask_fields, token_ids
+
+# Completions' default budget when max_tokens is absent, as OpenAI's; chat's is the context's room.
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+# The server's sampling rules name the generate model's fields; OpenAI's clients know these.
+OPENAI_NAMES = {"max_new_tokens": "max_tokens", "input_ids": "prompt"}
+
+
+def _neutral(request: SamplingFields) -> None:
+    """OpenAI's fields the generate model has no use for: refused unless neutral."""
+    for field, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
+        value = getattr(request, field)
+        if value is not None and value != neutral:
+            raise bad_request(f"{field} is not supported (the generate model samples without penalties)", field)
+    if request.logit_bias:
+        raise bad_request("logit_bias is not supported", "logit_bias")
+
+
+def _knobs(request: SamplingFields) -> Knobs:
+    return Knobs(
+        request.temperature, request.top_k, request.top_p, request.min_p, request.seed, request.return_sampling_mask
+    )
+
+
+def _prompts(prompt, service: ApiService) -> list[list[int]]:
+    """The token ids of `prompt`: a string, strings, token ids, or lists of token ids."""
+    message = "prompt must be a string, a list of strings, a list of token ids or a list of token-id lists"
+    if isinstance(prompt, str):
+        return [service.encode(prompt)]
+    if not isinstance(prompt, list) or not prompt:
+        raise bad_request(message if prompt is None or not isinstance(prompt, list) else "prompt is empty", "prompt")
+    if all(isinstance(p, str) for p in prompt):
+        return [service.encode(p) for p in prompt]
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return [list(prompt)]
+    if all(isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p) for p in prompt):
+        return [list(p) for p in prompt]
+    raise bad_request(message, "prompt")
+
+
+def _sequences(
+    service: ApiService, request: SamplingFields, prompts: list[list[int]], default_budget: int | None, fields
+) -> list[SequenceRequest]:
+    _neutral(request)
+    service.check_model(request.model)
+    service.check_choices(len(prompts) * request.n, "n")
+    for i, ids in enumerate(prompts):
+        if not ids:
+            raise bad_request(f"prompt {i} is empty: it must hold at least one token", fields[0])
+    stops = service.stop_strings(request.stop, "stop")
+    stop_ids = tuple(request.stop_token_ids or ())
+    params = service.sampling_params(_knobs(request), request.n, OPENAI_NAMES)
+    max_tokens = getattr(request, "max_completion_tokens", None)
+    max_tokens = request.max_tokens if request.max_tokens is not None else max_tokens
+    return [
+        SequenceRequest(
+            tuple(ids),
+            params[j],
+            service.budget(len(ids), max_tokens, default_budget, fields),
+            stop_ids,
+            request.ignore_eos,
+            stops,
+            request.skip_special_tokens,
+        )
+        for ids in prompts
+        for j in range(request.n)
+    ]
+
+
+def _usage(results_or_counts, prompts: list[list[int]]) -> dict:
+    prompt_tokens = sum(len(p) for p in prompts)
+    completion = (
+        results_or_counts
+        if isinstance(results_or_counts, int)
+        else sum(len(r.tokens.output_ids) for r in results_or_counts)
+    )
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+
+
+def _extensions(request, tokens, prompt_ids, first: bool) -> dict:
+    """The extension fields of a choice (or of a streamed choice's chunk)."""
+    fields = {}
+    if request.return_token_ids:
+        if first:
+            fields["prompt_token_ids"] = list(prompt_ids)
+        fields["token_ids"] = token_ids(tokens)
+    if request.return_sampling_mask:
+        fields.update(mask_fields(tokens, request.sampling_mask_format))
+    return fields
+
+
+def _completion_logprobs(tokens, token_texts: list[str], offset: int) -> dict:
+    offsets, at = [], offset
+    for piece in token_texts:
+        offsets.append(at)
+        at += len(piece)
+    return {
+        "tokens": token_texts,
+        "token_logprobs": finite(tokens.output_logprobs),
+        "top_logprobs": None,
+        "text_offset": offsets,
+    }
+
+
+def _chat_logprobs(tokens, token_texts: list[str]) -> dict:
+    values = finite(tokens.output_logprobs)
+    return {
+        "content": [
+            {"token": piece, "logprob": value, "bytes": list(piece.encode()), "top_logprobs": []}
+            for piece, value in zip(token_texts, values)
+        ]
+    }
+
+
+def _check_logprobs(request) -> None:
+    many = request.logprobs if isinstance(request, CompletionRequest) else request.top_logprobs
+    if many:
+        field = "logprobs" if isinstance(request, CompletionRequest) else "top_logprobs"
+        raise bad_request(
+            f"{field} must be 0: the generate model returns the sampled token's log-probability only (no top "
+            "alternatives); return_sampling_mask gives every support token's log-prob",
+            field,
+        )
+
+
+def _check_completion_fields(request: CompletionRequest) -> None:
+    if request.echo:
+        raise bad_request("echo is not supported", "echo")
+    if request.suffix:
+        raise bad_request("suffix is not supported", "suffix")
+    if request.best_of not in (None, request.n):
+        raise bad_request("best_of is not supported (it must equal n)", "best_of")
+    _check_logprobs(request)
+
+
+def _check_chat_fields(request: ChatCompletionRequest) -> None:
+    if request.tools or request.tool_choice not in (None, "none"):
+        raise bad_request("tools are not supported", "tools")
+    if request.response_format not in (None, {"type": "text"}):
+        raise bad_request("response_format other than text is not supported", "response_format")
+    _check_logprobs(request)
+
+
+def _chat_prompt(service: ApiService, request: ChatCompletionRequest) -> list[int]:
+    messages = []
+    for i, message in enumerate(request.messages):
+        content = message.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise bad_request("only text content parts are supported", f"messages[{i}].content")
+                texts.append(part["text"])
+            content = "".join(texts)
+        entry = {"role": message.role, "content": content or ""}
+        if message.name is not None:
+            entry["name"] = message.name
+        messages.append(entry)
+    try:
+        return render_chat(
+            service.tokenizer, messages, request.add_generation_prompt, request.chat_template_kwargs or {}
+        )
+    except ChatTemplateError as error:
+        raise bad_request(str(error), "messages") from None
+
+
+class OpenAIHandlers:
+    """The three routes over one ApiService."""
+
+    def __init__(self, service: ApiService):
+        self.service = service
+
+    def models(self) -> dict:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": self.service.config.served_model_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "triton-sampling-mask",
+                    "max_model_len": self.service.context_length,
+                }
+            ],
+        }
+
+    def completion_sequences(self, request: CompletionRequest) -> tuple[list[list[int]], list[SequenceRequest]]:
+        _check_completion_fields(request)
+        prompts = _prompts(request.prompt, self.service)
+        sequences = _sequences(self.service, request, prompts, COMPLETIONS_DEFAULT_MAX_TOKENS, ("prompt", "max_tokens"))
+        return prompts, sequences
+
+    def chat_sequences(self, request: ChatCompletionRequest) -> tuple[list[list[int]], list[SequenceRequest]]:
+        _check_chat_fields(request)
+        prompt = _chat_prompt(self.service, request)
+        field = "max_tokens" if request.max_completion_tokens is None else "max_completion_tokens"
+        return [prompt], _sequences(self.service, request, [prompt], None, ("messages", field))
+
+    def completion_body(self, request: CompletionRequest, prompts, results: list[SequenceResult]) -> dict:
+        choices = []
+        for result in results:
+            choice = {
+                "index": result.index,
+                "text": result.text,
+                "logprobs": _completion_logprobs(result.tokens, result.token_texts, 0)
+                if request.logprobs is not None
+                else None,
+                "finish_reason": result.finish_reason,
+                "stop_reason": result.stop_reason,
+            }
+            choice.update(_extensions(request, result.tokens, result.prompt_ids, True))
+            choices.append(choice)
+        return {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": self.service.config.served_model_name,
+            "choices": choices,
+            "usage": _usage(results, prompts),
+        }
+
+    def chat_body(self, request: ChatCompletionRequest, prompts, results: list[SequenceResult]) -> dict:
+        choices = []
+        for result in results:
+            choice = {
+                "index": result.index,
+                "message": {"role": "assistant", "content": result.text},
+                "logprobs": _chat_logprobs(result.tokens, result.token_texts) if request.logprobs else None,
+                "finish_reason": result.finish_reason,
+                "stop_reason": result.stop_reason,
+            }
+            choice.update(_extensions(request, result.tokens, result.prompt_ids, False))
+            if request.return_meta_info:
+                choice["meta_info"] = _meta_info(request, result)
+                choice["response_token_ids"] = token_ids(result.tokens)
+            choices.append(choice)
+        body = {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": self.service.config.served_model_name,
+            "choices": choices,
+            "usage": _usage(results, prompts),
+        }
+        if request.return_token_ids:
+            body["prompt_token_ids"] = list(prompts[0])
+        return body
+
+
+def _meta_info(request: ChatCompletionRequest, result: SequenceResult) -> dict:
+    """SGLang's meta_info for a chat choice (SGLang's clients read the masks there)."""
+    return meta_info(result, "", request.return_sampling_mask, request.sampling_logprobs_mode, False)
+
+
+class CompletionStream:
+    """The SSE chunks of a streamed completion (or chat completion) from its deltas."""
+
+    def __init__(self, handlers: OpenAIHandlers, request, prompts: list[list[int]], sequences: list[SequenceRequest]):
+        self.request, self.prompts, self.sequences = request, prompts, sequences
+        self.chat = isinstance(request, ChatCompletionRequest)
+        prefix = "chatcmpl" if self.chat else "cmpl"
+        self.base = {
+            "id": f"{prefix}-{uuid.uuid4().hex}",
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": int(time.time()),
+            "model": handlers.service.config.served_model_name,
+        }
+        self.started = [False] * len(sequences)
+        self.offsets = [0] * len(sequences)
+        self.completion_tokens = 0
+        options = request.stream_options
+        self.include_usage = bool(options and options.include_usage)
+        self.continuous_usage = bool(options and options.continuous_usage_stats)
+
+    def opening(self) -> list[dict]:
+        """Chat streams open each choice with the assistant role, as OpenAI's do."""
+        if not self.chat:
+            return []
+        chunk = {
+            **self.base,
+            "choices": [
+                {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                for i in range(len(self.sequences))
+            ],
+        }
+        if self.request.return_token_ids:
+            chunk["prompt_token_ids"] = list(self.prompts[0])
+        return [chunk]
+
+    def chunk(self, delta: Delta) -> dict:
+        request, index = self.request, delta.index
+        first = not self.started[index]
+        self.started[index] = True
+        self.completion_tokens += len(delta.tokens.output_ids)
+        if self.chat:
+            choice = {
+                "index": index,
+                "delta": {"content": delta.text} if delta.text else {},
+                "logprobs": _chat_logprobs(delta.tokens, delta.token_texts) if request.logprobs else None,
+            }
+        else:
+            choice = {
+                "index": index,
+                "text": delta.text,
+                "logprobs": _completion_logprobs(delta.tokens, delta.token_texts, self.offsets[index])
+                if request.logprobs is not None
+                else None,
+            }
+        self.offsets[index] += sum(len(t) for t in delta.token_texts)
+        choice["finish_reason"] = delta.finish_reason
+        choice["stop_reason"] = delta.stop_reason
+        choice.update(_extensions(request, delta.tokens, self.sequences[index].prompt_ids, first and not self.chat))
+        chunk = {**self.base, "choices": [choice]}
+        if self.continuous_usage:
+            chunk["usage"] = _usage(self.completion_tokens, self.prompts)
+        return chunk
+
+    def closing(self) -> list[dict]:
+        if not self.include_usage:
+            return []
+        return [{**self.base, "choices": [], "usage": _usage(self.completion_tokens, self.prompts)}]
+
+
+__all__ = ["ApiError", "CompletionStream", "OpenAIHandlers"]

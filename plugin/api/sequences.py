@@ -1,0 +1,277 @@
+"""Running generations for the API: token-id prompts to the generate model through
+`AsyncGenerateClient`, and its chunks turned into text deltas, stop strings applied.
+
+Sequences without stop strings that share their stop ids and `ignore_eos` go in one client call
+(one gRPC stream); a sequence with stop strings is streamed in a call of its own, so that the
+API can cancel it on the server the moment its text reaches a stop string. Every sequence yields
+`Delta`s: its new tokens (the generate model's outputs, aligned 1:1), the text they complete, and
+on its last one why it finished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from ..client import AsyncGenerateClient, GenerateResult, SampleResult, concatenate_tokens
+from ..client.sampling_params import SamplingParams
+from ..sampling.outputs import (
+    OUTPUT_IDS,
+    OUTPUT_LOGPROBS,
+    SAMPLING_LOGPROBS,
+    SAMPLING_MASK,
+    SAMPLING_MASK_LEN,
+    SAMPLING_MASK_LOGPROBS,
+)
+from .text import IncrementalDetokenizer, StopStrings
+
+FINISH_STOP, FINISH_LENGTH = "stop", "length"
+# The outputs every sequence receives, and those a mask request adds.
+PLAIN_OUTPUTS = (OUTPUT_IDS.name, OUTPUT_LOGPROBS.name)
+MASK_OUTPUTS = (SAMPLING_MASK.name, SAMPLING_MASK_LEN.name, SAMPLING_LOGPROBS.name, SAMPLING_MASK_LOGPROBS.name)
+
+
+@dataclass(frozen=True)
+class SequenceRequest:
+    """One sequence to generate: its prompt ids, sampling parameters, budget and stop rules."""
+
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    max_new_tokens: int
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    stop_strings: tuple[str, ...] = ()
+    skip_special_tokens: bool = True
+
+
+@dataclass
+class Delta:
+    """New tokens of one sequence (its position `index` in the request) and their text."""
+
+    index: int
+    tokens: SampleResult  # the generate model's outputs for these tokens (mask fields None unless asked)
+    text: str  # text released by these tokens (a stream holds back a possible stop string's start)
+    token_texts: list[str]  # each token's own piece of the text (what it completed)
+    finish_reason: str | None = None  # "stop" or "length" on the sequence's last delta
+    stop_reason: int | str | None = None  # the stop string or stop id that ended it (None for EOS)
+
+
+@dataclass
+class SequenceResult:
+    """A whole sequence: every token's outputs, its text and why it finished."""
+
+    index: int
+    tokens: SampleResult
+    text: str
+    token_texts: list[str]
+    finish_reason: str
+    stop_reason: int | str | None
+    prompt_ids: tuple[int, ...] = ()
+
+
+def _slice(result: SampleResult, stop: int) -> SampleResult:
+    """The first `stop` tokens of a result."""
+    fields = SampleResult.__dataclass_fields__
+    return SampleResult(**{n: (None if getattr(result, n) is None else getattr(result, n)[:stop]) for n in fields})
+
+
+@dataclass
+class _SequenceState:
+    """One sequence's text so far: the detokenizer, the stop strings, what was released."""
+
+    request: SequenceRequest
+    detokenizer: IncrementalDetokenizer
+    stops: StopStrings
+    text: str = ""
+    released: int = 0
+    finished: bool = False
+    token_texts: list[str] = field(default_factory=list)
+
+    def feed(self, index: int, chunk: GenerateResult) -> Delta:
+        """The delta of one chunk; a stop string in its text ends the sequence at the token that
+        completed it (later tokens of the chunk are dropped), the text cut before the string."""
+        ids = chunk.output_ids
+        pieces, kept, match = [], len(ids), None
+        for position, token_id in enumerate(ids.tolist()):
+            piece = self.detokenizer.push(token_id)
+            new_from = len(self.text)
+            self.text += piece
+            pieces.append(piece)
+            match = self.stops.search(self.text, new_from)
+            if match is not None:
+                kept = position + 1
+                break
+        finish, reason = None, None
+        if match is not None:
+            self.text = self.text[: match.position]
+            finish, reason = FINISH_STOP, match.string
+        elif chunk.finish_reason:
+            tail = self.detokenizer.flush()
+            self.text += tail
+            if pieces:
+                pieces[-1] += tail
+            finish = chunk.finish_reason
+            last = int(ids[-1]) if len(ids) else None
+            reason = last if finish == FINISH_STOP and last in self.request.stop_token_ids else None
+        self.finished = finish is not None
+        end = len(self.text) if self.finished else max(self.released, len(self.text) - self.stops.hold_back)
+        released, self.released = self.text[self.released : end], end
+        self.token_texts.extend(pieces)
+        return Delta(index, _slice(chunk, kept), released, pieces, finish, reason)
+
+
+def _outputs(requests: list[SequenceRequest]) -> tuple[str, ...]:
+    masks = any(r.params.return_sampling_mask for r in requests)
+    return PLAIN_OUTPUTS + (MASK_OUTPUTS if masks else ())
+
+
+class SequenceRunner:
+    """Runs a request's sequences on the generate model; see the module docstring."""
+
+    def __init__(self, client: AsyncGenerateClient, tokenizer):
+        self.client, self.tokenizer = client, tokenizer
+
+    def _state(self, request: SequenceRequest) -> _SequenceState:
+        return _SequenceState(
+            request,
+            IncrementalDetokenizer(self.tokenizer, request.skip_special_tokens),
+            StopStrings(request.stop_strings),
+        )
+
+    def stream(self, requests: list[SequenceRequest]) -> AsyncIterator[Delta]:
+        """Every sequence's deltas as they come (one per generated token), in arrival order."""
+        states = [self._state(r) for r in requests]
+        groups: dict[tuple, list[int]] = {}
+        for i, request in enumerate(requests):
+            key = (i,) if request.stop_strings else (request.stop_token_ids, request.ignore_eos)
+            groups.setdefault(key, []).append(i)
+        producers = [self._group(indices, requests, states) for indices in groups.values()]
+        return _merge(producers)
+
+    async def _group(self, indices: list[int], requests: list[SequenceRequest], states: list[_SequenceState]):
+        members = [requests[i] for i in indices]
+        first = members[0]
+        chunks = self.client.stream(
+            [list(r.prompt_ids) for r in members],
+            [r.params for r in members],
+            [r.max_new_tokens for r in members],
+            stop_token_ids=first.stop_token_ids,
+            ignore_eos=first.ignore_eos,
+            outputs=_outputs(members),
+        )
+        async with chunks:  # leaving early (a stop string, a cancelled request) cancels it on the server
+            async for chunk in chunks:
+                index = indices[chunk.index]
+                state = states[index]
+                if state.finished:
+                    continue
+                yield state.feed(index, chunk)
+                if all(states[i].finished for i in indices):
+                    return
+
+    async def generate(self, requests: list[SequenceRequest]) -> list[SequenceResult]:
+        """Every sequence to its end. Sequences without stop strings are generated in one
+        non-streamed call per group (one response each); the others are streamed."""
+        if any(r.stop_strings for r in requests):
+            return await collect(self.stream(requests), requests)
+        groups: dict[tuple, list[int]] = {}
+        for i, request in enumerate(requests):
+            groups.setdefault((request.stop_token_ids, request.ignore_eos), []).append(i)
+        results: list[SequenceResult | None] = [None] * len(requests)
+
+        async def run(indices: list[int]) -> None:
+            members = [requests[i] for i in indices]
+            answers = await self.client.generate(
+                [list(r.prompt_ids) for r in members],
+                [r.params for r in members],
+                [r.max_new_tokens for r in members],
+                stop_token_ids=members[0].stop_token_ids,
+                ignore_eos=members[0].ignore_eos,
+                outputs=_outputs(members),
+            )
+            for index, request, answer in zip(indices, members, answers):
+                delta = self._state(request).feed(index, answer)
+                results[index] = SequenceResult(
+                    index,
+                    delta.tokens,
+                    delta.text,
+                    delta.token_texts,
+                    delta.finish_reason,
+                    delta.stop_reason,
+                    request.prompt_ids,
+                )
+
+        await _gather_or_cancel([run(indices) for indices in groups.values()])
+        return results
+
+
+async def collect(deltas: AsyncIterator[Delta], requests: list[SequenceRequest]) -> list[SequenceResult]:
+    """The whole sequences of a stream of deltas."""
+    parts: list[list[Delta]] = [[] for _ in requests]
+    async for delta in deltas:
+        parts[delta.index].append(delta)
+    results = []
+    for index, (request, pieces) in enumerate(zip(requests, parts)):
+        last = pieces[-1]
+        results.append(
+            SequenceResult(
+                index,
+                concatenate_tokens([p.tokens for p in pieces]),
+                "".join(p.text for p in pieces),
+                [t for p in pieces for t in p.token_texts],
+                last.finish_reason,
+                last.stop_reason,
+                request.prompt_ids,
+            )
+        )
+    return results
+
+
+async def _gather_or_cancel(coroutines) -> list:
+    """Run coroutines together; the first failure cancels the others and is raised."""
+    tasks = [asyncio.ensure_future(c) for c in coroutines]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _merge(producers: list) -> AsyncIterator:
+    """The items of several async iterators in arrival order; the first failure cancels the
+    others and is raised; leaving early cancels them all."""
+    if len(producers) == 1:  # the common case: no task, no queue
+        try:
+            async for item in producers[0]:
+                yield item
+        finally:
+            await producers[0].aclose()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def drain(producer) -> None:
+        try:
+            async for item in producer:
+                queue.put_nowait(item)
+        finally:
+            queue.put_nowait(done)
+
+    tasks = [asyncio.ensure_future(drain(p)) for p in producers]
+    try:
+        running = len(tasks)
+        while running:
+            item = await queue.get()
+            if item is done:
+                running -= 1
+                failed = next((t for t in tasks if t.done() and not t.cancelled() and t.exception()), None)
+                if failed is not None:
+                    raise failed.exception()
+                continue
+            yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,120 @@
+"""What both dialects share: the tokenizer, the generate client and runner, and the checks every
+request passes before any token is generated (prompt and budget within the context, choice and
+stop-list bounds, the sampling rules of plugin/sampling/validation.py through SamplingParams)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..client import AsyncGenerateClient, GenerateError
+from ..client.sampling_params import SamplingParams
+from ..sampling.validation import SamplingRequestError
+from .config import ApiConfig
+from .errors import ApiError, bad_request, from_generate_error, from_sampling_error
+from .sequences import SequenceRunner
+from .text import context_length, load_tokenizer
+
+_UINT64 = 2**64
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """One request's sampling parameters as the client sent them (None: the server's default)."""
+
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    return_sampling_mask: bool = False
+
+
+class ApiService:
+    """The API's state: its config, the checkpoint's tokenizer and context, the generate client."""
+
+    def __init__(self, config: ApiConfig, tokenizer=None):
+        self.config = config
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model_path)
+        self.context_length = config.max_model_len or context_length(config.model_path)
+        self.client = AsyncGenerateClient(
+            config.triton_url, "grpc", config.triton_model, busy_timeout_s=config.busy_timeout_s
+        )
+        self.runner = SequenceRunner(self.client, self.tokenizer)
+
+    async def close(self) -> None:
+        await self.client.close()
+
+    def check_model(self, model: str | None) -> None:
+        """An unknown `model` is a 404, as OpenAI answers it."""
+        if model is not None and model != self.config.served_model_name:
+            raise ApiError(
+                404,
+                f"the model '{model}' does not exist; this server serves '{self.config.served_model_name}' (GET /v1/models)",
+                "model",
+                code="model_not_found",
+            )
+
+    def sampling_params(self, knobs: Knobs, choices: int, names: dict[str, str]) -> list[SamplingParams]:
+        """One SamplingParams per choice, checked with the server's rules; choice j of a seeded
+        request with several choices is seeded with seed + j (mod 2**64), so each differs and
+        each can be replayed alone. `names` renames fields for this dialect's messages."""
+        values = {k: v for k, v in vars(knobs).items() if v is not None and k != "seed"}
+        try:
+            if knobs.seed is not None and not -(2**63) <= knobs.seed < _UINT64:
+                raise SamplingRequestError("seed", f"seed must be a 64-bit integer, got {knobs.seed}")
+            seeds = [None] * choices if knobs.seed is None else [(knobs.seed + j) % _UINT64 for j in range(choices)]
+            return [SamplingParams(**values, seed=seed) for seed in seeds]
+        except SamplingRequestError as error:
+            raise from_sampling_error(error, names) from None
+
+    def check_choices(self, choices: int, field: str) -> None:
+        if choices > self.config.max_choices:
+            raise bad_request(
+                f"this request asks for {choices} sequences; at most {self.config.max_choices} are generated per "
+                "request (--max-choices): send several requests",
+                field,
+            )
+
+    def stop_strings(self, stop: str | list[str] | None, field: str) -> tuple[str, ...]:
+        """The stop strings, within the API's bounds."""
+        strings = [stop] if isinstance(stop, str) else list(stop or ())
+        limit, chars = self.config.max_stop_strings, self.config.max_stop_string_chars
+        if len(strings) > limit:
+            raise bad_request(f"{field} holds {len(strings)} strings; at most {limit} are accepted", field)
+        if any(len(s) > chars for s in strings):
+            raise bad_request(f"{field} strings must be at most {chars} characters long", field)
+        return tuple(s for s in strings if s)
+
+    def budget(self, prompt_tokens: int, max_tokens: int | None, default: int | None, fields: tuple[str, str]) -> int:
+        """The new-token budget: `max_tokens`, else `default`, else what the context leaves;
+        a prompt or budget past the context is a 400 naming the field."""
+        prompt_field, budget_field = fields
+        room = self.context_length - prompt_tokens
+        if room <= 0:
+            raise bad_request(
+                f"the prompt is {prompt_tokens} tokens; this model's context is {self.context_length} tokens, "
+                "which must hold the prompt and at least one new token",
+                prompt_field,
+            )
+        wanted = max_tokens if max_tokens is not None else (default if default is not None else room)
+        if wanted > room:
+            raise bad_request(
+                f"{budget_field} {wanted} + the prompt's {prompt_tokens} tokens exceed this model's context of "
+                f"{self.context_length} tokens; ask for at most {room} new tokens",
+                budget_field,
+            )
+        return wanted
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=True)
+
+    def api_error(self, error: Exception, names: dict[str, str], prompt_field: str) -> ApiError:
+        """A failure of a generation as the ApiError it is answered with (re-raises the unexpected)."""
+        if isinstance(error, ApiError):
+            return error
+        if isinstance(error, SamplingRequestError):
+            return from_sampling_error(error, names)
+        if isinstance(error, GenerateError):
+            param = prompt_field if "input_ids" in error.message else None
+            return from_generate_error(error, self.config.retry_after_s, param)
+        raise error

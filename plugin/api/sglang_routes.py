@@ -1,0 +1,214 @@
+"""SGLang's native dialect: POST /generate, as SGLang's `GenerateReqInput` and its answers.
+
+`text` or `input_ids`, one prompt or a batch; `sampling_params` one dict for all or one per
+prompt (its `n` repeats a prompt). The answer is one object per sequence (a list for a batch):
+`text`, `output_ids` and `meta_info` with `id`, `finish_reason` (`{"type": "length", "length": N}`
+or `{"type": "stop", "matched": id or string}`), `prompt_tokens`, `completion_tokens`,
+`cached_tokens`, `e2e_latency`, `output_token_logprobs` (`[logprob, id, text or null]` per token)
+with `return_logprob`, and with `return_sampling_mask` SGLang's `output_token_sampling_mask`,
+`output_token_sampling_logprobs` (the sampled token's per token; each support token's, aligned
+with the mask, under `sampling_logprobs_mode: "support"`) and `output_token_sampling_mask_length`.
+Streamed, every event carries the sequence so far (SGLang's default), then `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from pydantic import ValidationError
+
+from ..client import SampleResult, concatenate_tokens
+from .errors import bad_request, from_validation_error
+from .schemas import GenerateRequest, SGLangSamplingParams
+from .sequences import FINISH_LENGTH, SequenceRequest, SequenceResult
+from .service import ApiService, Knobs
+from .token_fields import finite, sglang_mask_fields, token_ids
+
+# SGLang's default budget when max_new_tokens is absent.
+SGLANG_DEFAULT_MAX_NEW_TOKENS = 128
+SGLANG_NAMES = {"seed": "sampling_params.sampling_seed", "max_new_tokens": "sampling_params.max_new_tokens"}
+SGLANG_NAMES.update({k: f"sampling_params.{k}" for k in ("temperature", "top_k", "top_p", "min_p")})
+
+
+def _finish_reason(result) -> dict | None:
+    if not result.finish_reason:
+        return None
+    if result.finish_reason == FINISH_LENGTH:
+        return {"type": "length", "length": len(result.tokens.output_ids)}
+    matched = result.stop_reason
+    if matched is None and len(result.tokens.output_ids):
+        matched = int(result.tokens.output_ids[-1])  # the EOS id that ended it
+    return {"type": "stop", "matched": matched}
+
+
+def meta_info(result, rid: str, masks: bool, logprobs_mode: str, logprobs: bool, texts: bool = False, started=None):
+    """SGLang's meta_info of a sequence (whole, or so far while streaming)."""
+    tokens: SampleResult = result.tokens
+    info = {
+        "id": rid,
+        "finish_reason": _finish_reason(result),
+        "prompt_tokens": len(result.prompt_ids),
+        "completion_tokens": len(tokens.output_ids),
+        "cached_tokens": 0,
+    }
+    if started is not None:
+        info["e2e_latency"] = time.monotonic() - started
+    if logprobs:
+        values = finite(tokens.output_logprobs)
+        pieces = result.token_texts if texts else [None] * len(values)
+        info["input_token_logprobs"] = []
+        info["output_token_logprobs"] = [[v, i, t] for v, i, t in zip(values, token_ids(tokens), pieces)]
+    if masks:
+        lists = sglang_mask_fields(tokens)
+        info["output_token_sampling_mask"] = lists["output_token_sampling_mask"]
+        info["output_token_sampling_logprobs"] = lists[
+            "output_token_sampling_support_logprobs" if logprobs_mode == "support" else "output_token_sampling_logprobs"
+        ]
+        info["output_token_sampling_mask_length"] = len(tokens.output_ids)
+    return info
+
+
+def _prompts(request: GenerateRequest, service: ApiService) -> tuple[list[list[int]], bool, str]:
+    """The prompts' ids, whether the request is a batch, and the field they came from."""
+    if (request.text is None) == (request.input_ids is None):
+        raise bad_request("give either text or input_ids (not both)", "text")
+    if request.text is not None:
+        text = request.text
+        if isinstance(text, str):
+            return [service.encode(text)], False, "text"
+        if isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+            return [service.encode(t) for t in text], True, "text"
+        raise bad_request("text must be a string or a non-empty list of strings", "text")
+    ids = request.input_ids
+
+    def is_ids(value) -> bool:
+        return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+    if is_ids(ids) and ids:
+        return [list(ids)], False, "input_ids"
+    if isinstance(ids, list) and ids and all(is_ids(p) for p in ids):
+        return [list(p) for p in ids], True, "input_ids"
+    raise bad_request("input_ids must be a list of token ids or a non-empty list of such lists", "input_ids")
+
+
+def _sampling_params(value, prompts: int) -> list[SGLangSamplingParams]:
+    """`sampling_params`: one object for every prompt, or a list with one per prompt."""
+    items = value if isinstance(value, list) else [value or {}] * prompts
+    parsed = []
+    for i, item in enumerate(items):
+        where = f"sampling_params[{i}]" if isinstance(value, list) else "sampling_params"
+        if not isinstance(item, dict):
+            raise bad_request(f"{where} must be an object", where)
+        try:
+            parsed.append(SGLangSamplingParams.model_validate(item))
+        except ValidationError as error:
+            raise from_validation_error(error, where) from None
+    return parsed
+
+
+def _check_unsupported(request: GenerateRequest, params: list[SGLangSamplingParams]) -> None:
+    if request.logprob_start_len not in (None, -1):
+        raise bad_request("logprob_start_len must be -1: prompt log-probs are not computed", "logprob_start_len")
+    if request.top_logprobs_num:
+        raise bad_request(
+            "top_logprobs_num must be 0: the generate model returns the sampled token's log-probability only",
+            "top_logprobs_num",
+        )
+    for p in params:
+        for field, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
+            value = getattr(p, field)
+            if value is not None and value != neutral:
+                raise bad_request(f"{field} is not supported", f"sampling_params.{field}")
+
+
+class GenerateHandler:
+    """POST /generate over one ApiService."""
+
+    def __init__(self, service: ApiService):
+        self.service = service
+
+    def sequences(self, request: GenerateRequest) -> tuple[list[SequenceRequest], bool, list[str]]:
+        """The sequences of a request (prompt i's n copies in a row), whether to answer a list,
+        and each sequence's id."""
+        service = self.service
+        prompts, batch, field = _prompts(request, service)
+        per_prompt = _sampling_params(request.sampling_params, len(prompts))
+        if len(per_prompt) != len(prompts):
+            raise bad_request(
+                f"sampling_params holds {len(per_prompt)} entries for {len(prompts)} prompts", "sampling_params"
+            )
+        _check_unsupported(request, per_prompt)
+        count = sum(p.n for p in per_prompt)
+        service.check_choices(count, "sampling_params.n")
+        sequences = []
+        for ids, p in zip(prompts, per_prompt):
+            knobs = Knobs(p.temperature, p.top_k, p.top_p, p.min_p, p.sampling_seed, request.return_sampling_mask)
+            rows = service.sampling_params(knobs, p.n, SGLANG_NAMES)
+            default = min(SGLANG_DEFAULT_MAX_NEW_TOKENS, max(service.context_length - len(ids), 1))
+            budget = service.budget(len(ids), p.max_new_tokens, default, (field, "sampling_params.max_new_tokens"))
+            stops = service.stop_strings(p.stop, "sampling_params.stop")
+            for row in rows:
+                sequences.append(
+                    SequenceRequest(
+                        tuple(ids),
+                        row,
+                        budget,
+                        tuple(p.stop_token_ids or ()),
+                        p.ignore_eos,
+                        stops,
+                        p.skip_special_tokens,
+                    )
+                )
+        rids = _rids(request.rid, len(sequences))
+        return sequences, batch or count > 1, rids
+
+    def item(self, request: GenerateRequest, result, rid: str, started: float) -> dict:
+        return {
+            "text": result.text,
+            "output_ids": token_ids(result.tokens),
+            "meta_info": meta_info(
+                result,
+                rid,
+                request.return_sampling_mask,
+                request.sampling_logprobs_mode,
+                request.return_logprob,
+                request.return_text_in_logprobs,
+                started,
+            ),
+        }
+
+
+def _rids(rid, count: int) -> list[str]:
+    if rid is None:
+        base = uuid.uuid4().hex
+        return [base] if count == 1 else [f"{base}-{i}" for i in range(count)]
+    if isinstance(rid, list):
+        if len(rid) != count:
+            raise bad_request(f"rid holds {len(rid)} ids for {count} sequences", "rid")
+        return list(rid)
+    return [rid] if count == 1 else [f"{rid}-{i}" for i in range(count)]
+
+
+class SequenceSoFar:
+    """A streamed sequence's state for SGLang's cumulative events."""
+
+    def __init__(self, request: SequenceRequest):
+        self.prompt_ids = request.prompt_ids
+        self.parts: list[SampleResult] = []
+        self.text = ""
+        self.token_texts: list[str] = []
+        self.finish_reason: str | None = None
+        self.stop_reason = None
+
+    def add(self, delta) -> SequenceSoFar:
+        self.parts.append(delta.tokens)
+        self.text += delta.text
+        self.token_texts += delta.token_texts
+        self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
+        self.tokens = concatenate_tokens(self.parts)
+        self.parts = [self.tokens]
+        return self
+
+
+__all__ = ["GenerateHandler", "SequenceResult", "SequenceSoFar", "meta_info"]

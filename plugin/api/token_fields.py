@@ -1,0 +1,80 @@
+"""A sequence's token outputs as JSON: ids, log-probs and sampling masks, in the shapes each
+dialect's clients read.
+
+Masks go out as SGLang's and FastDeploy's per-token id lists (the shape of
+`client.converters.to_sglang`), or
+compact (`sampling_mask_format: "compact"`) as prime-rl ships them: the flat ids and per-token
+counts of `client.converters.to_prime_rl`, base64 of little-endian int32 (float32 for log-probs).
+Log-probs are finite in JSON: a log-prob that underflowed to -inf is sent as LOGPROB_FLOOR, as
+vLLM does.
+"""
+
+from __future__ import annotations
+
+import base64
+
+import numpy as np
+
+from ..client import SampleResult
+from ..client.converters import to_prime_rl
+
+LOGPROB_FLOOR = -9999.0
+MASK_FORMATS = ("lists", "compact")
+
+
+def finite(values: np.ndarray) -> list[float]:
+    """Log-probs as JSON numbers (-inf and NaN as LOGPROB_FLOOR)."""
+    array = np.asarray(values, np.float64)
+    return np.where(np.isfinite(array), array, LOGPROB_FLOOR).tolist()
+
+
+def token_ids(tokens: SampleResult) -> list[int]:
+    return tokens.output_ids.astype(np.int64).tolist()
+
+
+def _b64(array: np.ndarray, dtype: str) -> str:
+    return base64.b64encode(np.ascontiguousarray(array, dtype=dtype).tobytes()).decode("ascii")
+
+
+def mask_fields(tokens: SampleResult, mask_format: str) -> dict:
+    """The masks of `tokens` for an OpenAI choice: `sampling_mask` (one id list per token, most
+    probable first), `sampling_mask_logprobs` (each id's log-prob renormalised over its mask,
+    aligned) and `sampling_logprobs` (the sampled token's, one per token); compact: one object
+    `sampling_mask` {"ids", "counts", "logprobs", "sampling_logprobs"} of base64 arrays."""
+    if mask_format == "compact":
+        flat = to_prime_rl(tokens.sampling_mask, tokens.sampling_mask_len, tokens.sampling_mask_logprobs)
+        return {
+            "sampling_mask": {
+                "ids": _b64(flat["ids"], "<i4"),
+                "counts": _b64(flat["counts"], "<i4"),
+                "logprobs": _b64(flat["logprobs"], "<f4"),
+                "sampling_logprobs": _b64(tokens.sampling_logprobs, "<f4"),
+            }
+        }
+    lists = sglang_mask_fields(tokens)
+    return {
+        "sampling_mask": lists["output_token_sampling_mask"],
+        "sampling_mask_logprobs": lists["output_token_sampling_support_logprobs"],
+        "sampling_logprobs": lists["output_token_sampling_logprobs"],
+    }
+
+
+def _rows(values: np.ndarray, lengths: list[int]) -> list[list]:
+    """Each row's first `lengths[i]` entries as a list (the mask ids, or their log-probs)."""
+    return [row[:n].tolist() for row, n in zip(values, lengths)]
+
+
+def sglang_mask_fields(tokens: SampleResult) -> dict:
+    """SGLang's mask lists of `tokens`, as `client.converters.to_sglang` shapes them
+    (`output_token_sampling_mask`, `output_token_sampling_logprobs`,
+    `output_token_sampling_support_logprobs`), log-probs made finite. Sliced row by row: a
+    streamed chunk holds one token, where the converter's whole-array bookkeeping costs more than
+    the slicing it saves."""
+    lengths = tokens.sampling_mask_len.tolist()
+    support = np.asarray(tokens.sampling_mask_logprobs, np.float64)
+    support = np.where(np.isfinite(support), support, LOGPROB_FLOOR)
+    return {
+        "output_token_sampling_mask": _rows(tokens.sampling_mask, lengths),
+        "output_token_sampling_logprobs": finite(tokens.sampling_logprobs),
+        "output_token_sampling_support_logprobs": _rows(support, lengths),
+    }
