@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bench.conformance import request_line
@@ -35,12 +35,14 @@ finite_json = st.recursive(
 )
 
 
+@settings(deadline=None)  # a loaded machine stretches single examples; the count bounds the time
 @given(finite_json)
 def test_strict_reader_reads_what_a_strict_writer_writes(document):
     for text in (json.dumps(document, allow_nan=False), json.dumps(document, allow_nan=False, ensure_ascii=False)):
         assert strict_loads(text.encode()) == document
 
 
+@settings(deadline=None)
 @given(finite_json, st.sampled_from([math.inf, -math.inf, math.nan]))
 def test_strict_reader_refuses_any_non_finite_number_anywhere(document, bad):
     # Python's json writes NaN/Infinity/-Infinity by default; no strict parser reads them
