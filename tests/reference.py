@@ -7,6 +7,7 @@ rules exactly instead (Python decimals), for the boundary cases the float64 band
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from decimal import Decimal, localcontext
 
@@ -90,3 +91,51 @@ def exact_support_len(logits, temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0) -
             before += relative[token]
             length += 1
         return length
+
+
+# The seeded draw (docs/sampler.md, "Seeds"), in pure Python integers: SplitMix64's finaliser over
+# (seed, token id) gives a 23-bit uniform u, the noise is g = -log(-log u), and the token is the
+# argmax over the support of (x - max) / T + g; step s of a generation seeds with a second hash.
+_MASK64 = (1 << 64) - 1
+_GOLDEN_GAMMA = 0x9E3779B97F4A7C15
+_STEP_GAMMA = 0xD1B54A32D192ED03
+
+
+def _splitmix_finaliser(x: int) -> int:
+    x ^= x >> 30
+    x = (x * 0xBF58476D1CE4E5B9) & _MASK64
+    x ^= x >> 27
+    x = (x * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def reference_gumbel(noise_seed: int, token_id: int) -> float:
+    """The noise of token `token_id` under `noise_seed` (a uint64), in float64."""
+    state = _splitmix_finaliser(noise_seed ^ _GOLDEN_GAMMA)
+    bits = _splitmix_finaliser((state + token_id * _GOLDEN_GAMMA) & _MASK64)
+    u = ((bits >> 41) * 2 + 1) / 2**24
+    return -math.log(-math.log(u))
+
+
+def reference_noise_seed(seed: int, step: int | None) -> int:
+    """The seed a token's noise uses: the request's for a sampler call (step None), else step s's."""
+    if step is None:
+        return seed
+    state = _splitmix_finaliser(seed ^ _GOLDEN_GAMMA)
+    return _splitmix_finaliser((state + (step + 1) * _STEP_GAMMA) & _MASK64)
+
+
+def reference_draw(logits, temperature, top_k, top_p, min_p, noise_seed: int) -> int | None:
+    """The token a row draws by the documented rules, in float64; None where a boundary of its
+    support is too close to call (see `reference_row`)."""
+    logits = np.asarray(logits, dtype=np.float64)
+    ref = reference_row(logits, temperature, top_k, top_p, min_p)
+    if ref.support_min != ref.support_max:
+        return None
+    scale = temperature or 1.0
+    greedy = temperature == 0  # the argmax: no noise decides
+
+    def score(token) -> float:
+        return (logits[token] - logits.max()) / scale + (0.0 if greedy else reference_gumbel(noise_seed, int(token)))
+
+    return int(max(ref.support, key=score))

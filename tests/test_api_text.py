@@ -77,7 +77,7 @@ def test_stop_strings_find_the_earliest_match_as_text_grows(stops, pieces):
     "error, status",
     [
         (
-            GenerateError("in-band", "the generate model holds 4096 waiting requests (max_waiting 4096); retry later"),
+            GenerateError("in-band", "the generate model holds 4096 waiting requests (max_waiting 4096); retry with backoff"),
             503,
         ),
         (GenerateError(None, "could not reach the server: ConnectionRefusedError"), 503),

@@ -69,11 +69,43 @@ def _flat_logprobs(support_logprobs, valid: np.ndarray) -> np.ndarray:
     return support_logprobs[valid].astype(np.float32)
 
 
-def _from_flat(ids, counts, width: int, logprobs=None) -> FixedWidthMasks:
-    """Scatter flat ids (and their log-probs) with per-row counts into the padded [T, W] layout."""
+def checked_flat(ids, counts, logprobs=None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Flat ids (int64 [N]), per-row counts (int64 [T]) and, when given, per-id log-probs ([N]),
+    checked for consistency (counts >= 0 summing to N, one log-prob per id); raises ValueError."""
     ids, counts = _numpy(ids).reshape(-1).astype(np.int64), _numpy(counts).reshape(-1).astype(np.int64)
     if (counts < 0).any() or counts.sum() != ids.shape[0]:
         raise ValueError(f"counts must be >= 0 and sum to the number of ids ({ids.shape[0]})")
+    if logprobs is not None:
+        logprobs = _numpy(logprobs).reshape(-1)
+        if logprobs.shape[0] != ids.shape[0]:
+            raise ValueError(f"logprobs must have one value per id ({ids.shape[0]}), got {logprobs.shape[0]}")
+    return ids, counts, logprobs
+
+
+def csr_counts(offsets) -> np.ndarray:
+    """Per-row counts (int64 [T]) of vLLM CSR `offsets` [T + 1]; raises ValueError when malformed."""
+    offsets = _numpy(offsets).reshape(-1).astype(np.int64)
+    if offsets.size == 0 or offsets[0] != 0:
+        raise ValueError("offsets must start at 0 and have T + 1 entries")
+    return np.diff(offsets)
+
+
+def flatten_sglang(
+    output_token_sampling_mask: list[list[int]], output_token_sampling_support_logprobs: list[list[float]] | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """SGLang's per-token lists as flat ids (int64 [N]), counts (int64 [T]) and, when given, the
+    per-id log-probs (float64 [N])."""
+    counts = np.array([len(ids) for ids in output_token_sampling_mask], dtype=np.int64)
+    flat = np.fromiter((i for ids in output_token_sampling_mask for i in ids), dtype=np.int64, count=int(counts.sum()))
+    logprobs = None
+    if output_token_sampling_support_logprobs is not None:
+        logprobs = np.fromiter((v for row in output_token_sampling_support_logprobs for v in row), dtype=np.float64)
+    return flat, counts, logprobs
+
+
+def _from_flat(ids, counts, width: int, logprobs=None) -> FixedWidthMasks:
+    """Scatter flat ids (and their log-probs) with per-row counts into the padded [T, W] layout."""
+    ids, counts, logprobs = checked_flat(ids, counts, logprobs)
     if counts.size and counts.max() > width:
         raise ValueError(f"a row holds {counts.max()} ids, more than the width W={width}")
     rows = np.repeat(np.arange(counts.shape[0]), counts)
@@ -83,9 +115,6 @@ def _from_flat(ids, counts, width: int, logprobs=None) -> FixedWidthMasks:
     mask[rows, columns] = ids
     support = None
     if logprobs is not None:
-        logprobs = _numpy(logprobs).reshape(-1)
-        if logprobs.shape[0] != ids.shape[0]:
-            raise ValueError(f"logprobs must have one value per id ({ids.shape[0]}), got {logprobs.shape[0]}")
         support = np.full((counts.shape[0], width), -np.inf, dtype=np.float32)
         support[rows, columns] = logprobs
     return FixedWidthMasks(mask=mask, lengths=counts.astype(np.int32), support_logprobs=support)
@@ -103,10 +132,7 @@ def to_vllm_csr(mask, lengths, support_logprobs=None) -> dict[str, np.ndarray]:
 
 def from_vllm_csr(token_ids, offsets, width: int, logprobs=None) -> FixedWidthMasks:
     """The fixed-width layout of a vLLM CSR mask (with its per-id log-probs when given)."""
-    offsets = _numpy(offsets).reshape(-1).astype(np.int64)
-    if offsets.size == 0 or offsets[0] != 0:
-        raise ValueError("offsets must start at 0 and have T + 1 entries")
-    return _from_flat(token_ids, np.diff(offsets), width, logprobs)
+    return _from_flat(token_ids, csr_counts(offsets), width, logprobs)
 
 
 def to_prime_rl(mask, lengths, support_logprobs=None) -> dict[str, np.ndarray]:
@@ -151,11 +177,7 @@ def from_sglang(
     output_token_sampling_support_logprobs: list[list[float]] | None = None,
 ) -> FixedWidthMasks:
     """The fixed-width layout of SGLang's per-token id lists (and their log-probs when given)."""
-    counts = np.array([len(ids) for ids in output_token_sampling_mask], dtype=np.int64)
-    flat = np.fromiter((i for ids in output_token_sampling_mask for i in ids), dtype=np.int64, count=int(counts.sum()))
-    logprobs = None
-    if output_token_sampling_support_logprobs is not None:
-        logprobs = np.fromiter((v for row in output_token_sampling_support_logprobs for v in row), dtype=np.float64)
+    flat, counts, logprobs = flatten_sglang(output_token_sampling_mask, output_token_sampling_support_logprobs)
     return _from_flat(flat, counts, width, logprobs)
 
 

@@ -27,6 +27,10 @@ MIX_MUL_2 = _signed(0x94D049BB133111EB)
 GOLDEN_GAMMA = _signed(0x9E3779B97F4A7C15)  # SplitMix64's increment: spreads consecutive counters
 STEP_GAMMA = _signed(0xD1B54A32D192ED03)  # a second odd constant, for generation steps
 UNIFORM_BITS = 23  # (2 * bits + 1) < 2**24 is exact in float32: u is identical on every device
+# Paths that compute the Gumbel score (x - max) / T + g in different precisions may draw different
+# tokens only when the two best scores lie within NEAR_TIE * (1 + |(x - max) / T|) of each other
+# (docs/sampler.md, "Seeds"): the band a re-derived draw is judged against.
+NEAR_TIE = 1e-5
 
 
 def _shift_right_logical(x: torch.Tensor, bits: int) -> torch.Tensor:

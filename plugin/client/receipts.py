@@ -1,0 +1,184 @@
+"""Sampling receipts: what the server's noise used for each token, and the re-derivation of each
+sampled token from the trainer's logits (the train-inference mismatch detector).
+
+The sampler's draw is a Gumbel-max over the support with noise hashed from (seed, token id)
+(`sampling.rng`), so a token is a deterministic function of its logits, its parameters and the
+seed its noise used: the request's seed for a `sampler` call, `rng.step_seeds(seed, s)` for step s
+of a `generate` request. A receipt holds that (seed, step) and the parameters, per token; it is
+derived here from the requests when they carry a seed (an unseeded request's seed is drawn by the
+server and not returned). `rederive_tokens` runs the engine's own sampler on the trainer's logits
+with each receipt and reports where it would have drawn another token: a mismatch within the
+documented near-tie band (`rng.NEAR_TIE`) is rounding between precisions; one outside it means
+the trainer's logits are not the ones the server sampled from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..sampling import rng
+from ..sampling.params import RowParams
+from ..sampling.sampler import SamplingBatch, sample
+from ..sampling.selection import FULL_VOCAB_BLOCK_ELEMENTS
+from .sampling_params import SamplingParams, rows_to_params
+
+SAMPLER_CALL = -1  # the step of a token drawn by a `sampler` call: its noise takes the seed as is
+
+
+@dataclass(frozen=True)
+class SamplingReceipts:
+    """Per token (T of them): `seed` uint64 [T], the request's seed; `step` int64 [T], the
+    generation step (SAMPLER_CALL for a `sampler` call); `params`, the sampling parameters [T]."""
+
+    seed: np.ndarray
+    step: np.ndarray
+    params: RowParams
+
+    @property
+    def tokens(self) -> int:
+        return self.seed.shape[0]
+
+    @property
+    def noise_seed(self) -> np.ndarray:
+        """uint64 [T]: the seed each token's noise used, as the engine derives it."""
+        stepped = rng.step_seeds_numpy(self.seed, np.maximum(self.step, 0)).view(np.uint64)
+        return np.where(self.step == SAMPLER_CALL, self.seed, stepped)
+
+    @classmethod
+    def for_sampler(
+        cls, params: SamplingParams | Sequence[SamplingParams], rows: int | None = None
+    ) -> SamplingReceipts:
+        """The receipts of a `sampler` call: one SamplingParams per row, or one for `rows` rows."""
+        params = _rows(params, rows)
+        return cls(_seeds(params), np.full(params.rows, SAMPLER_CALL, np.int64), params)
+
+    @classmethod
+    def for_generation(
+        cls, params: SamplingParams | Sequence[SamplingParams], lengths: Sequence[int]
+    ) -> SamplingReceipts:
+        """The receipts of `generate` requests, their tokens one request after another (as
+        `concatenate_tokens` lays them out): one SamplingParams per request (or one for all) and
+        each request's number of generated tokens, token i of a request drawn at step i."""
+        lengths = np.asarray(lengths, np.int64).reshape(-1)
+        per_request = _rows(params, lengths.shape[0])
+        owner = np.repeat(np.arange(lengths.shape[0]), lengths)
+        starts = np.cumsum(lengths) - lengths
+        steps = np.arange(owner.shape[0], dtype=np.int64) - starts[owner]
+        return cls(_seeds(per_request)[owner], steps, per_request.take(owner))
+
+
+def _rows(params: SamplingParams | Sequence[SamplingParams], rows: int | None) -> RowParams:
+    if isinstance(params, SamplingParams):
+        if rows is None:
+            raise ValueError("one SamplingParams for every row needs the number of rows")
+        return rows_to_params([params]).take(np.zeros(rows, np.int64))
+    params = list(params)
+    if rows is not None and len(params) != rows:
+        raise ValueError(f"params must be one SamplingParams or {rows} of them, got {len(params)}")
+    return rows_to_params(params)
+
+
+def _seeds(params: RowParams) -> np.ndarray:
+    unseeded = np.flatnonzero(~params.has_seed)
+    if unseeded.size:
+        raise ValueError(
+            f"params[{int(unseeded[0])}] has no seed: an unseeded request's noise is drawn by the server "
+            "and cannot be re-derived; send a seed"
+        )
+    return params.seed.astype(np.uint64)
+
+
+@dataclass(frozen=True)
+class Rederivation:
+    """Each token re-derived from the trainer's logits (numpy, [T]): `token_ids` the trainer's
+    draw, `served_ids` the server's; `score_gap`, the Gumbel score (x - max) / T + g of the
+    trainer's draw minus the served token's, under the trainer's logits (0 where they agree,
+    negative where the served token lies outside the support the trainer's logits give); `band`,
+    the near-tie band NEAR_TIE * (1 + |(x - max) / T|) of the two."""
+
+    token_ids: np.ndarray
+    served_ids: np.ndarray
+    score_gap: np.ndarray
+    band: np.ndarray
+
+    @property
+    def mismatch(self) -> np.ndarray:
+        """bool [T]: the trainer's logits draw another token."""
+        return self.token_ids != self.served_ids
+
+    @property
+    def near_tie(self) -> np.ndarray:
+        """bool [T]: a mismatch within the near-tie band (rounding between precisions)."""
+        return self.mismatch & (self.score_gap >= 0) & (self.score_gap <= self.band)
+
+    @property
+    def flagged(self) -> np.ndarray:
+        """bool [T]: a mismatch outside the band: the trainer's logits are not the server's."""
+        return self.mismatch & ~self.near_tie
+
+    def summary(self) -> dict[str, int]:
+        """Counts: tokens, those re-derived exactly, near-tie mismatches and flagged ones."""
+        return {
+            "tokens": int(self.token_ids.shape[0]),
+            "rederived": int((~self.mismatch).sum()),
+            "near_ties": int(self.near_tie.sum()),
+            "flagged": int(self.flagged.sum()),
+        }
+
+
+def rederive_tokens(logits: torch.Tensor, receipts: SamplingReceipts, token_ids) -> Rederivation:
+    """Re-draw every token from the trainer's `logits` [T, V] with its receipt, through the
+    engine's own sampler, and compare with the served `token_ids` [T]. Rows go to the sampler in
+    blocks of at most `FULL_VOCAB_BLOCK_ELEMENTS` logits (float64 logits converted to float32 one
+    block at a time), so memory stays bounded whatever T is."""
+    if logits.ndim != 2 or logits.shape[0] != receipts.tokens:
+        raise ValueError(f"logits must be [T, V] with T = {receipts.tokens} receipts, got {list(logits.shape)}")
+    served = np.asarray(token_ids.detach().cpu() if isinstance(token_ids, torch.Tensor) else token_ids)
+    served = served.astype(np.int64).reshape(-1)
+    if served.shape[0] != receipts.tokens:
+        raise ValueError(f"token_ids must hold {receipts.tokens} ids, got {served.shape[0]}")
+    tokens, vocab = logits.shape
+    if served.size and (served.min() < 0 or served.max() >= vocab):
+        raise ValueError(f"token_ids must lie in [0, {vocab})")
+    params = receipts.params.greedy_applied()
+    noise_seed = receipts.noise_seed.view(np.int64)
+    drawn = np.empty(tokens, np.int64)
+    pair_logits = np.empty((tokens, 2), np.float64)  # the served and the drawn token's logits
+    row_max = np.empty(tokens, np.float64)
+    block_rows = max(1, FULL_VOCAB_BLOCK_ELEMENTS // max(vocab, 1))
+    for start in range(0, tokens, block_rows):  # a loop over memory blocks, not over requests
+        stop = min(tokens, start + block_rows)
+        block = logits[start:stop].detach()
+        if block.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            block = block.to(torch.float32)
+        rows = slice(start, stop)
+        batch = SamplingBatch.from_arrays(
+            block,
+            receipts.params.temperature[rows],
+            receipts.params.top_k[rows],
+            receipts.params.top_p[rows],
+            receipts.params.min_p[rows],
+            noise_seed[rows],
+            np.zeros(stop - start, np.bool_),
+        )
+        result = sample(batch, mask_width=0).host()
+        drawn[rows] = result["output_ids"]
+        row_max[rows] = result["row_max"]
+        pair = torch.from_numpy(np.stack([served[rows], drawn[rows]], axis=1)).to(block.device)
+        pair_logits[rows] = block.gather(1, pair).double().cpu().numpy()
+    ids = np.stack([served, drawn], axis=1)
+    temperature = params.temperature.astype(np.float64)[:, None]
+    scaled = (pair_logits - row_max[:, None]) / temperature
+    noise = -rng.negated_gumbel_numpy(rng.seed_state_numpy(noise_seed)[:, None], ids)
+    noise[receipts.params.temperature == 0] = 0.0  # greedy rows draw the argmax: no noise decides
+    score = scaled + noise
+    return Rederivation(
+        token_ids=drawn,
+        served_ids=served,
+        score_gap=np.where(drawn == served, 0.0, score[:, 1] - score[:, 0]),
+        band=rng.NEAR_TIE * (1 + np.abs(scaled).max(axis=1)),
+    )
