@@ -6,7 +6,7 @@ PYTHON := $(VENV)/bin/python
 MODEL_REPOSITORY ?= model_repository
 PYTEST_ARGS ?=
 
-.PHONY: setup serve probe lint format test soak stress hostile bench clean
+.PHONY: setup serve probe lint format test soak stress hostile conformance bench clean
 
 # HAProxy, the front door of `make serve` (plugin/ops/proxy.py), installed like jemalloc: root + apt.
 INSTALL_HAPROXY = command -v haproxy >/dev/null || test -x /usr/sbin/haproxy || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
@@ -67,6 +67,16 @@ HOSTILE_ARGS ?=
 hostile: setup
 	@$(INSTALL_HAPROXY) || true
 	$(PYTHON) -m bench.hostile $(HOSTILE_ARGS)
+
+# The KServe v2 routes (bench/conformance/openapi_v2.yaml) fuzzed with schemathesis, route probes and a
+# raw request-head fuzz against a fresh `make serve` stack, bounded (about 3-4 minutes with the start):
+# per failure class one reproducer; exit 1 on any 5xx, non-strict JSON answer or wrong status.
+# schemathesis comes from the `conformance` extra, installed here only, not by `make setup`.
+CONFORMANCE_ARGS ?=
+conformance: setup
+	@$(INSTALL_HAPROXY) || true
+	$(PYTHON) -c "import schemathesis" 2>/dev/null || $(PYTHON) -m pip install --quiet -e '.[conformance]'
+	$(PYTHON) -m bench.conformance.run $(CONFORMANCE_ARGS)
 
 # 32 clients (HTTP and gRPC) for 60 s against a fresh server; prints the report, fails on loss/5xx/RSS growth.
 SOAK_ARGS ?= --clients 32 --duration 60
