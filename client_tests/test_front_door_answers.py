@@ -154,6 +154,29 @@ def test_unknown_routes_are_404_and_wrong_methods_405_in_json(port, method, path
     error_of(answer)
 
 
+def test_infer_on_the_decoupled_model_is_a_400_not_a_501(port):
+    body = json.dumps({"inputs": [{"name": "input_ids", "shape": [1, 1], "datatype": "INT32", "data": [5]}]})
+    answer = send(port, "POST", "/v2/models/generate/infer", body.encode())
+    assert answer[0] == 400 and "generate_stream" in error_of(answer)
+
+
+def test_a_refused_stream_is_a_4xx_whose_event_is_a_json_error(port):
+    """tritonserver answers generate_stream as server-sent events, refusals included: the status
+    is the 400, and the one event's data a strict JSON error an SSE client reads."""
+    status, content_type, text = send(
+        port, "POST", "/v2/models/generate/generate_stream", b'{"input_ids": [-1], "max_new_tokens": 1}'
+    )
+    assert status == 400 and content_type.startswith("text/event-stream"), (status, content_type, text)
+    [event] = [line[len("data:") :] for line in text.splitlines() if line.startswith("data:")]
+    assert "input_ids" in strict_json(event)["error"]
+
+
+def test_a_head_larger_than_tritonserver_takes_is_a_431(port):
+    answer = send(port, "GET", "/v2/health/ready", headers=[("X-Filler", "f" * 20000)])
+    assert answer[0] == 431, answer
+    error_of(answer)
+
+
 def test_tritonservers_own_errors_are_labelled_json(port):
     """tritonserver answers an unknown model in text/plain; the proxy labels its JSON."""
     answer = send(port, "GET", "/v2/models/no_such_model/config")

@@ -272,6 +272,8 @@ def test_the_proxy_lets_through_every_public_route_of_the_spec(front_door):
         if not admin and not (method == "POST" and "{model_name}" in template)
         for model in ("sampler", "generate")
     }
+    # the door answers /infer on the decoupled model itself: a 400 in place of tritonserver's 501
+    required = {(m, p) for m, p in required if not (p.startswith("/v2/models/generate/") and p.endswith("/infer"))}
     refused = {(m, p): front_door.stop(m, p) for m, p in sorted(required) if front_door.stop(m, p) is not None}
     assert not refused, f"public operations of the spec the proxy refuses without the key: {refused}"
 

@@ -115,6 +115,8 @@ ADMIN_PATHS = (
 # The HTTP API's port (plugin/api): the body cap (the API's own default), and its errors in
 # OpenAI's shape.
 API_BODY_BYTES = 32 * 2**20
+# The request head tritonserver accepts (longer ones it drops without an answer).
+HEADER_BYTES = 16384
 # Content-Length and Inference-Header-Content-Length: digits only, one value, well under 2^63.
 LENGTH_PATTERN = "^[0-9]{1,12}$"
 # A /generate body is parsed whole: it must fit the proxy's buffer beside the request's head.
@@ -453,6 +455,10 @@ def render(plan: ProxyPlan) -> str:
         + _json_error("send one Inference-Header-Content-Length, of digits only")
         + " if { req.fhdr_cnt(inference-header-content-length) gt 1 }"
         + f" or has_ihcl !{{ req.fhdr(inference-header-content-length) -m reg {LENGTH_PATTERN} }}",
+        "    # tritonserver drops a request whose headers pass its own limit (the client saw a 502)",
+        "    http-request deny deny_status 431 "
+        + _json_error(f"request headers over {HEADER_BYTES} bytes")
+        + f" if {{ req.hdrs,length gt {HEADER_BYTES} }}",
         "    # framing no cap can see: chunked bodies, and compressed ones (Triton would inflate them)",
         "    http-request deny deny_status 400 "
         + _json_error("chunked request bodies are not accepted: send Content-Length")
@@ -517,6 +523,13 @@ def render(plan: ProxyPlan) -> str:
             + " if r_infer { req.body_len,sub(txn.json_bytes) lt 0 }",
             "    http-request lua.check_infer_json if r_infer",
         ]
+    decoupled = [route.name for route in routes if route.decoupled]
+    if decoupled:  # tritonserver answers them 501: a client error, said as one
+        lines.append(
+            "    http-request deny deny_status 400 "
+            + _json_error("this model is decoupled: HTTP clients call its generate or generate_stream route")
+            + f" if {{ path_reg {_model_path(decoupled, '/infer')} }}"
+        )
     for index, route in enumerate(routes):  # every model takes the generate extension's JSON
         lines += [
             f"    acl r_json_{index} path_reg {_model_path([route.name], '/(generate|generate_stream)')}",
@@ -566,7 +579,8 @@ def render(plan: ProxyPlan) -> str:
         lines.append("    use_backend be_http_generate if r_generate")
     lines += [
         "    default_backend be_http_other",
-        "    # tritonserver's own 404 / 405 carry a JSON body under text/plain",
+        "    # tritonserver's own 404 / 405 carry a JSON body under text/plain (a generate_stream",
+        "    # refusal stays an event stream: its one event's data is the JSON error)",
         "    http-response set-header content-type application/json"
         + " if { status ge 400 } { res.hdr(content-type) -m beg text/plain }",
         "",
