@@ -66,12 +66,16 @@ class SpeculationObserver:
 
     def __init__(self):
         self.tokens, self.drafts, self.drafted, self.accepted = 0, 0, 0, 0
+        self.kept_masses = []
 
     def generated(self, tokens):
         self.tokens += tokens
 
-    def first_token(self, seconds):
+    def admitted(self, queue_seconds, prompt_tokens):
         pass
+
+    def stepped(self, step):
+        self.kept_masses.append(step.log_kept_mass)
 
     def occupancy(self, active, waiting, kv_tokens):
         pass

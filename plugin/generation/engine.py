@@ -47,6 +47,8 @@ from ..sampling.outputs import (
     GENERATION_TOKEN_OUTPUT_NAMES,
     MASK_OUTPUT_NAMES,
     OUTPUT_IDS,
+    OUTPUT_LOGPROBS,
+    SAMPLING_LOGPROBS,
     UNMASKED_OUTPUT_NAMES,
     WEIGHT_VERSION,
     padding,
@@ -102,12 +104,31 @@ class RequestHandle(Protocol):
     def fail(self, message: str, code_name: str = "INTERNAL") -> None: ...
 
 
+@dataclass(frozen=True)
+class StepRecord:
+    """What one engine step measured, as arrays (no per-token work to build them): the time to
+    first token of the rows that emitted their first token, the time since the previous step of
+    the rows that emitted later tokens, the end-to-end time of the requests that finished, how
+    many finished for each reason, and log(kept mass) = output_logprob - sampling_logprob of each
+    emitted token whose request asked for a mask."""
+
+    first_token_s: np.ndarray
+    inter_token_s: np.ndarray
+    e2e_s: np.ndarray
+    finished: dict[str, int]
+    log_kept_mass: np.ndarray
+
+
 class EngineObserver(Protocol):
-    """Counters and gauges of an engine (the serving layer turns them into metrics)."""
+    """Counters, gauges and timings of an engine (the serving layer turns them into metrics)."""
 
     def generated(self, tokens: int) -> None: ...
 
-    def first_token(self, seconds: float) -> None: ...
+    def admitted(self, queue_seconds: np.ndarray, prompt_tokens: int) -> None:
+        """The requests one step admitted: each one's wait since submission, their prompt tokens."""
+        ...
+
+    def stepped(self, step: StepRecord) -> None: ...
 
     def occupancy(self, active: int, waiting: int, kv_tokens: int) -> None: ...
 
@@ -125,6 +146,7 @@ class _Sequence:
     enqueued: float
     stops: np.ndarray
     step: int = 0
+    last_token_at: float = 0.0  # when its latest token was sampled (monotonic seconds)
     tokens: list = field(default_factory=list)  # ids generated so far (to recompute the cache after an update)
     parts: list = field(default_factory=list)  # per step: dict of that step's tokens' outputs (non-streamed)
 
@@ -410,6 +432,8 @@ class ContinuousEngine:
         first = np.cumsum(positions) - positions
         within = np.arange(owner.size) - first[owner]
         steps = np.array([s.step for s in self._rows])
+        enqueued = np.array([s.enqueued for s in self._rows])
+        last_at = np.array([s.last_token_at for s in self._rows])
         params = self._params if owner.size == rows else self._params.take(owner)
         result = self.sampler.sample(logits, step_params(params, steps[owner] + within))
         # The sampler returns each row's max with its outputs: positions whose logits the LM broke
@@ -427,6 +451,8 @@ class ContinuousEngine:
         usable = accepted + ~unusable[np.arange(rows), accepted]
         emitted = np.zeros(rows, np.int64)
         finished = np.zeros(rows, bool)
+        ended = np.zeros(rows, bool)  # finished with a reason (not failed)
+        stopped_rows = np.zeros(rows, bool)
         now = time.monotonic()
         for i, (sequence, tokens) in enumerate(zip(self._rows, sampled.tolist())):
             count = min(int(usable[i]), sequence.request.max_new_tokens - sequence.step)
@@ -436,14 +462,14 @@ class ContinuousEngine:
             if stopped:
                 count = stop + 1
             done = stopped or sequence.step + count >= sequence.request.max_new_tokens
-            if count and sequence.step == 0:
-                self.observer.first_token(now - sequence.enqueued)
+            if count:
+                sequence.last_token_at = now
             self._send(
                 sequence, arrays, int(first[i]), count, (FINISH_STOP if stopped else FINISH_LENGTH) if done else ""
             )
             sequence.step += count
             sequence.tokens.extend(tokens[:count])
-            emitted[i], finished[i] = count, done
+            emitted[i], finished[i], ended[i], stopped_rows[i] = count, done, done, stopped
             if not done and unusable[i, accepted[i]]:  # plain decoding would fail at this step
                 finished[i] = True
                 _quietly(sequence.handle.fail, f"the language model produced unusable logits at step {sequence.step}")
@@ -453,6 +479,9 @@ class ContinuousEngine:
                 int((drafted > 0).sum()), int(drafted.sum()), int(np.minimum(accepted, emitted).sum())
             )
         self.observer.generated(int(emitted.sum()))
+        self.observer.stepped(
+            _step_record(now, steps, enqueued, last_at, emitted, ended, stopped_rows, arrays, owner, within, self._params)
+        )
         self._last = torch.from_numpy(sampled[np.arange(rows), np.maximum(emitted - 1, 0)])
         if self._history is not None:
             self._history.append(sampled, emitted)
@@ -494,6 +523,10 @@ class ContinuousEngine:
         if self._history is not None:
             self._history.join([s.request.prompt for s in fresh], [s.reserved for s in fresh])
         self._rows = self._rows + fresh
+        now = time.monotonic()
+        self.observer.admitted(
+            np.array([now - s.enqueued for s in fresh]), int(sum(s.request.prompt.size for s in fresh))
+        )
         self._reserved += sum(s.reserved for s in fresh)
         return logits
 
@@ -526,6 +559,34 @@ class ContinuousEngine:
         with self._cv:
             waiting = len(self._waiting)
         self.observer.occupancy(len(self._rows), waiting, sum(s.cached for s in self._rows))
+
+
+def _step_record(
+    now: float,
+    steps: np.ndarray,
+    enqueued: np.ndarray,
+    last_at: np.ndarray,
+    emitted: np.ndarray,
+    ended: np.ndarray,
+    stopped: np.ndarray,
+    arrays: dict,
+    owner: np.ndarray,
+    within: np.ndarray,
+    params: RowParams,
+) -> StepRecord:
+    """One step's timings and kept masses, vectorised over rows and sampled positions (rows
+    aligned with `steps`, positions with `owner` / `within`)."""
+    spoke = emitted > 0
+    # Only the tokens a row emitted count (not its rejected drafts), and only where it asked for a mask.
+    kept = (within < emitted[owner]) & params.return_sampling_mask[owner].astype(bool)
+    log_kept = arrays[OUTPUT_LOGPROBS.name][kept].astype(np.float64) - arrays[SAMPLING_LOGPROBS.name][kept]
+    return StepRecord(
+        first_token_s=(now - enqueued)[spoke & (steps == 0)],
+        inter_token_s=(now - last_at)[spoke & (steps > 0)],
+        e2e_s=(now - enqueued)[ended],
+        finished={FINISH_STOP: int(stopped.sum()), FINISH_LENGTH: int((ended & ~stopped).sum())},
+        log_kept_mass=log_kept,
+    )
 
 
 def _accepted(sampled: np.ndarray, drafts: np.ndarray | None, unusable: np.ndarray) -> np.ndarray:
