@@ -97,6 +97,7 @@ def generate_value(samples: dict, name: str, **labels) -> float:
 def bucket_bounds(samples: dict, name: str) -> list[float]:
     """The finite `le` bounds of a histogram's series, ascending."""
     bounds = {dict(labels)["le"] for key, labels in samples if key == f"{name}_bucket"}
+    assert len(bounds) > 5, name
     return sorted(float(b) for b in bounds if b != "+Inf")
 
 
@@ -106,7 +107,7 @@ def test_generate_metrics_follow_a_real_load(triton_server):
     prompts = [rng.integers(3, 200, rng.integers(1, 9)).tolist() for _ in range(LOAD)]
     masked = [i % 2 == 0 for i in range(LOAD)]
     before = scrape(triton_server.metrics_url)
-    sent, first, last, kept_mass = {}, {}, {}, []
+    sent, first, last, kept_mass, timings = {}, {}, {}, [], {}
     running_seen = 0.0
     with GenerateStream(triton_server.grpc_url) as stream:
         for i in range(LOAD):
@@ -123,10 +124,14 @@ def test_generate_metrics_follow_a_real_load(triton_server):
                 errors.append(error.message())
             if outputs is not None:
                 first.setdefault(request_id, now)
+                if "time_to_first_token_s" in outputs:  # the last response: the request's own timings
+                    timings[request_id] = outputs
                 last[request_id] = now
                 if masked[int(request_id)]:
                     # -log(kept mass), as the server exports it (clipped at 0 against rounding).
-                    kept_mass.append(max(float(outputs["sampling_logprobs"][0]) - float(outputs["output_logprobs"][0]), 0.0))
+                    kept_mass.append(
+                        max(float(outputs["sampling_logprobs"][0]) - float(outputs["output_logprobs"][0]), 0.0)
+                    )
                 if len(first) == 1:  # the load is on: requests run, the gauge says so
                     running_seen = generate_value(scrape(triton_server.metrics_url), "generate_num_requests_running")
             finals += final
@@ -151,8 +156,14 @@ def test_generate_metrics_follow_a_real_load(triton_server):
     assert delta("generate_inter_token_latency_seconds_count") == sum(budgets) - LOAD
     assert delta("generate_neg_log_kept_mass_count") == len(kept_mass) == sum(b for b, m in zip(budgets, masked) if m)
     # Sums: the server's interval lies within the client's (send -> the response arrives).
-    e2e_sum, ttft_sum = delta("generate_e2e_request_latency_seconds_sum"), delta("generate_time_to_first_token_seconds_sum")
-    itl_sum, queue_sum = delta("generate_inter_token_latency_seconds_sum"), delta("generate_request_queue_time_seconds_sum")
+    e2e_sum, ttft_sum = (
+        delta("generate_e2e_request_latency_seconds_sum"),
+        delta("generate_time_to_first_token_seconds_sum"),
+    )
+    itl_sum, queue_sum = (
+        delta("generate_inter_token_latency_seconds_sum"),
+        delta("generate_request_queue_time_seconds_sum"),
+    )
     assert 0 < queue_sum <= ttft_sum <= ttft_client.sum()
     assert e2e_sum <= e2e_client.sum()
     assert e2e_sum == pytest.approx(ttft_sum + itl_sum, rel=1e-3)  # first token, then the gaps
@@ -164,6 +175,14 @@ def test_generate_metrics_follow_a_real_load(triton_server):
         for bound in bucket_bounds(after, series):
             at_most = delta(f"{series}_bucket", le=_le(after, series, bound))
             assert at_most >= (measured <= bound).sum(), (series, bound)
+    # Each request's own timings (its last response) add up to the histograms' sums.
+    assert sorted(timings) == sorted(sent)
+    returned = {n: np.array([timings[k][n] for k in sent]) for n in ("queue_time_s", "time_to_first_token_s")}
+    returned["e2e"] = np.array([timings[k]["queue_time_s"] + timings[k]["generation_time_s"] for k in sent])
+    assert returned["queue_time_s"].sum() == pytest.approx(queue_sum, rel=1e-3)
+    assert returned["time_to_first_token_s"].sum() == pytest.approx(ttft_sum, rel=1e-3)
+    assert returned["e2e"].sum() == pytest.approx(e2e_sum, rel=1e-3)
+    assert (returned["time_to_first_token_s"] <= ttft_client).all() and (returned["e2e"] <= e2e_client).all()
     # The kept mass: what the responses say, token by token (float32 outputs, summed here in float64).
     assert delta("generate_neg_log_kept_mass_sum") == pytest.approx(sum(kept_mass), abs=1e-3 * len(kept_mass))
     for bound in bucket_bounds(after, "generate_neg_log_kept_mass"):
@@ -193,7 +212,9 @@ def wait_until_idle(metrics_url: str, timeout_s: float = 10.0) -> dict:
 
 def test_the_documented_triton_series_exist(triton_server):
     """docs/metrics.md's `nv_*` names (which the dashboard may query) are on a real server's endpoint."""
-    documented = set(re.findall(r"`(nv_\w+)`", (Path(__file__).resolve().parents[1] / "docs" / "metrics.md").read_text()))
+    documented = set(
+        re.findall(r"`(nv_\w+)`", (Path(__file__).resolve().parents[1] / "docs" / "metrics.md").read_text())
+    )
     opt_in = {"nv_inference_first_response_histogram_ms"}  # only with --metrics-config histogram_latencies=true
     served = {name for name, _ in scrape(triton_server.metrics_url)}
     assert documented - opt_in and documented - opt_in <= served, (documented - opt_in) - served

@@ -181,6 +181,7 @@ def alone(lm, req) -> RecordingHandle:
     return generate(lm, [replace(req, stream=False)])[0]
 
 
+TIMING_NAMES = ("queue_time_s", "time_to_first_token_s", "generation_time_s")
 MASKED = dict(temperature=0.9, top_k=12, top_p=0.85, min_p=0.02, seed=5, return_sampling_mask=True)
 
 
@@ -260,6 +261,14 @@ def test_step_records_time_each_request_and_the_kept_mass_of_masked_tokens():
     assert e2e.sum() == pytest.approx(ttft.sum() + itl.sum(), rel=1e-6)
     assert max(observer.queue_s) <= ttft.min()
     assert sum(step.finished["length"] for step in observer.steps) == len(reqs)
+    # Each request's last response carries its own timings: the same clock as the records.
+    finals = [handle.chunks[-1] for handle in handles]
+    timing = {name: np.array([chunk[name][0] for chunk in finals], np.float64) for name in TIMING_NAMES}
+    np.testing.assert_allclose(np.sort(timing["queue_time_s"]), np.sort(observer.queue_s), rtol=1e-6)
+    np.testing.assert_allclose(np.sort(timing["time_to_first_token_s"]), np.sort(ttft), rtol=1e-6)
+    total = timing["queue_time_s"] + timing["generation_time_s"]
+    np.testing.assert_allclose(np.sort(total), np.sort(e2e), rtol=1e-5)
+    assert all(name not in chunk.outputs for name in TIMING_NAMES for chunk in handles[2].chunks[:-1])
     assert sum(step.finished["stop"] for step in observer.steps) == 0
     # log(kept mass) of every token of the masked requests, against the float64 reference.
     expected = []
@@ -267,7 +276,7 @@ def test_step_records_time_each_request_and_the_kept_mass_of_masked_tokens():
         if not req.params.return_sampling_mask[0]:
             continue
         ids = handle.ids()
-        for previous, token in zip(np.concatenate([req.prompt[-1:], ids[:-1]]), ids):
+        for previous in np.concatenate([req.prompt[-1:], ids[:-1]]):
             ref = reference_row(BigramLM.TABLE[previous], 0.9, 12, 0.85, 0.02)
             expected.append(np.logaddexp.reduce(ref.logprobs[ref.support]))
     kept = observer.series("log_kept_mass")

@@ -73,5 +73,7 @@ def test_generate_histograms_are_sent_when_due_or_when_the_engine_idles():
     for le, count in kept.items():
         assert stub.value(f"{GENERATE_KEPT_MASS}_bucket", model="generate", le=le) == count, le
     assert stub.value("generate_request_success_total", model="generate", finished_reason="length") == 2
-    assert "stop" not in {m.labels.get("finished_reason") for m in stub.families["generate_request_success_total"].metrics}
+    assert "stop" not in {
+        m.labels.get("finished_reason") for m in stub.families["generate_request_success_total"].metrics
+    }
     assert stub.value("generate_num_requests_running", model="generate") == 0

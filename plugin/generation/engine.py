@@ -49,6 +49,7 @@ from ..sampling.outputs import (
     OUTPUT_IDS,
     OUTPUT_LOGPROBS,
     SAMPLING_LOGPROBS,
+    TIMING_OUTPUTS,
     UNMASKED_OUTPUT_NAMES,
     WEIGHT_VERSION,
     padding,
@@ -146,7 +147,9 @@ class _Sequence:
     enqueued: float
     stops: np.ndarray
     step: int = 0
-    last_token_at: float = 0.0  # when its latest token was sampled (monotonic seconds)
+    admitted_at: float = 0.0  # when it joined the batch (monotonic seconds, as the others)
+    first_token_at: float = 0.0
+    last_token_at: float = 0.0  # when its latest token was sampled
     tokens: list = field(default_factory=list)  # ids generated so far (to recompute the cache after an update)
     parts: list = field(default_factory=list)  # per step: dict of that step's tokens' outputs (non-streamed)
 
@@ -463,6 +466,8 @@ class ContinuousEngine:
                 count = stop + 1
             done = stopped or sequence.step + count >= sequence.request.max_new_tokens
             if count:
+                if sequence.step == 0:
+                    sequence.first_token_at = now
                 sequence.last_token_at = now
             self._send(
                 sequence, arrays, int(first[i]), count, (FINISH_STOP if stopped else FINISH_LENGTH) if done else ""
@@ -480,7 +485,9 @@ class ContinuousEngine:
             )
         self.observer.generated(int(emitted.sum()))
         self.observer.stepped(
-            _step_record(now, steps, enqueued, last_at, emitted, ended, stopped_rows, arrays, owner, within, self._params)
+            _step_record(
+                now, steps, enqueued, last_at, emitted, ended, stopped_rows, arrays, owner, within, self._params
+            )
         )
         self._last = torch.from_numpy(sampled[np.arange(rows), np.maximum(emitted - 1, 0)])
         if self._history is not None:
@@ -498,6 +505,8 @@ class ContinuousEngine:
             for position in range(start, start + count):
                 row = {name: value[position : position + 1] for name, value in arrays.items()}
                 last = position == start + count - 1
+                if done and last:
+                    row.update(_timings(sequence))
                 sequence.handle.send(GenerationChunk(row, finish_reason if last else ""), final=done and last)
             return
         if count:  # copies: a view would keep the whole step's arrays alive
@@ -524,6 +533,8 @@ class ContinuousEngine:
             self._history.join([s.request.prompt for s in fresh], [s.reserved for s in fresh])
         self._rows = self._rows + fresh
         now = time.monotonic()
+        for sequence in fresh:
+            sequence.admitted_at = now
         self.observer.admitted(
             np.array([now - s.enqueued for s in fresh]), int(sum(s.request.prompt.size for s in fresh))
         )
@@ -608,7 +619,18 @@ def _whole(sequence: _Sequence, finish_reason: str, width: int) -> GenerationChu
     for name in MASK_OUTPUT_NAMES:
         if name not in arrays:
             arrays[name] = padding(name, len(arrays[OUTPUT_IDS.name]), width)
-    return GenerationChunk({name: arrays[name] for name in GENERATION_TOKEN_OUTPUT_NAMES}, finish_reason)
+    outputs = {name: arrays[name] for name in GENERATION_TOKEN_OUTPUT_NAMES}
+    return GenerationChunk({**outputs, **_timings(sequence)}, finish_reason)
+
+
+def _timings(sequence: _Sequence) -> dict[str, np.ndarray]:
+    """A finished request's timing outputs (seconds): queue, time to first token, generation."""
+    seconds = (
+        sequence.admitted_at - sequence.enqueued,
+        sequence.first_token_at - sequence.enqueued,
+        sequence.last_token_at - sequence.admitted_at,
+    )
+    return {spec.name: np.array([value], spec.dtype) for spec, value in zip(TIMING_OUTPUTS, seconds)}
 
 
 def _quietly(call, *args) -> None:

@@ -194,7 +194,11 @@ class GenerateMetrics:
                 (GENERATE_PROMPT_TOKENS, "Prompt tokens prefilled (requests admitted into the batch)", counter),
                 (GENERATE_SUCCESS, "Generate requests finished, by finished_reason (stop, length)", counter),
                 (GENERATE_CANCELLED, "Generate requests stopped by client cancellation", counter),
-                (GENERATE_REJECTED, "Generate requests refused before generation, by reason (invalid, capacity)", counter),
+                (
+                    GENERATE_REJECTED,
+                    "Generate requests refused before generation, by reason (invalid, capacity)",
+                    counter,
+                ),
                 (GENERATE_RUNNING, "Requests in the running decode batch", gauge),
                 (GENERATE_WAITING, "Requests queued for admission", gauge),
                 (GENERATE_KV_TOKENS, "KV-cache positions held by active requests (prompt + generated)", gauge),
@@ -222,7 +226,8 @@ class GenerateMetrics:
             for reason in (INVALID, CAPACITY)
         }
         self._gauges = [
-            self._families[name].Metric(labels=labels) for name in (GENERATE_RUNNING, GENERATE_WAITING, GENERATE_KV_TOKENS)
+            self._families[name].Metric(labels=labels)
+            for name in (GENERATE_RUNNING, GENERATE_WAITING, GENERATE_KV_TOKENS)
         ]
         self._last = [None] * len(self._gauges)
         self._histograms = {
