@@ -179,9 +179,10 @@ FLUSH_INTERVAL_S = 0.5
 
 class GenerateMetrics:
     """The generate model's counters, gauges and histograms; it observes the engine (`admitted`,
-    `stepped`, `occupancy`, `speculated`) and counts cancellations. Histogram observations come
-    as one array per engine step and are sent aggregated (`FLUSH_INTERVAL_S`, and whenever the
-    engine has nothing left to do)."""
+    `stepped`, `occupancy`, `speculated`) and counts cancellations and refusals. What `admitted`
+    and `stepped` observe (histograms as one array per engine step, prompt tokens, finishes) is
+    kept locally and sent from `occupancy`, outside the step, every `FLUSH_INTERVAL_S` and
+    whenever the engine has nothing left to do."""
 
     def __init__(self, pb_utils, model: str, clock=time.monotonic):
         kinds = pb_utils.MetricFamily
@@ -237,6 +238,8 @@ class GenerateMetrics:
             self._families[name].Metric(labels=labels)
             for name in (GENERATE_SPEC_DRAFTS, GENERATE_SPEC_DRAFTED, GENERATE_SPEC_ACCEPTED)
         ]
+        self._pending_prompt_tokens = 0
+        self._pending_success: Counter = Counter()
         self._clock = clock
         self._flushed_at = clock()
 
@@ -255,25 +258,20 @@ class GenerateMetrics:
                 self._rejected[reason].increment(count)
 
     def admitted(self, queue_seconds: np.ndarray, prompt_tokens: int) -> None:
-        """Observe the requests one step admitted: each one's wait, and their prompt tokens."""
+        """Observe the requests one step admitted: each one's wait, and their prompt tokens
+        (kept locally, sent with the histograms: no IPC inside the engine's step)."""
         self._histograms[GENERATE_QUEUE].observe(queue_seconds)
-        if prompt_tokens:
-            self._prompt_tokens.increment(prompt_tokens)
+        self._pending_prompt_tokens += prompt_tokens
 
     def stepped(self, step) -> None:
-        """Observe one engine step's timings and kept masses (an engine `StepRecord`)."""
+        """Observe one engine step's timings, finishes and kept masses (an engine `StepRecord`;
+        kept locally, sent with the histograms)."""
         self._histograms[GENERATE_TTFT].observe(step.first_token_s)
         self._histograms[GENERATE_ITL].observe(step.inter_token_s)
         self._histograms[GENERATE_E2E].observe(step.e2e_s)
         # Rounding can leave a log kept mass a hair above 0: clipped, so the sum never decreases.
         self._histograms[GENERATE_KEPT_MASS].observe(np.maximum(-step.log_kept_mass, 0.0))
-        for reason, count in step.finished.items():
-            if count:
-                if reason not in self._success:
-                    self._success[reason] = self._families[GENERATE_SUCCESS].Metric(
-                        labels={**self._labels, "finished_reason": reason}
-                    )
-                self._success[reason].increment(count)
+        self._pending_success.update(step.finished)
 
     def speculated(self, drafts: int, drafted: int, accepted: int) -> None:
         """Count one engine step's speculation: rows that drafted, tokens drafted, tokens accepted
@@ -291,6 +289,20 @@ class GenerateMetrics:
                 self._last[i] = value
         now = self._clock()
         if (active == 0 and waiting == 0) or now - self._flushed_at >= FLUSH_INTERVAL_S:
-            for histogram in self._histograms.values():
-                histogram.flush()
+            self._flush()
             self._flushed_at = now
+
+    def _flush(self) -> None:
+        for histogram in self._histograms.values():
+            histogram.flush()
+        if self._pending_prompt_tokens:
+            self._prompt_tokens.increment(self._pending_prompt_tokens)
+            self._pending_prompt_tokens = 0
+        for reason, count in self._pending_success.items():
+            if count:
+                if reason not in self._success:
+                    self._success[reason] = self._families[GENERATE_SUCCESS].Metric(
+                        labels={**self._labels, "finished_reason": reason}
+                    )
+                self._success[reason].increment(count)
+        self._pending_success.clear()
