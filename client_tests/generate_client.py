@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-from triton_sampling_mask.sampling.outputs import FINISH_REASON, MASK, TOKEN_OUTPUT_NAMES, TOKEN_OUTPUTS
+from triton_sampling_mask.sampling.outputs import FINISH_REASON, MASK, TIMING_OUTPUTS, TOKEN_OUTPUT_NAMES, TOKEN_OUTPUTS
 
 from .server import INPUT_DTYPES, NUMPY_DTYPES
 
@@ -83,6 +83,10 @@ class GenerateStream:
         final = response.parameters["triton_final_response"].bool_param
         outputs = {name: result.as_numpy(name) for name in (*TOKEN_OUTPUT_NAMES, FINISH_REASON.name)}
         outputs = None if outputs["output_ids"] is None else {k: v[0] for k, v in outputs.items()}
+        for spec in TIMING_OUTPUTS:  # a request's last response only
+            value = result.as_numpy(spec.name)
+            if outputs is not None and value is not None:
+                outputs[spec.name] = float(value.reshape(-1)[0])
         return response.id, outputs, final, None
 
     def close(self, cancel: bool = False) -> None:

@@ -95,7 +95,7 @@ def fill_the_tight_variant(server, stream: GenerateStream, running_tokens: int, 
     stream.send([5, 6, 7], waiting_tokens, request_id="waiting", **dict(SAMPLED, seed=2))
     wait_for_counter(
         server.metrics_url,
-        "generate_waiting_requests",
+        "generate_num_requests_waiting",
         lambda v: v == 1,
         "the second request never queued",
         model=stream.model,
@@ -113,7 +113,7 @@ def test_a_request_joining_a_running_batch_equals_it_run_alone(engine_server):
         short = read_to_final(short_stream, 1)["short"]
         assert short["finals"] == 1 and not short["errors"]
         # It finished while the long one still runs: it joined the batch instead of waiting for it.
-        assert counter(engine_server.metrics_url, "generate_active_sequences") >= 1
+        assert counter(engine_server.metrics_url, "generate_num_requests_running") >= 1
         long_rest = read_to_final(long_stream, 1)["long"]
         assert long_rest["finals"] == 1 and not long_rest["errors"]
     finally:
@@ -155,7 +155,7 @@ def test_cancellation_frees_its_slot_while_others_continue(engine_server):
     # The slot is free: the tight variant (one slot) shows it best, below; here the batch empties.
     wait_for_counter(
         engine_server.metrics_url,
-        "generate_active_sequences",
+        "generate_num_requests_running",
         lambda v: v == 0,
         "a cancelled or finished sequence kept its slot",
     )
@@ -182,7 +182,7 @@ def test_beyond_the_bounds_requests_are_refused_unavailable_and_each_ends_once(e
     # A fresh request is served once the cancelled ones have left (waiting one cancelled too).
     wait_for_counter(
         engine_server.metrics_url,
-        "generate_active_sequences",
+        "generate_num_requests_running",
         lambda v: v == 0,
         "the cancelled requests kept the slot",
         timeout_s=60,
@@ -242,7 +242,7 @@ def test_huge_prompts_beyond_the_waiting_token_budget_are_refused_naming_it(engi
         assert stream.next()[3] is None  # it holds the slot (and 243 of the 256 KV positions)
         stream.send([9] * 40, 4, request_id="waiting", **dict(SAMPLED, seed=2))  # 40 of 64 tokens
         wait_for_counter(
-            engine_server.metrics_url, "generate_waiting_requests", lambda v: v == 1, "it never queued", model=QUEUE
+            engine_server.metrics_url, "generate_num_requests_waiting", lambda v: v == 1, "it never queued", model=QUEUE
         )
         with pytest.raises(InferenceServerException) as refused:  # 40 + 40 > 64
             grpc_generate(engine_server.grpc_url, [9] * 40, 4, model=QUEUE)
@@ -251,13 +251,13 @@ def test_huge_prompts_beyond_the_waiting_token_budget_are_refused_naming_it(engi
         assert status == 503 and "max_waiting_tokens" in body["error"]
         stream.send([9] * 24, 4, request_id="fits", **dict(SAMPLED, seed=3))  # 40 + 24 = 64: waits
         wait_for_counter(
-            engine_server.metrics_url, "generate_waiting_requests", lambda v: v == 2, "it never queued", model=QUEUE
+            engine_server.metrics_url, "generate_num_requests_waiting", lambda v: v == 2, "it never queued", model=QUEUE
         )
     finally:
         stream.close(cancel=True)
     wait_for_counter(
         engine_server.metrics_url,
-        "generate_active_sequences",
+        "generate_num_requests_running",
         lambda v: v == 0,
         "the cancelled requests kept the slot",
         timeout_s=60,

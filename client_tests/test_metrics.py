@@ -1,14 +1,21 @@
-"""Custom metrics on Triton's Prometheus endpoint move exactly as the requests sent say."""
+"""Custom metrics on Triton's Prometheus endpoint move exactly as the requests sent say (the
+sampler's and, under a real load of a few dozen requests, the generate model's)."""
 
 from __future__ import annotations
 
+import re
+import time
+from pathlib import Path
+
 import numpy as np
+import pytest
 import tritonclient.http as httpclient
 
 from tests.reference import reference_row
 from triton_sampling_mask.client.wire import infer_input as tensor
 from triton_sampling_mask.serving.metrics import mask_length_buckets
 
+from .generate_client import GenerateStream
 from .reliability import INVALID_ARGUMENT, expect_error, scrape
 from .server import infer
 
@@ -74,3 +81,140 @@ def test_metrics_count_outcomes_mask_rows_lengths_and_time(triton_server, http_c
     # The other models' series are their own.
     other = frozenset({"model": "sampler_speculative", "version": "1", "outcome": "ok", "reason": "ok"}.items())
     assert after.get(("sampler_requests_total", other), 0.0) == before.get(("sampler_requests_total", other), 0.0)
+
+
+# A load on the session server's `generate` (plain decoding: one token per request per step).
+GENERATE = {"model": "generate"}
+MASKED = dict(temperature=0.8, top_k=20, top_p=0.9, return_sampling_mask=True, ignore_eos=True)
+PLAIN = dict(temperature=0.8, ignore_eos=True)
+LOAD = 36
+
+
+def generate_value(samples: dict, name: str, **labels) -> float:
+    return samples.get((name, frozenset({**GENERATE, **labels}.items())), 0.0)
+
+
+def bucket_bounds(samples: dict, name: str) -> list[float]:
+    """The finite `le` bounds of a histogram's series, ascending."""
+    bounds = {dict(labels)["le"] for key, labels in samples if key == f"{name}_bucket"}
+    assert len(bounds) > 5, name
+    return sorted(float(b) for b in bounds if b != "+Inf")
+
+
+def test_generate_metrics_follow_a_real_load(triton_server):
+    rng = np.random.default_rng(5)
+    budgets = rng.integers(4, 40, LOAD).tolist()
+    prompts = [rng.integers(3, 200, rng.integers(1, 9)).tolist() for _ in range(LOAD)]
+    masked = [i % 2 == 0 for i in range(LOAD)]
+    before = scrape(triton_server.metrics_url)
+    sent, first, last, kept_mass, timings = {}, {}, {}, [], {}
+    running_seen = 0.0
+    with GenerateStream(triton_server.grpc_url) as stream:
+        for i in range(LOAD):
+            sent[str(i)] = time.monotonic()
+            params = MASKED if masked[i] else PLAIN
+            stream.send(prompts[i], budgets[i], request_id=str(i), stream=True, seed=i, **params)
+        for bad in range(2):  # refused with a 400 before generation
+            stream.send([5, 10**6], 3, request_id=f"bad{bad}")
+        finals, errors = 0, []
+        while finals < LOAD + 2:
+            request_id, outputs, final, error = stream.next()
+            now = time.monotonic()
+            if error is not None:
+                errors.append(error.message())
+            if outputs is not None:
+                first.setdefault(request_id, now)
+                if "time_to_first_token_s" in outputs:  # the last response: the request's own timings
+                    timings[request_id] = outputs
+                last[request_id] = now
+                if masked[int(request_id)]:
+                    # -log(kept mass), as the server exports it (clipped at 0 against rounding).
+                    kept_mass.append(
+                        max(float(outputs["sampling_logprobs"][0]) - float(outputs["output_logprobs"][0]), 0.0)
+                    )
+                if len(first) == 1:  # the load is on: requests run, the gauge says so
+                    running_seen = generate_value(scrape(triton_server.metrics_url), "generate_num_requests_running")
+            finals += final
+    assert len(errors) == 2 and all("input_ids" in message for message in errors), errors
+    after = wait_until_idle(triton_server.metrics_url)
+
+    delta = lambda name, **labels: generate_value(after, name, **labels) - generate_value(before, name, **labels)  # noqa: E731
+    e2e_client = np.array([last[k] - sent[k] for k in sent])
+    ttft_client = np.array([first[k] - sent[k] for k in sent])
+    assert running_seen >= 1
+    assert generate_value(after, "generate_num_requests_running") == 0
+    assert generate_value(after, "generate_num_requests_waiting") == 0
+    # Counts are what was sent.
+    assert delta("generate_request_success_total", finished_reason="length") == LOAD
+    assert delta("generate_request_success_total", finished_reason="stop") == 0
+    assert delta("generate_requests_rejected_total", reason="invalid") == 2
+    assert delta("generate_requests_rejected_total", reason="capacity") == 0
+    assert delta("generate_tokens_total") == sum(budgets)
+    assert delta("generate_prompt_tokens_total") == sum(len(p) for p in prompts)
+    for name in ("e2e_request_latency", "request_queue_time", "time_to_first_token"):
+        assert delta(f"generate_{name}_seconds_count") == LOAD, name
+    assert delta("generate_inter_token_latency_seconds_count") == sum(budgets) - LOAD
+    assert delta("generate_neg_log_kept_mass_count") == len(kept_mass) == sum(b for b, m in zip(budgets, masked) if m)
+    # Sums: the server's interval lies within the client's (send -> the response arrives).
+    e2e_sum, ttft_sum = (
+        delta("generate_e2e_request_latency_seconds_sum"),
+        delta("generate_time_to_first_token_seconds_sum"),
+    )
+    itl_sum, queue_sum = (
+        delta("generate_inter_token_latency_seconds_sum"),
+        delta("generate_request_queue_time_seconds_sum"),
+    )
+    assert 0 < queue_sum <= ttft_sum <= ttft_client.sum()
+    assert e2e_sum <= e2e_client.sum()
+    assert e2e_sum == pytest.approx(ttft_sum + itl_sum, rel=1e-3)  # first token, then the gaps
+    assert itl_sum >= 0.5 * (e2e_client - ttft_client).sum()
+    # Histograms hold the measured latencies: at every bound, at least the requests the client saw
+    # finish within it (the server's share of each request is the shorter).
+    for name, measured in (("e2e_request_latency", e2e_client), ("time_to_first_token", ttft_client)):
+        series = f"generate_{name}_seconds"
+        for bound in bucket_bounds(after, series):
+            at_most = delta(f"{series}_bucket", le=_le(after, series, bound))
+            assert at_most >= (measured <= bound).sum(), (series, bound)
+    # Each request's own timings (its last response) add up to the histograms' sums.
+    assert sorted(timings) == sorted(sent)
+    returned = {n: np.array([timings[k][n] for k in sent]) for n in ("queue_time_s", "time_to_first_token_s")}
+    returned["e2e"] = np.array([timings[k]["queue_time_s"] + timings[k]["generation_time_s"] for k in sent])
+    assert returned["queue_time_s"].sum() == pytest.approx(queue_sum, rel=1e-3)
+    assert returned["time_to_first_token_s"].sum() == pytest.approx(ttft_sum, rel=1e-3)
+    assert returned["e2e"].sum() == pytest.approx(e2e_sum, rel=1e-3)
+    assert (returned["time_to_first_token_s"] <= ttft_client).all() and (returned["e2e"] <= e2e_client).all()
+    # The kept mass: what the responses say, token by token (float32 outputs, summed here in float64).
+    assert delta("generate_neg_log_kept_mass_sum") == pytest.approx(sum(kept_mass), abs=1e-3 * len(kept_mass))
+    for bound in bucket_bounds(after, "generate_neg_log_kept_mass"):
+        at_most = delta("generate_neg_log_kept_mass_bucket", le=_le(after, "generate_neg_log_kept_mass", bound))
+        assert abs(at_most - sum(k <= bound for k in kept_mass)) <= sum(abs(k - bound) < 1e-5 for k in kept_mass)
+
+
+def _le(samples: dict, series: str, bound: float) -> str:
+    """The `le` label text of a bucket bound as the server writes it."""
+    return next(
+        dict(labels)["le"]
+        for key, labels in samples
+        if key == f"{series}_bucket" and dict(labels)["le"] != "+Inf" and float(dict(labels)["le"]) == bound
+    )
+
+
+def wait_until_idle(metrics_url: str, timeout_s: float = 10.0) -> dict:
+    """A scrape once the engine reports nothing running or waiting (it flushes its histograms then)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        samples = scrape(metrics_url)
+        idle = all(generate_value(samples, f"generate_num_requests_{s}") == 0 for s in ("running", "waiting"))
+        if idle or time.monotonic() > deadline:
+            return samples
+        time.sleep(0.05)
+
+
+def test_the_documented_triton_series_exist(triton_server):
+    """docs/metrics.md's `nv_*` names (which the dashboard may query) are on a real server's endpoint."""
+    documented = set(
+        re.findall(r"`(nv_\w+)`", (Path(__file__).resolve().parents[1] / "docs" / "metrics.md").read_text())
+    )
+    opt_in = {"nv_inference_first_response_histogram_ms"}  # only with --metrics-config histogram_latencies=true
+    served = {name for name, _ in scrape(triton_server.metrics_url)}
+    assert documented - opt_in and documented - opt_in <= served, (documented - opt_in) - served

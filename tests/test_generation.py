@@ -107,13 +107,22 @@ class RecordingHandle:
 
 class RecordingObserver:
     def __init__(self):
-        self.tokens, self.ttft, self.peak_active = 0, [], 0
+        self.tokens, self.peak_active, self.prompt_tokens, self.steps = 0, 0, 0, []
+        self.queue_s: list[float] = []
 
     def generated(self, tokens):
         self.tokens += tokens
 
-    def first_token(self, seconds):
-        self.ttft.append(seconds)
+    def admitted(self, queue_seconds, prompt_tokens):
+        self.queue_s.extend(queue_seconds.tolist())
+        self.prompt_tokens += prompt_tokens
+
+    def stepped(self, step):
+        self.steps.append(step)
+
+    def series(self, field):
+        """One StepRecord field over every step, concatenated."""
+        return np.concatenate([getattr(step, field) for step in self.steps])
 
     def occupancy(self, active, waiting, kv_tokens):
         self.peak_active = max(self.peak_active, active)
@@ -172,6 +181,7 @@ def alone(lm, req) -> RecordingHandle:
     return generate(lm, [replace(req, stream=False)])[0]
 
 
+TIMING_NAMES = ("queue_time_s", "time_to_first_token_s", "generation_time_s")
 MASKED = dict(temperature=0.9, top_k=12, top_p=0.85, min_p=0.02, seed=5, return_sampling_mask=True)
 
 
@@ -219,6 +229,59 @@ def test_every_step_matches_the_reference_and_rows_align():
             ref.renormalised_logprob(token, len(ref.support)), abs=1e-4
         )
     assert running.observer.tokens == 30
+
+
+def test_step_records_time_each_request_and_the_kept_mass_of_masked_tokens():
+    lm = BigramLM()
+    budgets = [7, 3, 5]
+    reqs = [
+        request([10], budgets[0], ignore_eos=True, **MASKED),
+        request([11, 12], budgets[1], ignore_eos=True, temperature=0.8, seed=3),  # no mask: no kept mass
+        request([13], budgets[2], ignore_eos=True, stream=True, **MASKED),
+    ]
+    handles = [RecordingHandle() for _ in reqs]
+    running = engine(lm, start=False)
+    started = time.monotonic()
+    for handle, req in zip(handles, reqs):
+        running.submit(req, handle)
+    running.start()
+    try:
+        for handle in handles:
+            assert handle.done.wait(60)
+        elapsed = time.monotonic() - started
+    finally:
+        running.stop()
+    observer = running.observer
+    # One observation per request (queue, TTFT, end to end), one per later step (one token each).
+    assert len(observer.queue_s) == len(reqs) and observer.prompt_tokens == 4
+    ttft, itl, e2e = observer.series("first_token_s"), observer.series("inter_token_s"), observer.series("e2e_s")
+    assert len(ttft) == len(reqs) and len(e2e) == len(reqs) and len(itl) == sum(budgets) - len(reqs)
+    assert ((ttft > 0) & (ttft <= elapsed)).all() and ((e2e > 0) & (e2e <= elapsed)).all() and (itl > 0).all()
+    # A request's end-to-end time is its first token's time plus the gaps after it.
+    assert e2e.sum() == pytest.approx(ttft.sum() + itl.sum(), rel=1e-6)
+    assert max(observer.queue_s) <= ttft.min()
+    assert sum(step.finished["length"] for step in observer.steps) == len(reqs)
+    # Each request's last response carries its own timings: the same clock as the records.
+    finals = [handle.chunks[-1] for handle in handles]
+    timing = {name: np.array([chunk[name][0] for chunk in finals], np.float64) for name in TIMING_NAMES}
+    np.testing.assert_allclose(np.sort(timing["queue_time_s"]), np.sort(observer.queue_s), rtol=1e-6)
+    np.testing.assert_allclose(np.sort(timing["time_to_first_token_s"]), np.sort(ttft), rtol=1e-6)
+    total = timing["queue_time_s"] + timing["generation_time_s"]
+    np.testing.assert_allclose(np.sort(total), np.sort(e2e), rtol=1e-5)
+    assert all(name not in chunk.outputs for name in TIMING_NAMES for chunk in handles[2].chunks[:-1])
+    assert sum(step.finished["stop"] for step in observer.steps) == 0
+    # log(kept mass) of every token of the masked requests, against the float64 reference.
+    expected = []
+    for req, handle in zip(reqs, handles):
+        if not req.params.return_sampling_mask[0]:
+            continue
+        ids = handle.ids()
+        for previous in np.concatenate([req.prompt[-1:], ids[:-1]]):
+            ref = reference_row(BigramLM.TABLE[previous], 0.9, 12, 0.85, 0.02)
+            expected.append(np.logaddexp.reduce(ref.logprobs[ref.support]))
+    kept = observer.series("log_kept_mass")
+    np.testing.assert_allclose(np.sort(kept), np.sort(expected), atol=1e-4)
+    assert (kept <= 1e-6).all()
 
 
 def test_stops_streaming_zero_budget_and_batching():

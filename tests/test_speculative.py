@@ -66,12 +66,16 @@ class SpeculationObserver:
 
     def __init__(self):
         self.tokens, self.drafts, self.drafted, self.accepted = 0, 0, 0, 0
+        self.kept_masses = []
 
     def generated(self, tokens):
         self.tokens += tokens
 
-    def first_token(self, seconds):
+    def admitted(self, queue_seconds, prompt_tokens):
         pass
+
+    def stepped(self, step):
+        self.kept_masses.append(step.log_kept_mass)
 
     def occupancy(self, active, waiting, kv_tokens):
         pass
@@ -285,6 +289,11 @@ def test_greedy_loops_are_drafted_and_accepted():
     (spec,), observer = run(SpeculativeBigramLM(), [req], NgramDrafter())
     assert_same_generation(spec, plain)
     assert observer.tokens == 60 and observer.accepted > 30 and observer.drafted >= observer.accepted > 0
+    # One kept mass per emitted token, none for rejected drafts; greedy keeps the top token alone,
+    # so log(kept mass) is the token's own log-prob.
+    kept = np.concatenate(observer.kept_masses)
+    assert kept.size == observer.tokens == 60
+    np.testing.assert_allclose(np.sort(kept), np.sort(spec.output("output_logprobs").astype(np.float64)), atol=1e-6)
 
 
 def test_a_batch_at_the_disable_size_drafts_nothing_and_a_smaller_one_drafts():
@@ -304,11 +313,13 @@ def test_a_stop_token_inside_an_accepted_draft_ends_generation_there():
     # if it is a stop id when it first comes back inside a draft.
     loop_token = next(int(t) for i, t in enumerate(ids) if t in ids[:i])
     first = int(np.flatnonzero(ids == loop_token)[0])
-    req = request([30], 60, stop=[loop_token], ignore_eos=True, temperature=0.0)
+    req = request([30], 60, stop=[loop_token], ignore_eos=True, temperature=0.0, return_sampling_mask=True)
     (plain,), _ = run(BigramLM(), [req])
-    (spec,), _ = run(SpeculativeBigramLM(), [req], NgramDrafter(min_n=1))
+    (spec,), observer = run(SpeculativeBigramLM(), [req], NgramDrafter(min_n=1))
     assert_same_generation(spec, plain)
     assert len(spec.ids()) == first + 1 and spec.chunks[-1].finish_reason == "stop"
+    # The tokens sampled after the stop inside the draft were never emitted: no kept mass for them.
+    assert np.concatenate(observer.kept_masses).size == first + 1
 
 
 def test_broken_logits_fail_at_the_step_plain_decoding_fails():

@@ -47,6 +47,9 @@ from ..sampling.outputs import (
     GENERATION_TOKEN_OUTPUT_NAMES,
     MASK_OUTPUT_NAMES,
     OUTPUT_IDS,
+    OUTPUT_LOGPROBS,
+    SAMPLING_LOGPROBS,
+    TIMING_OUTPUTS,
     UNMASKED_OUTPUT_NAMES,
     WEIGHT_VERSION,
     padding,
@@ -102,12 +105,31 @@ class RequestHandle(Protocol):
     def fail(self, message: str, code_name: str = "INTERNAL") -> None: ...
 
 
+@dataclass(frozen=True)
+class StepRecord:
+    """What one engine step measured, as arrays (no per-token work to build them): the time to
+    first token of the rows that emitted their first token, the time since the previous step of
+    the rows that emitted later tokens, the end-to-end time of the requests that finished, how
+    many finished for each reason, and log(kept mass) = output_logprob - sampling_logprob of each
+    emitted token whose request asked for a mask."""
+
+    first_token_s: np.ndarray
+    inter_token_s: np.ndarray
+    e2e_s: np.ndarray
+    finished: dict[str, int]
+    log_kept_mass: np.ndarray
+
+
 class EngineObserver(Protocol):
-    """Counters and gauges of an engine (the serving layer turns them into metrics)."""
+    """Counters, gauges and timings of an engine (the serving layer turns them into metrics)."""
 
     def generated(self, tokens: int) -> None: ...
 
-    def first_token(self, seconds: float) -> None: ...
+    def admitted(self, queue_seconds: np.ndarray, prompt_tokens: int) -> None:
+        """The requests one step admitted: each one's wait since submission, their prompt tokens."""
+        ...
+
+    def stepped(self, step: StepRecord) -> None: ...
 
     def occupancy(self, active: int, waiting: int, kv_tokens: int) -> None: ...
 
@@ -125,6 +147,9 @@ class _Sequence:
     enqueued: float
     stops: np.ndarray
     step: int = 0
+    admitted_at: float = 0.0  # when it joined the batch (monotonic seconds, as the others)
+    first_token_at: float = 0.0
+    last_token_at: float = 0.0  # when its latest token was sampled
     tokens: list = field(default_factory=list)  # ids generated so far (to recompute the cache after an update)
     parts: list = field(default_factory=list)  # per step: dict of that step's tokens' outputs (non-streamed)
 
@@ -410,6 +435,8 @@ class ContinuousEngine:
         first = np.cumsum(positions) - positions
         within = np.arange(owner.size) - first[owner]
         steps = np.array([s.step for s in self._rows])
+        enqueued = np.array([s.enqueued for s in self._rows])
+        last_at = np.array([s.last_token_at for s in self._rows])
         params = self._params if owner.size == rows else self._params.take(owner)
         result = self.sampler.sample(logits, step_params(params, steps[owner] + within))
         # The sampler returns each row's max with its outputs: positions whose logits the LM broke
@@ -427,6 +454,8 @@ class ContinuousEngine:
         usable = accepted + ~unusable[np.arange(rows), accepted]
         emitted = np.zeros(rows, np.int64)
         finished = np.zeros(rows, bool)
+        ended = np.zeros(rows, bool)  # finished with a reason (not failed)
+        stopped_rows = np.zeros(rows, bool)
         now = time.monotonic()
         for i, (sequence, tokens) in enumerate(zip(self._rows, sampled.tolist())):
             count = min(int(usable[i]), sequence.request.max_new_tokens - sequence.step)
@@ -436,14 +465,16 @@ class ContinuousEngine:
             if stopped:
                 count = stop + 1
             done = stopped or sequence.step + count >= sequence.request.max_new_tokens
-            if count and sequence.step == 0:
-                self.observer.first_token(now - sequence.enqueued)
+            if count:
+                if sequence.step == 0:
+                    sequence.first_token_at = now
+                sequence.last_token_at = now
             self._send(
                 sequence, arrays, int(first[i]), count, (FINISH_STOP if stopped else FINISH_LENGTH) if done else ""
             )
             sequence.step += count
             sequence.tokens.extend(tokens[:count])
-            emitted[i], finished[i] = count, done
+            emitted[i], finished[i], ended[i], stopped_rows[i] = count, done, done, stopped
             if not done and unusable[i, accepted[i]]:  # plain decoding would fail at this step
                 finished[i] = True
                 _quietly(sequence.handle.fail, f"the language model produced unusable logits at step {sequence.step}")
@@ -453,6 +484,11 @@ class ContinuousEngine:
                 int((drafted > 0).sum()), int(drafted.sum()), int(np.minimum(accepted, emitted).sum())
             )
         self.observer.generated(int(emitted.sum()))
+        self.observer.stepped(
+            _step_record(
+                now, steps, enqueued, last_at, emitted, ended, stopped_rows, arrays, owner, within, self._params
+            )
+        )
         self._last = torch.from_numpy(sampled[np.arange(rows), np.maximum(emitted - 1, 0)])
         if self._history is not None:
             self._history.append(sampled, emitted)
@@ -469,6 +505,8 @@ class ContinuousEngine:
             for position in range(start, start + count):
                 row = {name: value[position : position + 1] for name, value in arrays.items()}
                 last = position == start + count - 1
+                if done and last:
+                    row.update(_timings(sequence))
                 sequence.handle.send(GenerationChunk(row, finish_reason if last else ""), final=done and last)
             return
         if count:  # copies: a view would keep the whole step's arrays alive
@@ -494,6 +532,12 @@ class ContinuousEngine:
         if self._history is not None:
             self._history.join([s.request.prompt for s in fresh], [s.reserved for s in fresh])
         self._rows = self._rows + fresh
+        now = time.monotonic()
+        for sequence in fresh:
+            sequence.admitted_at = now
+        self.observer.admitted(
+            np.array([now - s.enqueued for s in fresh]), int(sum(s.request.prompt.size for s in fresh))
+        )
         self._reserved += sum(s.reserved for s in fresh)
         return logits
 
@@ -528,6 +572,34 @@ class ContinuousEngine:
         self.observer.occupancy(len(self._rows), waiting, sum(s.cached for s in self._rows))
 
 
+def _step_record(
+    now: float,
+    steps: np.ndarray,
+    enqueued: np.ndarray,
+    last_at: np.ndarray,
+    emitted: np.ndarray,
+    ended: np.ndarray,
+    stopped: np.ndarray,
+    arrays: dict,
+    owner: np.ndarray,
+    within: np.ndarray,
+    params: RowParams,
+) -> StepRecord:
+    """One step's timings and kept masses, vectorised over rows and sampled positions (rows
+    aligned with `steps`, positions with `owner` / `within`)."""
+    spoke = emitted > 0
+    # Only the tokens a row emitted count (not its rejected drafts), and only where it asked for a mask.
+    kept = (within < emitted[owner]) & params.return_sampling_mask[owner].astype(bool)
+    log_kept = arrays[OUTPUT_LOGPROBS.name][kept].astype(np.float64) - arrays[SAMPLING_LOGPROBS.name][kept]
+    return StepRecord(
+        first_token_s=(now - enqueued)[spoke & (steps == 0)],
+        inter_token_s=(now - last_at)[spoke & (steps > 0)],
+        e2e_s=(now - enqueued)[ended],
+        finished={FINISH_STOP: int(stopped.sum()), FINISH_LENGTH: int((ended & ~stopped).sum())},
+        log_kept_mass=log_kept,
+    )
+
+
 def _accepted(sampled: np.ndarray, drafts: np.ndarray | None, unusable: np.ndarray) -> np.ndarray:
     """How many of each row's drafts stand ([rows]): draft i + 1 stands iff position i sampled it
     (a broken position samples nothing) and every draft before it stood. `sampled` and `unusable`
@@ -547,7 +619,18 @@ def _whole(sequence: _Sequence, finish_reason: str, width: int) -> GenerationChu
     for name in MASK_OUTPUT_NAMES:
         if name not in arrays:
             arrays[name] = padding(name, len(arrays[OUTPUT_IDS.name]), width)
-    return GenerationChunk({name: arrays[name] for name in GENERATION_TOKEN_OUTPUT_NAMES}, finish_reason)
+    outputs = {name: arrays[name] for name in GENERATION_TOKEN_OUTPUT_NAMES}
+    return GenerationChunk({**outputs, **_timings(sequence)}, finish_reason)
+
+
+def _timings(sequence: _Sequence) -> dict[str, np.ndarray]:
+    """A finished request's timing outputs (seconds): queue, time to first token, generation."""
+    seconds = (
+        sequence.admitted_at - sequence.enqueued,
+        sequence.first_token_at - sequence.enqueued,
+        sequence.last_token_at - sequence.admitted_at,
+    )
+    return {spec.name: np.array([value], spec.dtype) for spec, value in zip(TIMING_OUTPUTS, seconds)}
 
 
 def _quietly(call, *args) -> None:

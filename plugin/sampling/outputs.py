@@ -72,6 +72,15 @@ FINISH_REASON = OutputSpec("finish_reason", np.object_, REQUEST, "", '"length" o
 WEIGHT_VERSION = OutputSpec(
     "weight_version", np.object_, TOKEN, b"", "the weight version that sampled each token (generate only)"
 )
+# generate only, on a request's last response: its timings in seconds, from the engine's clock.
+QUEUE_TIME = OutputSpec("queue_time_s", np.float32, REQUEST, 0.0, "seconds from submission to admission (generate)")
+TIME_TO_FIRST_TOKEN = OutputSpec(
+    "time_to_first_token_s", np.float32, REQUEST, 0.0, "seconds from submission to the first token (generate)"
+)
+GENERATION_TIME = OutputSpec(
+    "generation_time_s", np.float32, REQUEST, 0.0, "seconds from admission to the last token (generate)"
+)
+TIMING_OUTPUTS = (QUEUE_TIME, TIME_TO_FIRST_TOKEN, GENERATION_TIME)
 # generate only: a control request's answer (JSON text), sent on control requests alone.
 CONTROL_RESULT = OutputSpec("control_result", np.object_, REQUEST, b"", "a control request's answer, JSON (generate)")
 
@@ -93,8 +102,11 @@ UNMASKED_OUTPUT_NAMES = tuple(spec.name for spec in TOKEN_OUTPUTS if spec.per !=
 GENERATION_TOKEN_OUTPUTS = (*TOKEN_OUTPUTS, WEIGHT_VERSION)
 GENERATION_TOKEN_OUTPUT_NAMES = tuple(spec.name for spec in GENERATION_TOKEN_OUTPUTS)
 # Every output of each model.
-MODEL_OUTPUTS = {"sampler": TOKEN_OUTPUTS, "generate": (*GENERATION_TOKEN_OUTPUTS, FINISH_REASON, CONTROL_RESULT)}
-BY_NAME = {spec.name: spec for spec in (*GENERATION_TOKEN_OUTPUTS, FINISH_REASON, CONTROL_RESULT)}
+MODEL_OUTPUTS = {
+    "sampler": TOKEN_OUTPUTS,
+    "generate": (*GENERATION_TOKEN_OUTPUTS, FINISH_REASON, CONTROL_RESULT, *TIMING_OUTPUTS),
+}
+BY_NAME = {spec.name: spec for spec in (*GENERATION_TOKEN_OUTPUTS, FINISH_REASON, CONTROL_RESULT, *TIMING_OUTPUTS)}
 
 
 def to_wire(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -233,6 +233,7 @@ class GenerateModel:
     def execute(self, requests) -> None:
         """Answers every request through its response sender; nothing escapes (decoupled: returns None)."""
         handles, engine_owned = [], set()  # once submitted, only the engine answers a request
+        invalid = shed = 0
         try:
             requests = [r for r in requests if not self._is_control(r)]
             handles = [_RequestHandle(self, request, self.outbox) for request in requests]
@@ -247,6 +248,7 @@ class GenerateModel:
                     admitted_handles.append(handle)
                 except SamplingRequestError as exc:
                     handle.fail(exc.message, "INVALID_ARG")
+                    invalid += 1
             admitted, checked_handles = [], []
             for item, handle, error in zip(
                 parsed, admitted_handles, admission_errors(parsed, self.lm.vocab_size, self.sampler.policy)
@@ -254,6 +256,7 @@ class GenerateModel:
                 error = error or self.engine.never_fits(item)  # 400: no retry would ever fit
                 if error is not None:
                     handle.fail(error, "INVALID_ARG")
+                    invalid += 1
                 else:
                     admitted.append(item)
                     checked_handles.append(handle)
@@ -263,6 +266,7 @@ class GenerateModel:
                     engine_owned.add(id(handle))
                 except EngineFull as exc:  # load shedding: refused now, never queued unboundedly
                     handle.fail(exc.message, "UNAVAILABLE")
+                    shed += 1
         except Exception as exc:  # an internal fault: end every unanswered request, never raise
             self.logger.log_error(f"generate internal error: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
             message = f"internal generate error ({type(exc).__name__}); see the server log"
@@ -272,6 +276,10 @@ class GenerateModel:
                         handle.fail(message)
                     except Exception:  # the sender may already be closed
                         pass
+        try:
+            self.metrics.rejected(invalid, shed)
+        except Exception as exc:  # a metric update failed: the requests are answered all the same
+            self.logger.log_error(f"generate metrics not updated: {type(exc).__name__}: {exc}")
         return None
 
     def _is_control(self, request) -> bool:
