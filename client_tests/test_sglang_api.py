@@ -230,3 +230,24 @@ def test_bad_generate_requests_name_the_field(api_server, name):
     body, param, words = BAD[name]
     code, answer, _ = post(f"{api_server.url}/generate", body)
     assert code == 400 and answer["error"]["param"] == param and words in answer["error"]["message"], answer
+
+
+def test_sglangs_weight_endpoints_answer_and_need_the_admin_key(api_server):
+    """The SGLang-named weight endpoints reach the generate model's control requests: the version
+    is open, every operation that changes something needs the server's admin key (the session's
+    server sets none, so they are refused), and what SGLang has that we do not is a 400."""
+    status, body = api_server.get("/get_weight_version")
+    assert status == 200 and isinstance(body["weight_version"], str) and body["weight_version"], body
+    for path, payload in (
+        ("/update_weights_from_disk", {"model_path": "step-1"}),
+        ("/pause_generation", {"mode": "abort"}),
+        ("/continue_generation", {}),
+    ):
+        status, answer, _ = post(api_server.url + path, payload, {"triton-admin-key": "w" * 40})
+        assert status in (400, 403), (path, status, answer)
+        assert "admin key" in answer["error"]["message"] or "weights_root" in answer["error"]["message"], answer
+    status, answer, _ = post(api_server.url + "/pause_generation", {"mode": "retract"})
+    assert status == 400 and answer["error"]["param"] == "mode", answer
+    status, answer, _ = post(api_server.url + "/update_weights_from_disk", {"model_path": "x", "extra": 1})
+    assert status == 400, answer
+    assert api_server.get("/get_weight_version")[0] == 200  # and the API serves on

@@ -30,6 +30,7 @@ from .openai_routes import OPENAI_NAMES, CompletionStream, OpenAIHandlers
 from .schemas import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from .service import ApiService
 from .sglang_routes import SGLANG_NAMES, GenerateHandler, SequenceSoFar
+from .weight_routes import add_weight_routes
 
 logger = logging.getLogger("triton_sampling_mask.api")
 _HEALTH_TIMEOUT_S = 2.0
@@ -119,6 +120,8 @@ def create_app(config: ApiConfig, service: ApiService | None = None) -> FastAPI:
     async def unexpected(_request, error: Exception):
         logger.exception("unexpected error")
         return ApiError(500, f"internal error: {type(error).__name__}", None, "internal_error").response()
+
+    add_weight_routes(app, service.client, config.api_key)
 
     @app.get("/health")
     async def health():
