@@ -36,78 +36,90 @@ PACKAGES = ("sampling", "generation")
 # Never mutated: Triton kernels (mutmut's trampolines would replace the @triton.jit functions it
 # compiles from source; the interpreter tests cover them) and package docstrings.
 NOT_MUTATED = ("sampling/fused.py", "*/__init__.py")
-# The unit tests of the two packages: the sampler against the float64 reference on every path,
-# its rules and its batcher, the generation loop and speculative decoding. Tests of the server,
-# the client's wire, the container and the bench tools are left out (they test neither package).
-TESTS = (
-    "tests/test_sampler.py",
-    "tests/test_serving_batches.py",
-    "tests/test_gpu_branches_on_cpu.py",
-    "tests/test_boundaries.py",
-    "tests/test_ranked_candidates_ties.py",
-    "tests/test_cross_path_draws.py",
-    "tests/test_rng.py",
-    "tests/test_validation.py",
-    "tests/test_batching.py",
-    "tests/test_hot_path.py",
-    "tests/test_sampler_memory.py",
-    "tests/test_sampling_params.py",
-    "tests/test_output_contract.py",
-    "tests/test_generation.py",
-    "tests/test_speculative.py",
-    "tests/test_speculative_drafts.py",
-)
+# The unit tests that can kill each package's mutants, run in-process (tests that import the package in
+# a subprocess see the unmutated copy): the sampler against the float64 reference on every path, its
+# rules and batcher; the generation loop and speculative decoding. The fused kernels' interpreter
+# tests are left out (fused.py is not mutated, and the interpreter is slow).
+TESTS = {
+    "sampling": (
+        "tests/test_sampler.py",
+        "tests/test_serving_batches.py",
+        "tests/test_gpu_branches_on_cpu.py",
+        "tests/test_boundaries.py",
+        "tests/test_ranked_candidates_ties.py",
+        "tests/test_cross_path_draws.py",
+        "tests/test_rng.py",
+        "tests/test_validation.py",
+        "tests/test_batching.py",
+        "tests/test_sampling_params.py",
+        "tests/test_output_contract.py",
+    ),
+    "generation": (
+        "tests/test_generation.py",
+        "tests/test_speculative.py",
+        "tests/test_speculative_drafts.py",
+    ),
+}
 
 
-def stage(modules: list[str]) -> None:
-    """A fresh build/mutation/: the package as src/triton_sampling_mask, the tests, the settings."""
-    shutil.rmtree(STAGE, ignore_errors=True)
+def stage(package: str, modules: list[str]) -> Path:
+    """A fresh build/mutation/<package>/: the package as src/triton_sampling_mask, the tests and the
+    settings that mutate `modules` (paths under plugin/) against that package's tests."""
+    where = STAGE / package
+    shutil.rmtree(where, ignore_errors=True)
     ignore = shutil.ignore_patterns("__pycache__", "*.so")
-    shutil.copytree(ROOT / "plugin", STAGE / "src" / PACKAGE, ignore=ignore)
-    shutil.copytree(ROOT / "tests", STAGE / "tests", ignore=ignore)
+    shutil.copytree(ROOT / "plugin", where / "src" / PACKAGE, ignore=ignore)
+    shutil.copytree(ROOT / "tests", where / "tests", ignore=ignore)
+    shutil.copytree(ROOT / "model_repository", where / "model_repository", ignore=ignore)  # the contract tests read it
     paths = [f"src/{PACKAGE}/{module}" for module in modules]
     only = [path if path.endswith(".py") else f"{path.rstrip('/')}/*" for path in paths]
     settings = f"""[tool.mutmut]
 source_paths = ["src"]
 only_mutate = {_toml_list(only)}
 do_not_mutate = {_toml_list([f"src/{PACKAGE}/{p}" for p in NOT_MUTATED])}
-pytest_add_cli_args_test_selection = {_toml_list(list(TESTS))}
+pytest_add_cli_args_test_selection = {_toml_list(list(TESTS[package]))}
 pytest_add_cli_args = ["-p", "no:cacheprovider", "-m", "not slow and not gpu"]
 use_git_change_detection = false
+also_copy = ["model_repository"]
 
 [tool.pytest.ini_options]
 markers = ["gpu: needs a CUDA device", "slow: minutes each"]
 timeout = 600
 """
-    (STAGE / "pyproject.toml").write_text(settings)
+    (where / "pyproject.toml").write_text(settings)
+    return where
 
 
 def _toml_list(values: list[str]) -> str:
     return "[" + ", ".join(f'"{value}"' for value in values) + "]"
 
 
-def run_mutmut(children: int) -> int:
+def run_mutmut(where: Path, children: int) -> int:
     """mutmut run in the stage (its exit status); the mutated package is found first on sys.path
     there, ahead of the editable install's plugin/."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+    # One intra-op thread: mutmut forks a child per mutant from a process that has run torch, and an
+    # OpenMP pool started before a fork hangs in the child.
+    threads = {name: "1" for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    env = {**os.environ, **threads, "TRITON_INTERPRET": "1", "PYTHONDONTWRITEBYTECODE": "1"}
     command = [sys.executable, "-m", "mutmut", "run", "--max-children", str(children)]
-    return subprocess.run(command, cwd=STAGE, env=env).returncode
+    return subprocess.run(command, cwd=where, env=env).returncode
 
 
-def mutmut(*args: str) -> str:
-    done = subprocess.run([sys.executable, "-m", "mutmut", *args], cwd=STAGE, capture_output=True, text=True)
+def mutmut(where: Path, *args: str) -> str:
+    done = subprocess.run([sys.executable, "-m", "mutmut", *args], cwd=where, capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"mutmut {' '.join(args)} failed: {done.stderr[-2000:]}")
     return done.stdout
 
 
-def results() -> dict[str, str]:
-    """Every mutant's status by name (killed, survived, no tests, timeout, ...)."""
+def results(where: Path) -> dict[str, tuple[str, Path]]:
+    """Every mutant of a staged run: its status (killed, survived, no tests, timeout, ...) and stage."""
     found = {}
-    for line in mutmut("results", "--all", "true").splitlines():
-        name, separator, status = line.strip().rpartition(": ")
-        if separator and "__mutmut_" in name:
-            found[name] = status
+    if (where / "mutants").is_dir():
+        for line in mutmut(where, "results", "--all", "true").splitlines():
+            name, separator, status = line.strip().rpartition(": ")
+            if separator and "__mutmut_" in name:
+                found[name] = (status, where)
     return found
 
 
@@ -135,24 +147,32 @@ def read_equivalent(path: Path = EQUIVALENT) -> dict[tuple[str, str], str]:
     return equivalent
 
 
-def report(statuses: dict[str, str], modules: list[str]) -> str:
+# Statuses that kill a mutant: a test failed, hung or crashed with it.
+KILLED = ("killed", "timeout", "segfault", "caught by type check")
+# Statuses of mutants the run never got to (stopped early): left out of every count but their own.
+NOT_RUN = ("not checked", "check was interrupted by user")
+
+
+def report(found: dict[str, tuple[str, Path]], modules: list[str]) -> str:
     """The Markdown report: kill rate per module and overall, then every survivor's diff."""
     equivalent = read_equivalent()
+    statuses = {name: status for name, (status, _) in found.items()}
     survivors, matched = {}, {}
     for name, status in sorted(statuses.items()):
-        if status in ("survived", "no tests", "suspicious", "timeout", "skipped"):
-            diff = mutmut("show", name).split("\n", 1)[1]
+        if status not in KILLED and status not in NOT_RUN:
+            diff = mutmut(found[name][1], "show", name).split("\n", 1)[1]
             key = next(((function_of(name), line) for line in mutated_lines(diff)), None)
-            if status != "timeout" and key in equivalent:
+            if key in equivalent:
                 matched[name] = equivalent[key]
             else:
                 survivors[name] = (status, diff)
+    unchecked = {n for n, status in statuses.items() if status in NOT_RUN}
     rows = []
     for module in sorted({module_of(name) for name in statuses}):
-        names = [n for n in statuses if module_of(n) == module]
+        names = [n for n in statuses if module_of(n) == module and n not in unchecked]
         counts = Counter(statuses[n] for n in names)
         equivalents = sum(1 for n in names if n in matched)
-        rows.append((module, len(names), counts["killed"] + counts["timeout"], equivalents))
+        rows.append((module, len(names), sum(counts[status] for status in KILLED), equivalents))
     total = sum(r[1] for r in rows)
     killed = sum(r[2] for r in rows)
     equivalents = sum(r[3] for r in rows)
@@ -168,7 +188,9 @@ def report(statuses: dict[str, str], modules: list[str]) -> str:
         "tests/mutation/equivalent.txt with why) change no behaviour and are left out of the rate.",
         "",
         f"**{killed} of {total - equivalents} non-equivalent mutants killed: {rate:.1f}%** "
-        f"({total} mutants, {equivalents} equivalent, {len(survivors)} surviving).",
+        f"({total} mutants run, {equivalents} equivalent, {len(survivors)} surviving"
+        + (f"; {len(unchecked)} not run: the run was stopped before them" if unchecked else "")
+        + ").",
         "",
         "| module | mutants | killed | equivalent | survived | kill rate |",
         "|---|---:|---:|---:|---:|---:|",
@@ -193,12 +215,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--report-only", action="store_true", help="report the last staged run, run nothing")
     parser.add_argument("--report", type=Path, default=REPORT)
     args = parser.parse_args(argv)
+    by_package = {package: [m for m in args.modules if m.split("/")[0] == package] for package in PACKAGES}
+    unknown = [m for m in args.modules if m.split("/")[0] not in PACKAGES]
+    if unknown:
+        parser.error(f"not under plugin/sampling or plugin/generation: {unknown}")
     if not args.report_only:
-        stage(args.modules)
-        status = run_mutmut(args.max_children)
-        if status:
-            print(f"mutmut run exited with {status}", file=sys.stderr)
-    text = report(results(), args.modules)
+        for package, modules in by_package.items():
+            if modules:
+                status = run_mutmut(stage(package, modules), args.max_children)
+                if status:
+                    print(f"mutmut run over {package} exited with {status}", file=sys.stderr)
+    found = {}
+    for package, modules in by_package.items():
+        if modules:
+            found |= results(STAGE / package)
+    text = report(found, args.modules)
     args.report.write_text(text)
     print(text)
     return 0
