@@ -31,9 +31,11 @@ class CopyingLM:
         self.copy_bonus = np.float32(copy_bonus)
         self.poison = dict(poison or {})
         self.rolled_back = 0  # tokens forgotten by rollback, over the LM's life
+        self.longest_context = 0  # the most tokens any row's logits were computed after
 
     def logits_after(self, context: list[int]) -> np.ndarray:
         """float32 [V]: the logits for the token after `context`."""
+        self.longest_context = max(self.longest_context, len(context))
         last = context[-1]
         logits = self.TABLE[last].copy()
         earlier = np.flatnonzero(np.asarray(context[:-1]) == last)

@@ -95,6 +95,19 @@ def test_drafts_are_proposed_accepted_rolled_back_and_change_nothing():
     assert lm.rolled_back > 0 and observer.drafted - observer.accepted > 0, "no draft was rejected and rolled back"
 
 
+@pytest.mark.parametrize("budget", [6, 7, 9])
+def test_drafts_stay_within_the_request_budget(budget):
+    # Plain decoding computes logits after at most prompt + budget - 1 tokens; drafting near the end
+    # of the budget must not feed tokens past it (the KV positions a request reserves).
+    prompt = CYCLE * 2
+    req = request(prompt, budget, ignore_eos=True, temperature=0.0)
+    lm = CopyingLM()
+    (spec,), observer = run(lm, [req], NgramDrafter(num_tokens=DRAFTED))
+    assert spec.ids().tolist() == (CYCLE * 3)[:budget]
+    assert observer.drafted == observer.accepted > 0, observer.steps
+    assert lm.longest_context == len(prompt) + budget - 1
+
+
 def reference_draw(logits: np.ndarray, req, step_seed: np.ndarray) -> tuple[int, np.ndarray]:
     """The documented draw: the Gumbel-max over the float64 reference support, with the noise of
     (step seed, token id); the token and the support."""
