@@ -201,6 +201,24 @@ def test_half_precision_logits_in_the_fused_kernels_as_their_float32_values(dtyp
     check_half_matches_float32(fused_run(dtype), fused_run(torch.float32), logits, params)
 
 
+@pytest.mark.skipif(not fused.AVAILABLE, reason="triton is not installed or too old")
+def test_a_mixed_batch_sends_only_its_small_k_rows_through_the_fused_kernels(monkeypatch):
+    generator = np.random.default_rng(24)
+    vocab = 1500
+    logits = serving_logits(5, vocab, generator)
+    params = mixed_rows(5, vocab, generator, large_k=False)
+    params["top_k"] = np.array([5, -1, MASK_WIDTH, 1100, 40])  # rows 1 and 3 take the torch ops
+    params["top_p"][1] = np.float32(0.9)
+    params["want_mask"] = np.array([True, False, True, False, False])
+    calls = []
+    sample_packed = fused.sample_packed
+    monkeypatch.setattr(fused, "sample_packed", lambda lg, *a: calls.append(lg.shape[0]) or sample_packed(lg, *a))
+    batch = SamplingBatch.from_arrays(torch.from_numpy(logits), **params)
+    out = sample(batch, MASK_WIDTH, fused=True).host()
+    assert calls == [3]
+    check_rows(out, logits, params)
+
+
 def test_the_cpu_epilogue_cuts_a_support_wider_than_w():
     """epilogue_numpy called directly: a 200-id support, W = 16: the mask holds the first 16 ids,
     every log-prob renormalised over all 200."""
