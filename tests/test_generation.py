@@ -448,6 +448,14 @@ def test_huge_prompts_beyond_the_token_budget_are_refused_naming_it():
     assert small.errors and small.errors[0][0] == "UNAVAILABLE" and "retry later" in small.errors[0][1]
 
 
+def test_waiting_prompt_tokens_add_up_and_a_request_of_the_whole_kv_budget_fits():
+    running = engine(BigramLM(), start=False, max_waiting_tokens=10, kv_budget_tokens=10)  # all stay waiting
+    for _ in range(2):
+        running.submit(request([5] * 4, 6), RecordingHandle())  # 4 + 6 positions: the whole KV budget
+    with pytest.raises(EngineFull, match="8 prompt tokens already wait and this prompt has 4"):
+        running.submit(request([5] * 4, 2), RecordingHandle())
+
+
 def test_a_prompt_larger_than_the_token_budget_is_taken_at_the_head_of_an_empty_queue():
     # Never refused for good: alone in the queue, a prompt above max_waiting_tokens still runs.
     running = engine(BigramLM(), max_waiting_tokens=4)
