@@ -448,6 +448,48 @@ def test_huge_prompts_beyond_the_token_budget_are_refused_naming_it():
     assert small.errors and small.errors[0][0] == "UNAVAILABLE" and "retry later" in small.errors[0][1]
 
 
+class FaultyBigramLM(BigramLM):
+    """Its second decode raises, once: an internal fault in the middle of a step."""
+
+    def decode(self, state, tokens):
+        if self.steps == 1 and not getattr(self, "failed", False):
+            self.failed = True
+            raise RuntimeError("boom")
+        return super().decode(state, tokens)
+
+
+class FlakyObserver(RecordingObserver):
+    """Its first occupancy update raises: a metric that cannot be set."""
+
+    def occupancy(self, active, waiting, kv_tokens):
+        if not getattr(self, "failed", False):
+            self.failed = True
+            raise ValueError("gauge")
+        super().occupancy(active, waiting, kv_tokens)
+
+
+def test_a_failing_step_fails_its_whole_batch_logs_why_and_the_engine_serves_on():
+    logged = []
+    sampler = BatchSampler(load_backend("torch"), policy(), torch.device("cpu"))
+    running = ContinuousEngine(FaultyBigramLM(), sampler, EngineLimits(), FlakyObserver(), log_error=logged.append)
+    batch = [RecordingHandle(), RecordingHandle()]
+    for handle in batch:  # both admitted in the first step, together
+        running.submit(request([10], 5, ignore_eos=True), handle)
+    running.start()
+    try:
+        for handle in batch:
+            assert handle.done.wait(60)
+            assert handle.errors == [("INTERNAL", "internal generate error (RuntimeError); see the server log")]
+        later = RecordingHandle()
+        running.submit(request([10], 3, ignore_eos=True), later)
+        assert later.done.wait(60) and later.finals == 1 and not later.errors
+    finally:
+        running.stop()
+    step = [line for line in logged if line.startswith("generate engine step failed: RuntimeError: boom\n")]
+    assert len(step) == 1 and "Traceback" in step[0] and 'raise RuntimeError("boom")' in step[0]
+    assert "generate engine metrics not updated: ValueError: gauge" in logged
+
+
 def test_waiting_prompt_tokens_add_up_and_a_request_of_the_whole_kv_budget_fits():
     running = engine(BigramLM(), start=False, max_waiting_tokens=10, kv_budget_tokens=10)  # all stay waiting
     for _ in range(2):
