@@ -219,6 +219,27 @@ def test_a_mixed_batch_sends_only_its_small_k_rows_through_the_fused_kernels(mon
     check_rows(out, logits, params)
 
 
+@pytest.mark.parametrize("device_path", ["cpu", "gpu"])
+def test_top_p_one_keeps_a_negligible_tail_token_whatever_the_float32_normaliser_rounds(device_path):
+    # 999 near-equal logits and one e**-30 below them: the float32 normaliser may round below the
+    # float64 mass before the tail token. top_p = 1 turns the rule off, so the token stays.
+    generator = np.random.default_rng(41)
+    rows, vocab = 16, 1000
+    logits = (generator.standard_normal((rows, vocab)) * 0.01).astype(np.float32)
+    logits[:, -1] = -30.0
+    params = dict(
+        temperature=np.ones(rows, np.float32),
+        top_k=np.full(rows, vocab),
+        top_p=np.ones(rows, np.float32),
+        min_p=np.zeros(rows, np.float32),
+        seed=np.arange(rows),
+        want_mask=np.ones(rows, bool),
+    )
+    batch = SamplingBatch.from_arrays(torch.from_numpy(logits), **params)
+    out = sample(batch, 1024, fused=False, device_path=device_path).host()
+    assert (out["sampling_mask_len"] == vocab).all(), out["sampling_mask_len"]
+
+
 def test_the_cpu_epilogue_cuts_a_support_wider_than_w():
     """epilogue_numpy called directly: a 200-id support, W = 16: the mask holds the first 16 ids,
     every log-prob renormalised over all 200."""
