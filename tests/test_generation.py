@@ -490,6 +490,58 @@ def test_a_failing_step_fails_its_whole_batch_logs_why_and_the_engine_serves_on(
     assert "generate engine metrics not updated: ValueError: gauge" in logged
 
 
+@pytest.mark.parametrize("slots, kv_budget", [(3, 20), (2, 1000)], ids=["kv-budget", "slots"])
+def test_admission_fills_the_kv_budget_or_the_slots_exactly(slots, kv_budget):
+    # Three requests of 10 positions each wait before the first step: either bound admits two.
+    observer = RecordingObserver()
+    sampler = BatchSampler(load_backend("torch"), policy(), torch.device("cpu"))
+    limits = EngineLimits(max_active_sequences=slots, kv_budget_tokens=kv_budget)
+    running = ContinuousEngine(BigramLM(), sampler, limits, observer)
+    handles = [RecordingHandle() for _ in range(3)]
+    for i, handle in enumerate(handles):
+        running.submit(request([10 + i, 11], 8, ignore_eos=True), handle)
+    running.start()
+    try:
+        for handle in handles:
+            assert handle.done.wait(60) and handle.finals == 1 and not handle.errors
+    finally:
+        running.stop()
+    assert observer.peak_active == 2
+
+
+def test_a_request_cancelled_before_its_first_step_is_cancelled_at_zero_tokens():
+    handle = RecordingHandle(cancel_after=0)
+    running = engine(BigramLM(), start=False)
+    running.submit(request([10], 5, ignore_eos=True), handle)
+    running.start()
+    try:
+        assert handle.done.wait(60)
+    finally:
+        running.stop()
+    assert handle.cancelled_at == 0 and not handle.chunks and not handle.errors
+
+
+def test_stopping_mid_request_reports_an_empty_engine_last():
+    class LastOccupancy(RecordingObserver):
+        def occupancy(self, active, waiting, kv_tokens):
+            super().occupancy(active, waiting, kv_tokens)
+            self.last = (active, waiting, kv_tokens)
+
+    class SlowBigramLM(BigramLM):  # still decoding when stop comes
+        def decode(self, state, tokens):
+            time.sleep(0.01)
+            return super().decode(state, tokens)
+
+    observer = LastOccupancy()
+    sampler = BatchSampler(load_backend("torch"), policy(), torch.device("cpu"))
+    running = ContinuousEngine(SlowBigramLM(), sampler, EngineLimits(), observer).start()
+    handle = RecordingHandle()
+    running.submit(request([10], 90, stream=True, ignore_eos=True), handle)
+    assert handle.first.wait(60)
+    running.stop()
+    assert handle.errors and observer.last == (0, 0, 0)
+
+
 def test_waiting_prompt_tokens_add_up_and_a_request_of_the_whole_kv_budget_fits():
     running = engine(BigramLM(), start=False, max_waiting_tokens=10, kv_budget_tokens=10)  # all stay waiting
     for _ in range(2):

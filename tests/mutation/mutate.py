@@ -142,7 +142,7 @@ def read_equivalent(path: Path = EQUIVALENT) -> dict[tuple[str, str], str]:
     equivalent = {}
     for line in path.read_text().splitlines():
         if line.strip() and not line.startswith("#"):
-            function, mutated, reason = (part.strip() for part in line.split(" | ", 2))
+            function, mutated, reason = (part.strip() for part in line.split("\t", 2))
             equivalent[function, mutated] = reason
     return equivalent
 
