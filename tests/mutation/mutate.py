@@ -172,7 +172,8 @@ def report(found: dict[str, tuple[str, Path]], modules: list[str]) -> str:
         names = [n for n in statuses if module_of(n) == module and n not in unchecked]
         counts = Counter(statuses[n] for n in names)
         equivalents = sum(1 for n in names if n in matched)
-        rows.append((module, len(names), sum(counts[status] for status in KILLED), equivalents))
+        not_run = sum(1 for n in unchecked if module_of(n) == module)
+        rows.append((module, len(names), sum(counts[status] for status in KILLED), equivalents, not_run))
     total = sum(r[1] for r in rows)
     killed = sum(r[2] for r in rows)
     equivalents = sum(r[3] for r in rows)
@@ -192,12 +193,13 @@ def report(found: dict[str, tuple[str, Path]], modules: list[str]) -> str:
         + (f"; {len(unchecked)} not run: the run was stopped before them" if unchecked else "")
         + ").",
         "",
-        "| module | mutants | killed | equivalent | survived | kill rate |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| module | mutants run | killed | equivalent | survived | kill rate | not run |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for module, count, dead, same in rows:
+    for module, count, dead, same, not_run in rows:
         alive = count - dead - same
-        lines.append(f"| {module} | {count} | {dead} | {same} | {alive} | {100.0 * dead / max(1, count - same):.1f}% |")
+        rate = 100.0 * dead / max(1, count - same)
+        lines.append(f"| {module} | {count} | {dead} | {same} | {alive} | {rate:.1f}% | {not_run} |")
     lines += ["", "## Surviving mutants", ""]
     if not survivors:
         lines.append("None.")
