@@ -6,7 +6,7 @@ PYTHON := $(VENV)/bin/python
 MODEL_REPOSITORY ?= model_repository
 PYTEST_ARGS ?=
 
-.PHONY: setup serve probe lint format test soak stress hostile conformance bench clean
+.PHONY: setup serve probe lint format test soak stress hostile conformance bench mutate clean
 
 # HAProxy, the front door of `make serve` (plugin/ops/proxy.py), installed like jemalloc: root + apt.
 INSTALL_HAPROXY = command -v haproxy >/dev/null || test -x /usr/sbin/haproxy || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
@@ -100,6 +100,15 @@ bench: setup
 	  { apt-get update -qq >/dev/null && apt-get install -y -qq libb64-0d >/dev/null; } ; } || \
 	  echo "note: libb64-0d not installed; the served points use the Python load generator"
 	$(PYTHON) -m bench.run $(BENCH_ARGS)
+
+# Mutation testing of plugin/sampling/ and plugin/generation/ against their unit tests (mutmut, from the
+# `mutate` extra, installed here only): kill rate, survivors and the reviewed equivalent mutants in
+# bench/results/mutation.md (tests/mutation/). Hours on two cores: run before a release, not in CI.
+# MUTATE_ARGS="--modules sampling/sampler.py generation/engine.py" narrows the run.
+MUTATE_ARGS ?=
+mutate: setup
+	$(PYTHON) -c "import mutmut" 2>/dev/null || $(PYTHON) -m pip install --quiet -e '.[mutate]'
+	nice -n 19 $(PYTHON) -m tests.mutation.mutate $(MUTATE_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import urllib.error
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -9,7 +12,11 @@ import pytest
 from tritonclient.utils import InferenceServerException
 
 from triton_sampling_mask.ops.server_process import TritonServer
-from triton_sampling_mask.sampling.validation import SPECULATIVE_MASK_MESSAGE, UNBOUNDED_MASK_MESSAGE
+from triton_sampling_mask.sampling.validation import (
+    SPECULATIVE_MASK_MESSAGE,
+    UNBOUNDED_MASK_MESSAGE,
+    SamplingRequestError,
+)
 
 from .server import MODEL_REPOSITORY, OUTPUTS, infer, sampler_inputs, set_parameter
 
@@ -115,6 +122,33 @@ def test_parameter_batch_size_mismatch(protocol):
         client.infer("sampler", [*inputs, top_k])
     assert caught.value.status() in ("400", "StatusCode.INVALID_ARGUMENT")
     assert "batch size" in caught.value.message()
+
+
+def test_a_top_k_past_int32_is_refused_naming_the_value_or_the_wrap(triton_server):
+    """The client's wire builder refuses it with its true value; sent as HTTP JSON anyway, Triton
+    wraps 2**31 to -2**31 before the model sees it (docs/upstream-issues.md), and the 400 says so."""
+    import tritonclient.http as httpclient
+
+    with pytest.raises(SamplingRequestError, match="top_k must be an integer in .*, got 2147483648$"):
+        sampler_inputs(httpclient, LOGITS, top_k=2**31)
+    body = json.dumps(
+        {
+            "inputs": [
+                {"name": "logits", "shape": [1, 4], "datatype": "FP32", "data": [1.0, 2.0, 3.0, 4.0]},
+                {"name": "top_k", "shape": [1, 1], "datatype": "INT32", "data": [2**31]},
+            ]
+        }
+    ).encode()
+    request = urllib.request.Request(
+        f"http://{triton_server.http_url}/v2/models/sampler/infer",
+        data=body,
+        headers={"Content-Type": "application/json"},
+    )
+    with pytest.raises(urllib.error.HTTPError) as caught:
+        urllib.request.urlopen(request, timeout=30)
+    message = json.loads(caught.value.read())["error"]
+    assert caught.value.code == 400 and message.startswith("top_k must be -1 (whole vocabulary) or >= 1"), message
+    assert "over HTTP JSON, a value of 2**31 or more arrives wrapped" in message
 
 
 def test_a_bad_row_fails_only_its_own_request_and_names_the_row(protocol):

@@ -37,13 +37,21 @@ def _interpreter_off() -> None:
         raise RuntimeError("run with TRITON_INTERPRET unset: interpreted kernels cannot be compiled")
 
 
+def _ptxas_path(arch: int) -> str:
+    """The bundled ptxas that builds `arch` (Triton before 3.5 bundles one for every arch)."""
+    import inspect
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    return (get_ptxas(arch) if inspect.signature(get_ptxas).parameters else get_ptxas()).path
+
+
 def arch_support(arch: int) -> str | None:
     """None when the bundled ptxas can build `arch`, else the reason it cannot."""
     try:
-        from triton.backends.nvidia.compiler import get_ptxas
+        ptxas = _ptxas_path(arch)
     except ImportError as error:
         return f"triton has no NVIDIA backend here ({error})"
-    ptxas = get_ptxas(arch).path
     if not ptxas or not Path(ptxas).exists():
         return f"no ptxas for sm_{arch} in this triton"
     if not Path(ptxas).with_name("cuobjdump").exists():
@@ -79,7 +87,10 @@ def _specialise(kernel, args, kwargs) -> dict:
     backend = CUDABackend(GPUTarget("cuda", 90, 32))  # the specialisation does not depend on the arch
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
     bound, specialization, options = binder(*args, **kwargs)
-    options, signature, constants, attrs = kernel._pack_args(backend, options, bound, specialization, options)
+    if hasattr(kernel, "_pack_args"):
+        options, signature, constants, attrs = kernel._pack_args(backend, options, bound, specialization, options)
+    else:  # Triton before 3.5: the same steps, inline in JITFunction.run
+        options, signature, constants, attrs = _pack_args_before_3_5(backend, kernel, bound, specialization, kwargs)
     names = kernel.arg_names
     return dict(
         kernel=kernel.__name__,
@@ -88,6 +99,21 @@ def _specialise(kernel, args, kwargs) -> dict:
         attrs={names[path[0]]: value for path, value in attrs.items() if value},
         options={name: getattr(options, name) for name in ("num_warps", "enable_fp_fusion")},
     )
+
+
+def _pack_args_before_3_5(backend, kernel, bound, specialization, kwargs) -> tuple:
+    """JITFunction._pack_args of later Tritons, as Triton 3.4's JITFunction.run computes it."""
+    from triton._utils import find_paths_if, get_iterable_path
+
+    options = backend.parse_options({k: v for k, v in kwargs.items() if k not in kernel.arg_names})
+    values = [kind for kind, _ in specialization]
+    signature = dict(zip((p.name for p in kernel.params), values))
+    paths = find_paths_if(values, lambda _, value: value == "constexpr")
+    constants = {path: get_iterable_path(list(bound.values()), path) for path in paths}
+    attributes = [attribute for _, attribute in specialization]
+    paths = find_paths_if(attributes, lambda _, value: isinstance(value, str))
+    attrs = {path: backend.parse_attr(get_iterable_path(attributes, path)) for path in paths}
+    return options, signature, constants, attrs
 
 
 def launch_specs(points: list[dict]) -> list[dict]:
@@ -126,7 +152,6 @@ def compile_spec(spec: dict, arch: int) -> dict:
     _interpreter_off()
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import get_ptxas
     from triton.compiler import ASTSource
 
     from triton_sampling_mask.sampling import fused
@@ -149,7 +174,7 @@ def compile_spec(spec: dict, arch: int) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
         cubin.flush()
-        cuobjdump = Path(get_ptxas(arch).path).with_name("cuobjdump")  # bundled with ptxas (arch_support)
+        cuobjdump = Path(_ptxas_path(arch)).with_name("cuobjdump")  # bundled with ptxas (arch_support)
         usage = subprocess.run([str(cuobjdump), "-res-usage", cubin.name], capture_output=True, text=True)
     found = _RESOURCES.search(usage.stdout)
     if not found:

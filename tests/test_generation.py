@@ -511,6 +511,108 @@ def test_huge_prompts_beyond_the_token_budget_are_refused_naming_it():
     assert small.errors and small.errors[0][0] == "UNAVAILABLE" and "retry with backoff" in small.errors[0][1]
 
 
+class FaultyBigramLM(BigramLM):
+    """Its second decode raises, once: an internal fault in the middle of a step."""
+
+    def decode(self, state, tokens):
+        if self.steps == 1 and not getattr(self, "failed", False):
+            self.failed = True
+            raise RuntimeError("boom")
+        return super().decode(state, tokens)
+
+
+class FlakyObserver(RecordingObserver):
+    """Its first occupancy update raises: a metric that cannot be set."""
+
+    def occupancy(self, active, waiting, kv_tokens):
+        if not getattr(self, "failed", False):
+            self.failed = True
+            raise ValueError("gauge")
+        super().occupancy(active, waiting, kv_tokens)
+
+
+def test_a_failing_step_fails_its_whole_batch_logs_why_and_the_engine_serves_on():
+    logged = []
+    sampler = BatchSampler(load_backend("torch"), policy(), torch.device("cpu"))
+    running = ContinuousEngine(FaultyBigramLM(), sampler, EngineLimits(), FlakyObserver(), log_error=logged.append)
+    batch = [RecordingHandle(), RecordingHandle()]
+    for handle in batch:  # both admitted in the first step, together
+        running.submit(request([10], 5, ignore_eos=True), handle)
+    running.start()
+    try:
+        for handle in batch:
+            assert handle.done.wait(60)
+            assert handle.errors == [("INTERNAL", "internal generate error (RuntimeError); see the server log")]
+        later = RecordingHandle()
+        running.submit(request([10], 3, ignore_eos=True), later)
+        assert later.done.wait(60) and later.finals == 1 and not later.errors
+    finally:
+        running.stop()
+    step = [line for line in logged if line.startswith("generate engine step failed: RuntimeError: boom\n")]
+    assert len(step) == 1 and "Traceback" in step[0] and 'raise RuntimeError("boom")' in step[0]
+    assert "generate engine metrics not updated: ValueError: gauge" in logged
+
+
+@pytest.mark.parametrize("slots, kv_budget", [(3, 20), (2, 1000)], ids=["kv-budget", "slots"])
+def test_admission_fills_the_kv_budget_or_the_slots_exactly(slots, kv_budget):
+    # Three requests of 10 positions each wait before the first step: either bound admits two.
+    observer = RecordingObserver()
+    sampler = BatchSampler(load_backend("torch"), policy(), torch.device("cpu"))
+    limits = EngineLimits(max_active_sequences=slots, kv_budget_tokens=kv_budget)
+    running = ContinuousEngine(BigramLM(), sampler, limits, observer)
+    handles = [RecordingHandle() for _ in range(3)]
+    for i, handle in enumerate(handles):
+        running.submit(request([10 + i, 11], 8, ignore_eos=True), handle)
+    running.start()
+    try:
+        for handle in handles:
+            assert handle.done.wait(60) and handle.finals == 1 and not handle.errors
+    finally:
+        running.stop()
+    assert observer.peak_active == 2
+
+
+def test_a_request_cancelled_before_its_first_step_is_cancelled_at_zero_tokens():
+    handle = RecordingHandle(cancel_after=0)
+    running = engine(BigramLM(), start=False)
+    running.submit(request([10], 5, ignore_eos=True), handle)
+    running.start()
+    try:
+        assert handle.done.wait(60)
+    finally:
+        running.stop()
+    assert handle.cancelled_at == 0 and not handle.chunks and not handle.errors
+
+
+def test_stopping_mid_request_reports_an_empty_engine_last():
+    class LastOccupancy(RecordingObserver):
+        def occupancy(self, active, waiting, kv_tokens):
+            super().occupancy(active, waiting, kv_tokens)
+            self.last = (active, waiting, kv_tokens)
+
+    class SlowBigramLM(BigramLM):  # still decoding when stop comes
+        def decode(self, state, tokens):
+            time.sleep(0.01)
+            return super().decode(state, tokens)
+
+    observer = LastOccupancy()
+    sampler = BatchSampler(load_backend("torch"), policy(), torch.device("cpu"))
+    running = ContinuousEngine(SlowBigramLM(), sampler, EngineLimits(), observer).start()
+    handle = RecordingHandle()
+    running.submit(request([10], 90, stream=True, ignore_eos=True), handle)
+    assert handle.first.wait(60)
+    running.stop()
+    assert handle.errors and observer.last == (0, 0, 0)
+
+
+def test_waiting_prompt_tokens_add_up_and_a_request_of_the_whole_kv_budget_fits():
+    running = engine(BigramLM(), start=False, max_waiting_tokens=10, kv_budget_tokens=10)  # all stay waiting
+    for _ in range(2):
+        running.submit(request([5] * 4, 6), RecordingHandle())  # 4 + 6 positions: the whole KV budget
+    with pytest.raises(EngineFull, match="8 prompt tokens already wait and this prompt has 4"):
+        running.submit(request([5] * 4, 2), RecordingHandle())
+
+
 def test_a_prompt_larger_than_the_token_budget_is_taken_at_the_head_of_an_empty_queue():
     # Never refused for good: alone in the queue, a prompt above max_waiting_tokens still runs.
     running = engine(BigramLM(), max_waiting_tokens=4)

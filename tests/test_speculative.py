@@ -145,11 +145,28 @@ def test_ngram_drafts_match_a_plain_lookup(sequences, limits, shape):
     drafter = NgramDrafter(*shape)
     history = TokenHistory()
     history.join([np.array(s, np.int64) for s in sequences], [len(s) + 3 for s in sequences])
-    drafts = drafter.propose(history.tokens, history.lengths, np.array(limits[: len(sequences)]))
-    assert drafts.shape == (len(sequences), drafter.num_tokens)
+    with np.errstate(all="raise"):  # no division by a zero period, no overflow
+        drafts = drafter.propose(history.tokens, history.lengths, np.array(limits[: len(sequences)]))
+    assert drafts.shape == (len(sequences), drafter.num_tokens) and drafts.dtype == np.int64  # token ids
     for row, sequence, limit in zip(drafts, sequences, limits):
         expected = naive_draft(sequence, drafter, limit)
         assert row[: len(expected)].tolist() == expected and (row[len(expected) :] == PAD).all(), sequence
+
+
+@pytest.mark.parametrize(
+    "sequence, drafted",
+    [
+        ([1, 2, 3, 1, 2], [3, 1, 2, 3]),  # the 2-gram that starts the sequence
+        ([1, 2, 3, 4, 2, 3], [4, 2, 3, 4]),  # a 2-gram; the close repeat continues with its period
+        ([5, 1, 2, 3, 9, 1, 2, 3], [9, 1, 2, 3]),  # a 3-gram match, its continuation
+        ([1, 2, 1, 3, 1], []),  # no 2-gram recurs
+    ],
+)
+def test_ngram_drafts_of_known_sequences(sequence, drafted):
+    history = TokenHistory()
+    history.join([np.array(sequence)], [len(sequence) + 4])
+    drafts = NgramDrafter(num_tokens=4, max_n=3, min_n=2).propose(history.tokens, history.lengths, np.array([4]))
+    assert drafts[0, : len(drafted)].tolist() == drafted and (drafts[0, len(drafted) :] == PAD).all()
 
 
 def test_token_history_grows_and_drops_rows():
@@ -157,7 +174,7 @@ def test_token_history_grows_and_drops_rows():
     history.join([np.array([1, 2]), np.array([3])], [4, 2])
     history.append(np.array([[7, 8, 9], [5, 6, 6]]), np.array([2, 1]))
     history.join([np.array([4, 4, 4, 4, 4])], [6])
-    assert history.lengths.tolist() == [4, 2, 5]
+    assert history.lengths.tolist() == [4, 2, 5] and history.tokens.dtype == history.lengths.dtype == np.int64
     assert history.tokens[:, :5].tolist() == [[1, 2, 7, 8, PAD], [3, 5, PAD, PAD, PAD], [4, 4, 4, 4, 4]]
     history.keep(np.array([True, False, True]))
     assert history.lengths.tolist() == [4, 5] and history.tokens[1, :5].tolist() == [4] * 5
@@ -167,7 +184,10 @@ def test_token_history_grows_and_drops_rows():
     "values", [dict(num_tokens=0), dict(min_n=0), dict(max_n=2, min_n=3), dict(disable_at_rows=-1)]
 )
 def test_drafter_parameters_are_checked(values):
-    with pytest.raises(ValueError, match="num_speculative_tokens|prompt_lookup|speculative_disable_by_batch_size"):
+    with pytest.raises(
+        ValueError,
+        match=r"num_speculative_tokens must be >= 1|1 <= prompt_lookup_min <= prompt_lookup_max$|speculative_disable_by",
+    ):
         NgramDrafter(**values)
 
 

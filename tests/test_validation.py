@@ -102,3 +102,29 @@ def test_vocab_size_limits():
     with pytest.raises(SamplingRequestError, match="exceeds max_vocab_size=10"):
         check_vocab_size(11, 10)
     check_vocab_size(10, 10)
+
+
+@pytest.mark.parametrize("wrapped", [-(2**31), -(2**31) + 5, -2])
+def test_a_top_k_below_minus_one_names_the_value_and_the_wrap_of_json_integers(wrapped):
+    params = RowParams.defaults(1)
+    params.top_k = np.array([wrapped], np.int32)
+    (message,) = messages(params)
+    assert message.startswith(f"top_k must be -1 (whole vocabulary) or >= 1, got {wrapped}")
+    assert "over HTTP JSON, a value of 2**31 or more arrives wrapped" in message
+
+
+@pytest.mark.parametrize(
+    "field, value", [("top_k", 2**31), ("top_k", 2**32 + 5), ("top_k", -(2**31) - 1), ("seed", -1), ("seed", 2**64)]
+)
+def test_the_wire_builder_refuses_integers_its_dtype_cannot_hold_with_their_true_value(field, value):
+    import tritonclient.http as httpclient
+
+    from triton_sampling_mask.client.wire import sampler_inputs
+
+    with pytest.raises(
+        SamplingRequestError, match=rf"{field} must be an integer in \[.*\] \(\w+\), got {value}$"
+    ) as caught:
+        sampler_inputs(httpclient, np.zeros((1, 4), np.float32), **{field: value})
+    assert caught.value.field == field
+    inputs = sampler_inputs(httpclient, np.zeros((2, 4), np.float32), top_k=[2**31 - 1, 1], seed=2**64 - 1)
+    assert [i.name() for i in inputs] == ["logits", "top_k", "seed"]

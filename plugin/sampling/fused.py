@@ -24,11 +24,13 @@ bf16/fp16 logits are ranked by the values as sent. The kernels address the packe
 outputs through the column constants below, passed to them as `tl.constexpr` arguments;
 `launches` gives every compile-time choice a call makes (the ahead-of-time compile test builds
 the same). Under `TRITON_INTERPRET=1` (set before this module is
-imported) the kernels run on CPU tensors. The module imports without triton: `AVAILABLE` is then
-False and `sample_packed` raises.
+imported) the kernels run on CPU tensors. The module imports without triton, or with one older than
+`MIN_TRITON`: `AVAILABLE` is then False and `sample_packed` raises.
 """
 
 from __future__ import annotations
+
+import re
 
 import numpy as np
 import torch
@@ -38,15 +40,32 @@ from .params import RowParams, min_p_bound
 from .results import ROW_MAX, HostResult
 from .selection import candidate_count
 
+# The oldest Triton the kernels are checked with: its interpreter runs the unit tests and its compiler
+# builds every kernel for each GPU of tests/test_kernel_compile.py. Triton 3.1 (torch 2.5.1's, the 2.51
+# image line's) fails them in its interpreter. With an older Triton, or none, the fused path is off and
+# the plain-torch GPU ops serve every row, with the same outputs.
+MIN_TRITON = (3, 4)
+
+
+def version_tuple(version: str) -> tuple[int, int]:
+    """(major, minor) of a version string such as "3.6.0" or "3.4.0+git1234"."""
+    major, minor = ([int(part) for part in re.findall(r"\d+", version)[:2]] + [0, 0])[:2]
+    return major, minor
+
+
 try:
     import triton
     import triton.language as tl
 
-    AVAILABLE = True
-except ImportError:  # the plain-torch sampler serves every row then
+    TRITON_VERSION = triton.__version__
+except ImportError:
     triton = None
     tl = None
-    AVAILABLE = False
+    TRITON_VERSION = None
+AVAILABLE = TRITON_VERSION is not None and version_tuple(TRITON_VERSION) >= MIN_TRITON
+_UNAVAILABLE = f"sampling.fused needs triton >= {'.'.join(map(str, MIN_TRITON))}, " + (
+    f"found {TRITON_VERSION}" if TRITON_VERSION else "which is not installed"
+)
 
 # The packed output: int32 [R, PACKED_COLUMNS + 2 W] (then the W mask ids and their W log-probs).
 # Floats travel as their float32 bit patterns, so one int32 tensor (one device-to-host copy)
@@ -107,7 +126,7 @@ def sample_packed(logits: torch.Tensor, params: torch.Tensor, k_max: int, mask_w
     No device-to-host synchronisation; at most 3 torch ops and 2 kernel launches.
     """
     if not AVAILABLE:
-        raise RuntimeError("sampling.fused needs triton, which is not installed")
+        raise RuntimeError(_UNAVAILABLE)
     if logits.dim() != 2 or logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(
             f"logits must be [rows, vocab] float32/bfloat16/float16, got {tuple(logits.shape)} {logits.dtype}"
@@ -237,7 +256,7 @@ def debug_noise(seeds: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Ten
     Runs the same @triton.jit helpers kernel B draws with, so tests compare them with `rng`.
     """
     if not AVAILABLE:
-        raise RuntimeError("sampling.fused needs triton, which is not installed")
+        raise RuntimeError(_UNAVAILABLE)
     seeds = seeds.to(torch.int64).contiguous()
     token_ids = token_ids.to(torch.int64).contiguous()
     rows, count = token_ids.shape

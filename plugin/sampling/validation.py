@@ -73,6 +73,15 @@ class MaskPolicy:
         return self.speculative and self.speculative_algorithm.strip().lower() not in self.exact_speculative
 
 
+# top_k is INT32 on the wire, and Triton 2.51's HTTP JSON parser wraps larger integers before the model
+# sees them (docs/upstream-issues.md, "JSON integers wrap"): 2**31 arrives as -2**31. A negative
+# top_k below -1 says so, since the value sent cannot be recovered here.
+_WRAPPED_TOP_K = (
+    " (top_k is a 32-bit integer: over HTTP JSON, a value of 2**31 or more arrives wrapped to a negative one; "
+    "the largest top_k is 2147483647)"
+)
+
+
 def check_scalar_ranges(params: RowParams) -> np.ndarray:
     """Per-row Rejection (or None) for parameters outside their documented ranges."""
     t, k, p, mp = params.temperature, params.top_k, params.top_p, params.min_p
@@ -83,7 +92,14 @@ def check_scalar_ranges(params: RowParams) -> np.ndarray:
                 ~np.isfinite(t) | (t < 0),
                 lambda i: f"temperature must be a finite number >= 0 (0 means greedy), got {t[i]}",
             ),
-            ("top_k", (k == 0) | (k < TOP_K_ALL), lambda i: f"top_k must be -1 (whole vocabulary) or >= 1, got {k[i]}"),
+            (
+                "top_k",
+                (k == 0) | (k < TOP_K_ALL),
+                lambda i: (
+                    f"top_k must be -1 (whole vocabulary) or >= 1, got {k[i]}"
+                    + (_WRAPPED_TOP_K if k[i] < TOP_K_ALL else "")
+                ),
+            ),
             ("top_p", ~(p > 0) | ~(p <= 1), lambda i: f"top_p must be in (0, 1], got {p[i]}"),
             ("min_p", ~(mp >= 0) | ~(mp < 1), lambda i: f"min_p must be in [0, 1), got {mp[i]}"),
         ]

@@ -1,0 +1,241 @@
+"""Mutation testing of plugin/sampling/ and plugin/generation/ with mutmut (`make mutate`).
+
+mutmut imports the mutated code under the package's own name, which it derives from the file's
+path; the package lives in plugin/ but imports as triton_sampling_mask, so the run is staged in
+build/mutation/: the package copied to src/triton_sampling_mask/, the tests beside it and a
+pyproject.toml holding the mutmut settings below. Every mutant is then run against the unit tests
+that cover its function (mutmut's own selection from a first traced run), and the result is
+written as a Markdown report: the kill rate per module, and each surviving mutant's diff, minus
+the reviewed equivalent mutants of tests/mutation/equivalent.txt (each with why it is one).
+
+    python -m tests.mutation.mutate                     # both packages
+    python -m tests.mutation.mutate --modules sampling/sampler.py generation/engine.py
+    python -m tests.mutation.mutate --report-only       # the report of the last staged run
+
+Not part of the test suite: a full run takes hours on two cores. Run it before a release.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+STAGE = ROOT / "build" / "mutation"
+PACKAGE = "triton_sampling_mask"
+EQUIVALENT = Path(__file__).with_name("equivalent.txt")
+REPORT = ROOT / "bench" / "results" / "mutation.md"
+PACKAGES = ("sampling", "generation")
+# Never mutated: Triton kernels (mutmut's trampolines would replace the @triton.jit functions it
+# compiles from source; the interpreter tests cover them) and package docstrings.
+NOT_MUTATED = ("sampling/fused.py", "*/__init__.py")
+# The unit tests that can kill each package's mutants, run in-process (tests that import the package in
+# a subprocess see the unmutated copy): the sampler against the float64 reference on every path, its
+# rules and batcher; the generation loop and speculative decoding. The fused kernels' interpreter
+# tests are left out (fused.py is not mutated, and the interpreter is slow).
+TESTS = {
+    "sampling": (
+        "tests/test_sampler.py",
+        "tests/test_serving_batches.py",
+        "tests/test_gpu_branches_on_cpu.py",
+        "tests/test_boundaries.py",
+        "tests/test_ranked_candidates_ties.py",
+        "tests/test_cross_path_draws.py",
+        "tests/test_rng.py",
+        "tests/test_validation.py",
+        "tests/test_batching.py",
+        "tests/test_sampling_params.py",
+        "tests/test_output_contract.py",
+    ),
+    "generation": (
+        "tests/test_generation.py",
+        "tests/test_speculative.py",
+        "tests/test_speculative_drafts.py",
+    ),
+}
+
+
+def stage(package: str, modules: list[str]) -> Path:
+    """A fresh build/mutation/<package>/: the package as src/triton_sampling_mask, the tests and the
+    settings that mutate `modules` (paths under plugin/) against that package's tests."""
+    where = STAGE / package
+    shutil.rmtree(where, ignore_errors=True)
+    ignore = shutil.ignore_patterns("__pycache__", "*.so")
+    shutil.copytree(ROOT / "plugin", where / "src" / PACKAGE, ignore=ignore)
+    shutil.copytree(ROOT / "tests", where / "tests", ignore=ignore)
+    shutil.copytree(ROOT / "model_repository", where / "model_repository", ignore=ignore)  # the contract tests read it
+    paths = [f"src/{PACKAGE}/{module}" for module in modules]
+    only = [path if path.endswith(".py") else f"{path.rstrip('/')}/*" for path in paths]
+    settings = f"""[tool.mutmut]
+source_paths = ["src"]
+only_mutate = {_toml_list(only)}
+do_not_mutate = {_toml_list([f"src/{PACKAGE}/{p}" for p in NOT_MUTATED])}
+pytest_add_cli_args_test_selection = {_toml_list(list(TESTS[package]))}
+pytest_add_cli_args = ["-p", "no:cacheprovider", "-m", "not slow and not gpu"]
+use_git_change_detection = false
+also_copy = ["model_repository"]
+
+[tool.pytest.ini_options]
+markers = ["gpu: needs a CUDA device", "slow: minutes each"]
+timeout = 600
+"""
+    (where / "pyproject.toml").write_text(settings)
+    return where
+
+
+def _toml_list(values: list[str]) -> str:
+    return "[" + ", ".join(f'"{value}"' for value in values) + "]"
+
+
+def run_mutmut(where: Path, children: int) -> int:
+    """mutmut run in the stage (its exit status); the mutated package is found first on sys.path
+    there, ahead of the editable install's plugin/."""
+    # One intra-op thread: mutmut forks a child per mutant from a process that has run torch, and an
+    # OpenMP pool started before a fork hangs in the child.
+    threads = {name: "1" for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    env = {**os.environ, **threads, "TRITON_INTERPRET": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+    command = [sys.executable, "-m", "mutmut", "run", "--max-children", str(children)]
+    return subprocess.run(command, cwd=where, env=env).returncode
+
+
+def mutmut(where: Path, *args: str) -> str:
+    done = subprocess.run([sys.executable, "-m", "mutmut", *args], cwd=where, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"mutmut {' '.join(args)} failed: {done.stderr[-2000:]}")
+    return done.stdout
+
+
+def results(where: Path) -> dict[str, tuple[str, Path]]:
+    """Every mutant of a staged run: its status (killed, survived, no tests, timeout, ...) and stage."""
+    found = {}
+    if (where / "mutants").is_dir():
+        for line in mutmut(where, "results", "--all", "true").splitlines():
+            name, separator, status = line.strip().rpartition(": ")
+            if separator and "__mutmut_" in name:
+                found[name] = (status, where)
+    return found
+
+
+def mutated_lines(diff: str) -> list[str]:
+    """The lines a mutant's diff adds, stripped."""
+    return [line[1:].strip() for line in diff.splitlines() if line.startswith("+") and not line.startswith("+++")]
+
+
+def function_of(name: str) -> str:
+    """A mutant's function, as mutmut names it (`module.x_function`, `module.xǁClassǁmethod`)."""
+    return name.partition("__mutmut_")[0]
+
+
+def module_of(name: str) -> str:
+    return re.split(r"\.x[_ǁ]", function_of(name), maxsplit=1)[0]
+
+
+def read_equivalent(path: Path = EQUIVALENT) -> dict[tuple[str, str], str]:
+    """The reviewed equivalent mutants: (function, mutated line) -> why it changes no behaviour."""
+    equivalent = {}
+    for line in path.read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            function, mutated, reason = (part.strip() for part in line.split("\t", 2))
+            equivalent[function, mutated] = reason
+    return equivalent
+
+
+# Statuses that kill a mutant: a test failed, hung or crashed with it.
+KILLED = ("killed", "timeout", "segfault", "caught by type check")
+# Statuses of mutants the run never got to (stopped early): left out of every count but their own.
+NOT_RUN = ("not checked", "check was interrupted by user")
+
+
+def report(found: dict[str, tuple[str, Path]], modules: list[str]) -> str:
+    """The Markdown report: kill rate per module and overall, then every survivor's diff."""
+    equivalent = read_equivalent()
+    statuses = {name: status for name, (status, _) in found.items()}
+    survivors, matched = {}, {}
+    for name, status in sorted(statuses.items()):
+        if status not in KILLED and status not in NOT_RUN:
+            diff = mutmut(found[name][1], "show", name).split("\n", 1)[1]
+            key = next(((function_of(name), line) for line in mutated_lines(diff)), None)
+            if key in equivalent:
+                matched[name] = equivalent[key]
+            else:
+                survivors[name] = (status, diff)
+    unchecked = {n for n, status in statuses.items() if status in NOT_RUN}
+    rows = []
+    for module in sorted({module_of(name) for name in statuses}):
+        names = [n for n in statuses if module_of(n) == module and n not in unchecked]
+        counts = Counter(statuses[n] for n in names)
+        equivalents = sum(1 for n in names if n in matched)
+        not_run = sum(1 for n in unchecked if module_of(n) == module)
+        rows.append((module, len(names), sum(counts[status] for status in KILLED), equivalents, not_run))
+    total = sum(r[1] for r in rows)
+    killed = sum(r[2] for r in rows)
+    equivalents = sum(r[3] for r in rows)
+    rate = 100.0 * killed / max(1, total - equivalents)
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    lines = [
+        "# Mutation testing (`make mutate`)",
+        "",
+        f"mutmut over {', '.join(modules)} (plugin/), against the unit tests listed in tests/mutation/mutate.py; "
+        f"run {when} at commit {commit.stdout.strip() or '?'}.",
+        "A mutant is killed when a test fails (or times out) with it; the equivalent ones (reviewed, in "
+        "tests/mutation/equivalent.txt with why) change no behaviour and are left out of the rate.",
+        "",
+        f"**{killed} of {total - equivalents} non-equivalent mutants killed: {rate:.1f}%** "
+        f"({total} mutants run, {equivalents} equivalent, {len(survivors)} surviving"
+        + (f"; {len(unchecked)} not run: the run was stopped before them" if unchecked else "")
+        + ").",
+        "",
+        "| module | mutants run | killed | equivalent | survived | kill rate | not run |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for module, count, dead, same, not_run in rows:
+        alive = count - dead - same
+        rate = 100.0 * dead / max(1, count - same)
+        lines.append(f"| {module} | {count} | {dead} | {same} | {alive} | {rate:.1f}% | {not_run} |")
+    lines += ["", "## Surviving mutants", ""]
+    if not survivors:
+        lines.append("None.")
+    for name, (status, diff) in survivors.items():
+        lines += [f"### `{name}` ({status})", "", "```diff", *diff.splitlines()[2:], "```", ""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--modules", nargs="+", default=list(PACKAGES), help="packages or modules under plugin/ (sampling/rng.py)"
+    )
+    parser.add_argument("--max-children", type=int, default=max(1, (os.cpu_count() or 2) - 1))
+    parser.add_argument("--report-only", action="store_true", help="report the last staged run, run nothing")
+    parser.add_argument("--report", type=Path, default=REPORT)
+    args = parser.parse_args(argv)
+    by_package = {package: [m for m in args.modules if m.split("/")[0] == package] for package in PACKAGES}
+    unknown = [m for m in args.modules if m.split("/")[0] not in PACKAGES]
+    if unknown:
+        parser.error(f"not under plugin/sampling or plugin/generation: {unknown}")
+    if not args.report_only:
+        for package, modules in by_package.items():
+            if modules:
+                status = run_mutmut(stage(package, modules), args.max_children)
+                if status:
+                    print(f"mutmut run over {package} exited with {status}", file=sys.stderr)
+    found = {}
+    for package, modules in by_package.items():
+        if modules:
+            found |= results(STAGE / package)
+    text = report(found, args.modules)
+    args.report.write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
