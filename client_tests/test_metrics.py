@@ -136,7 +136,10 @@ def test_generate_metrics_follow_a_real_load(triton_server):
                     running_seen = generate_value(scrape(triton_server.metrics_url), "generate_num_requests_running")
             finals += final
     assert len(errors) == 2 and all("input_ids" in message for message in errors), errors
-    after = wait_until_idle(triton_server.metrics_url)
+    successes = lambda samples: generate_value(samples, "generate_request_success_total", finished_reason="length")  # noqa: E731
+    after = wait_until_idle(
+        triton_server.metrics_url, settled=lambda samples: successes(samples) - successes(before) >= LOAD
+    )
 
     delta = lambda name, **labels: generate_value(after, name, **labels) - generate_value(before, name, **labels)  # noqa: E731
     e2e_client = np.array([last[k] - sent[k] for k in sent])
@@ -199,13 +202,15 @@ def _le(samples: dict, series: str, bound: float) -> str:
     )
 
 
-def wait_until_idle(metrics_url: str, timeout_s: float = 10.0) -> dict:
-    """A scrape once the engine reports nothing running or waiting (it flushes its histograms then)."""
+def wait_until_idle(metrics_url: str, timeout_s: float = 10.0, settled=None) -> dict:
+    """A scrape once the engine reports nothing running or waiting (it flushes its histograms then)
+    and, with `settled`, once `settled(samples)` holds: the gauges may read 0 a moment before the
+    last counts are sent."""
     deadline = time.monotonic() + timeout_s
     while True:
         samples = scrape(metrics_url)
         idle = all(generate_value(samples, f"generate_num_requests_{s}") == 0 for s in ("running", "waiting"))
-        if idle or time.monotonic() > deadline:
+        if (idle and (settled is None or settled(samples))) or time.monotonic() > deadline:
             return samples
         time.sleep(0.05)
 
