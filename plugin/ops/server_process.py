@@ -347,11 +347,19 @@ class TritonServer(LoopbackUrls):
                 self._log.close()
                 self._clean_up()
                 raise RuntimeError(f"tritonserver exited with {self.process.returncode}:\n{self.log_tail()}")
-            if self.is_ready():
+            if self.is_ready() and self.metrics_listening():
                 return self
             time.sleep(0.25)
         self.stop()
         raise RuntimeError(f"tritonserver not ready within {timeout_s}s:\n{self.log_tail()}")
+
+    def metrics_listening(self) -> bool:
+        """Whether the metrics port accepts connections (it opens a moment after HTTP is ready)."""
+        try:
+            with socket.create_connection(("127.0.0.1", self.ports["metrics"]), timeout=1):
+                return True
+        except OSError:
+            return False
 
     def stop(self, timeout_s: float = 30.0) -> int | None:
         """SIGTERM (Triton's clean shutdown), then SIGKILL if it lingers; returns the exit code.
