@@ -86,11 +86,11 @@ class SpeculationObserver:
         self.accepted += accepted
 
 
-def run(lm, reqs, drafter=None, timeout_s: float = 120, **limits):
+def run(lm, reqs, drafter=None, timeout_s: float = 120, observer=None, **limits):
     """The requests through an engine of their own (all admitted in its first step when it can
-    merge); their handles and the engine's observer."""
+    merge); their handles and the engine's observer (a SpeculationObserver unless given)."""
     sampler = BatchSampler(load_backend("torch"), policy(), torch.device("cpu"))
-    observer = SpeculationObserver()
+    observer = observer or SpeculationObserver()
     engine = ContinuousEngine(lm, sampler, EngineLimits(**limits), observer, drafter=drafter)
     handles = [RecordingHandle() for _ in reqs]
     for handle, req in zip(handles, reqs):

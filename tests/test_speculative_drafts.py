@@ -12,18 +12,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from triton_sampling_mask.generation.drafting import NgramDrafter
-from triton_sampling_mask.generation.engine import ContinuousEngine, EngineLimits
 from triton_sampling_mask.sampling import rng
-from triton_sampling_mask.sampling.backends import load_backend
-from triton_sampling_mask.sampling.batching import BatchSampler
 
 from .copying_lm import CopyingLM, greedy_continuation
 from .reference import reference_row
-from .test_generation import WIDTH, RecordingHandle, policy, request
+from .test_generation import WIDTH, request
 from .test_speculative import SpeculationObserver, assert_same_generation
+from .test_speculative import run as run_engine
 
 CYCLE = [20, 21, 22, 23, 24, 25, 26]  # distinct tokens: the LM continues the cycle greedily
 DRAFTED = 4  # tokens drafted per step (NgramDrafter's default)
@@ -42,20 +39,8 @@ class StepObserver(SpeculationObserver):
 
 
 def run(lm, reqs, drafter=None):
-    """The requests through one engine (all admitted in its first step); handles and observer."""
-    sampler = BatchSampler(load_backend("torch"), policy(), torch.device("cpu"))
-    observer = StepObserver()
-    engine = ContinuousEngine(lm, sampler, EngineLimits(), observer, drafter=drafter)
-    handles = [RecordingHandle() for _ in reqs]
-    for handle, req in zip(handles, reqs):
-        engine.submit(req, handle)
-    engine.start()
-    try:
-        for handle in handles:
-            assert handle.done.wait(120)
-    finally:
-        engine.stop()
-    return handles, observer
+    """The requests through one engine (all admitted in its first step), counting every step."""
+    return run_engine(lm, reqs, drafter, observer=StepObserver())
 
 
 def test_greedy_decoding_of_the_lm_repeats_its_context():

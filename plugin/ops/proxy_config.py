@@ -300,9 +300,14 @@ def _json_error(message: str) -> str:
     return f'content-type application/json string "{{\\"error\\":\\"{_json_escape(message)}\\"}}"'
 
 
+def _quoted(text: str) -> str:
+    """`text` escaped for a double-quoted HAProxy argument."""
+    return text.replace("\\", "\\\\").replace('"', '\\"')
+
+
 def _json_escape(message: str) -> str:
     """`message` as the inside of a JSON string, written into a quoted HAProxy argument."""
-    return json.dumps(message)[1:-1].replace("\\", "\\\\").replace('"', '\\"')
+    return _quoted(json.dumps(message)[1:-1])
 
 
 def input_spec(config_path: Path) -> str:
@@ -317,7 +322,7 @@ def input_spec(config_path: Path) -> str:
 def _openai_error(message: str, kind: str) -> str:
     """A `content-type ... string ...` clause answering OpenAI's JSON error shape."""
     body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": None}})
-    return f'content-type application/json string "{body.replace(chr(92), chr(92) * 2).replace(chr(34), chr(92) + chr(34))}"'
+    return f'content-type application/json string "{_quoted(body)}"'
 
 
 def _grpc_error(code: int, message: str) -> str:
