@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m pip install --quiet --upgrade pip
 	# torch==2.13.0 pins the CPU wheel kept on these machines; elsewhere any torch>=2.4 will do.
 	$(PYTHON) -m pip install --quiet torch==2.13.0 || $(PYTHON) -m pip install --quiet 'torch>=2.4'
-	$(PYTHON) -m pip install --quiet -e '.[server,client,proxy,test,lint,generate,api]'
+	$(PYTHON) -m pip install --quiet -e '.[server,client,proxy,test,lint,generate,api,tracing]'
 	# checkov (the Helm chart's static analysis) in a venv of its own: its pins would downgrade ours.
 	test -x $(VENV)/checkov/bin/checkov || { $(SYSTEM_PYTHON) -m venv $(VENV)/checkov && $(VENV)/checkov/bin/pip install --quiet checkov==3.3.30; }
 	# jemalloc for tritonserver (plugin/ops/allocator.py); glibc's malloc is the fallback where it can't be installed.

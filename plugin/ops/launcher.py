@@ -52,6 +52,7 @@ from .server_process import (
     server_environment,
 )
 from .supervisor import Supervisor, SupervisorConfig
+from .trace_flags import trace_args
 
 
 def resolve_admin_key(http_port: int) -> tuple[str, str, Path | None]:
@@ -127,6 +128,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("extra", nargs=argparse.REMAINDER, help="flags passed to tritonserver after --")
     args = parser.parse_args(argv)
     extra = args.extra[1:] if args.extra[:1] == ["--"] else args.extra
+    # OpenTelemetry tracing when TRITON_TRACE_ENDPOINT is set; the caller's own --trace-config flags come after
+    extra = trace_args(settings.TRITON_TRACE_ENDPOINT.value(), settings.TRITON_TRACE_RATE.value()) + extra
     for arg in extra:  # tritonserver's own flag, if given, is the exit timeout the supervisor honours
         if arg.startswith("--exit-timeout-secs="):
             args.exit_timeout = int(arg.split("=", 1)[1])

@@ -63,6 +63,13 @@ def _port(text: str) -> int:
     return port
 
 
+def _positive(text: str) -> int:
+    number = int(text)
+    if number < 1:
+        raise ValueError("must be 1 or more")
+    return number
+
+
 def _visible_gpus() -> int:
     import torch  # only the image's sizing needs it, and only when GPU_COUNT is unset
 
@@ -144,6 +151,17 @@ PROXY_JSON_HEADER_BYTES = Setting(
     "largest JSON part of an HTTP /infer body (the whole body without the binary tensor extension); the proxy reads it",
 )
 PROXY_LOG_SAMPLE = Setting(int, 20, "the proxy logs one request in this many (never blocking on its log)")
+# Off unless an endpoint is given: tritonserver's OpenTelemetry tracing and the models' child spans
+# (serving.tracing), both exported over OTLP/HTTP to the same collector (docs/tracing.md).
+TRITON_TRACE_ENDPOINT = Setting(
+    str,
+    "",
+    "an OTLP/HTTP traces URL (e.g. `http://localhost:4318/v1/traces`): tritonserver traces requests and the models "
+    "add child spans, both sent there (docs/tracing.md); empty: no tracing",
+)
+TRITON_TRACE_RATE = Setting(
+    _positive, 1000, "with `TRITON_TRACE_ENDPOINT`: tritonserver traces one request in this many (1: every one)"
+)
 # A cgroup memory limit for tritonserver and its stubs (ops.memory_limit), so that a request that
 # blows up the server's memory kills the server, not a random process of the host.
 TRITON_MEMORY_LIMIT_BYTES = Setting(
