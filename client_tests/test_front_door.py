@@ -164,6 +164,9 @@ def test_metrics_and_probe_ports_answer_reads_only(stack):
     assert hostile.request(stack.ports["metrics"], "GET", "/elsewhere")[0] == 404
     assert hostile.request(stack.ports["probe"], "GET", "/ready")[0] == 200
     assert hostile.request(stack.ports["probe"], "DELETE", "/ready")[0] == 405
+    # the front door's own refusals, read from HAProxy's exporter by the supervisor (ops.proxy_metrics)
+    status, text = hostile.request(stack.ports["probe"], "GET", "/metrics")
+    assert status == 200 and 'proxy_requests_refused_total{frontend="http",reason="queue_full"}' in text, text
 
 
 def listening_addresses(port: int) -> set[str]:

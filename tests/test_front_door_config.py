@@ -16,7 +16,7 @@ import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2, service_pb2
 
-from triton_sampling_mask.ops import memory_limit, proxy, proxy_config
+from triton_sampling_mask.ops import memory_limit, proxy, proxy_config, proxy_metrics
 from triton_sampling_mask.ops.proxy import FrontDoor, ProxyError
 from triton_sampling_mask.ops.proxy_config import ProxyLimits, ProxyPlan
 from triton_sampling_mask.ops.stream_gate import is_final
@@ -81,6 +81,9 @@ def test_the_generated_config_passes_haproxy_check_without_a_warning(tmp_path, o
     config = plan(tmp_path)
     if open_admin:
         config = dataclasses.replace(config, admin_key_file=None)
+    exporter = proxy_metrics.exporter_available(proxy.find_haproxy())
+    if exporter:  # the counters' unix socket (ops.proxy_metrics), where this haproxy has the exporter
+        config = dataclasses.replace(config, stats_socket=tmp_path / "stats.sock")
     path = tmp_path / "haproxy.cfg"
     path.write_text(proxy_config.render(config))
     done = subprocess.run([proxy.find_haproxy(), "-c", "-f", str(path)], capture_output=True, text=True, timeout=60)
@@ -89,6 +92,7 @@ def test_the_generated_config_passes_haproxy_check_without_a_warning(tmp_path, o
     assert "stats socket" not in text.replace("# no stats socket", "")  # 'show acl' would print the key
     assert ("admin_ok always_true" in text) == open_admin
     assert "user-key" not in text  # the user's key stays in its own file
+    assert (f"bind unix@{tmp_path / 'stats.sock'} mode 600" in text) == exporter
 
 
 def test_the_config_holds_the_limits_it_is_given(tmp_path):

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from . import proxy_config
 from .proxy_config import ProxyLimits, ProxyPlan
+from .proxy_metrics import exporter_available
 from .server_process import PORT_NAMES, LoopbackUrls, TritonServer, free_port, loopback_args
 
 HAPROXY_PATHS = ("/usr/sbin/haproxy", "/usr/local/sbin/haproxy")
@@ -91,7 +92,14 @@ class FrontDoor:
             internal_key=self.internal_key,
             routes=routes,
             limits=self.limits,
+            stats_socket=self.stats_socket,
         )
+
+    @property
+    def stats_socket(self) -> Path | None:
+        """HAProxy's exporter socket (ops.proxy_metrics), where this haproxy has the exporter."""
+        binary = find_haproxy()
+        return self.directory / "stats.sock" if self.directory and binary and exporter_available(binary) else None
 
     @property
     def config_path(self) -> Path:

@@ -284,6 +284,7 @@ class ProxyPlan:
     limits: ProxyLimits = field(default_factory=ProxyLimits)
     admin_header: str = ADMIN_HEADER
     bind_address: str = "0.0.0.0"
+    stats_socket: Path | None = None  # HAProxy's Prometheus exporter on a 0600 unix socket (ops.proxy_metrics)
 
     @property
     def grpc_admin_header(self) -> str:
@@ -688,7 +689,7 @@ def render(plan: ProxyPlan) -> str:
         ]
 
     # ---- metrics and probe: GET only ----
-    for name, paths in (("metrics", "/metrics"), ("probe", "/ready /live /status")):
+    for name, paths in (("metrics", "/metrics"), ("probe", "/ready /live /status /metrics")):
         if not public.get(name):
             continue
         lines += _frontend_head(
@@ -711,6 +712,13 @@ def render(plan: ProxyPlan) -> str:
             "",
             f"backend be_{name}",
             f"    server local 127.0.0.1:{internal[name]} maxconn 16",
+            "",
+        ]
+    if plan.stats_socket:  # the proxy's own counters: only this user can connect (ops.proxy_metrics)
+        lines += [
+            "frontend fe_stats",
+            f"    bind unix@{plan.stats_socket} mode 600",
+            "    http-request use-service prometheus-exporter",
             "",
         ]
     return "\n".join(lines) + "\n"

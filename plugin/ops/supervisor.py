@@ -25,7 +25,8 @@ What it answers, with Triton 2.51 / Python backend r24.10:
   intervals old, got a correct answer from every model, and no model of the round under way has
   left its probe unanswered for an interval without finishing any request (a stopped stub:
   503 one interval into the round, not at the probe's timeout); `/live` is 200 while the
-  supervisor runs; `/status` is the last round as JSON.
+  supervisor runs; `/status` is the last round as JSON; `/metrics` is the front door's refusals
+  (ops.proxy_metrics, Prometheus text).
 - tritonserver and its stubs run with umask 077 (their /dev/shm regions are 0600) and without
   TRITON_ADMIN_KEY in their environment.
 - SIGTERM/SIGINT: the watchdog stops, tritonserver gets SIGTERM (its --exit-timeout-secs bounds
@@ -58,7 +59,7 @@ from dataclasses import dataclass, field, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from . import settings
+from . import proxy_metrics, settings
 from .memory_limit import MemoryCage
 from .probe import ProbeResult, http_request, probe_model
 from .proxy import FrontDoor
@@ -480,8 +481,28 @@ class _ProbeHandler(BaseHTTPRequestHandler):
             }
             ready = ready and report["server_running"]
             self._answer(200 if ready or path == "/status" else 503, report)
+        elif path == "/metrics":
+            self._answer_metrics()
         else:
-            self._answer(404, {"error": "try /ready, /live or /status"})
+            self._answer(404, {"error": "try /ready, /live, /status or /metrics"})
+
+    def _answer_metrics(self) -> None:
+        """The front door's refusals (ops.proxy_metrics), 503 while HAProxy's exporter is not there."""
+        door = self.supervisor.config.front_door
+        try:
+            if door is None or door.stats_socket is None:
+                raise OSError("no front door with HAProxy's Prometheus exporter")
+            body = proxy_metrics.render(door.stats_socket).encode()
+        except (OSError, ValueError) as error:
+            self._answer(503, {"error": f"the front door's metrics are not available: {error}"})
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain; version=0.0.4")
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.write(body)
+        self.close_connection = True
 
     def _answer(self, status: int, payload: dict) -> None:
         body = json.dumps(payload).encode()
