@@ -35,7 +35,10 @@ HARDENED = {
     "image": {"digest": "sha256:" + "0" * 64, "pullPolicy": "Always"},
     "podSecurityContext": {"runAsUser": 10001, "runAsGroup": 10001, "fsGroup": 10001},
 }
-EVERYTHING_ON = {"autoscaling": {"enabled": True}, "metrics": {"serviceMonitor": {"enabled": True}}}
+EVERYTHING_ON = {
+    "autoscaling": {"enabled": True},
+    "metrics": {"serviceMonitor": {"enabled": True}, "grafanaDashboard": {"enabled": True}},
+}
 CHECKOV_TIMEOUT_S = 120
 
 
@@ -145,6 +148,7 @@ def test_default_objects_all_in_the_release_namespace():
         "ServiceAccount",
     ]
     assert sorted(m["kind"] for m in render(EVERYTHING_ON)) == [
+        "ConfigMap",
         "Deployment",
         "HorizontalPodAutoscaler",
         "NetworkPolicy",
@@ -244,7 +248,22 @@ def test_metrics_scrape_annotations_and_service_monitor():
     assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
     assert monitor["spec"]["selector"]["matchLabels"].items() <= one(manifests, "Service")["metadata"]["labels"].items()
     assert monitor["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
-    assert [(e["port"], e["path"]) for e in monitor["spec"]["endpoints"]] == [("metrics", "/metrics")]
+    assert [(e["port"], e["path"]) for e in monitor["spec"]["endpoints"]] == [
+        ("metrics", "/metrics"),
+        ("probe", "/metrics"),
+    ]
+
+
+def test_grafana_dashboard_configmap_holds_the_dashboard_behind_its_flag():
+    """Off by default; on, a ConfigMap with the sidecar's label holding docker/grafana/dashboard.json as it is."""
+    assert not [m for m in render() if m["kind"] == "ConfigMap"]
+    values = {"metrics": {"grafanaDashboard": {"enabled": True, "annotations": {"grafana_folder": "Inference"}}}}
+    config_map = one(render(values), "ConfigMap")
+    assert config_map["metadata"]["namespace"] == NAMESPACE
+    assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert config_map["metadata"]["annotations"] == {"grafana_folder": "Inference"}
+    (text,) = config_map["data"].values()
+    assert json.loads(text) == json.loads((REPO_ROOT / "docker" / "grafana" / "dashboard.json").read_text())
 
 
 def test_autoscaler_scales_the_deployment_on_pending_requests_per_pod():
