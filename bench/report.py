@@ -1,10 +1,11 @@
-"""Turn benchmark results into the target verdicts, a terminal table, JSON and a PNG plot."""
+"""Turn benchmark results into the target verdicts, a terminal table, JSON and PNG plots (bench/plots.py)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+from . import plots
 from .common import paired_median_ratio
 
 TARGETS = {
@@ -462,8 +463,10 @@ def write_json(results: dict, path: Path) -> None:
     partial.replace(path)
 
 
-def plot(results: dict, path: Path) -> None:
-    """Bars of the three kernel ratios per case and the served/in-process fraction, with targets."""
+def plot(results: dict, path: Path) -> list[Path]:
+    """Bars of the three kernel ratios per case and the served/in-process fraction, with targets, at
+    `path`; beside it bench/plots.py's figures (named with the same prefix: `gpu_` for gpu_ratios.png),
+    speculative decoding's from a `speculative.json` in that folder. The files written."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -534,6 +537,9 @@ def plot(results: dict, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    speculative_path = path.parent / "speculative.json"
+    speculative = json.loads(speculative_path.read_text()) if speculative_path.exists() else None
+    return [path, *plots.render(results, path.parent, path.stem.removesuffix("ratios"), speculative)]
 
 
 def markdown_summary(results: dict) -> str:

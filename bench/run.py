@@ -204,9 +204,8 @@ def main(argv: list[str] | None = None) -> dict:
     report.print_tables(results)
     report.write_json(results, output)
     output.with_suffix(".md").write_text(report.markdown_summary(results))
-    if not args.no_plot:
-        report.plot(results, plot_path)
-    print(f"\nwrote {output}{'' if args.no_plot else ' and ' + str(plot_path)} in {results['wall_s']:.0f} s")
+    figures = [] if args.no_plot else report.plot(results, plot_path)
+    print(f"\nwrote {output}{''.join(', ' + str(figure) for figure in figures)} in {results['wall_s']:.0f} s")
     return results
 
 

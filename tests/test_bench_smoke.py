@@ -186,3 +186,74 @@ def test_tiny_gpu_grid_runs_on_cpu(tmp_path):
     for case in results["kernel"]:
         assert {"ours_plain_mask", "vllm_nomask", "baseline_nomask"} <= set(case["rival_over_ours"])
         assert all(_positive_finite(v) for v in case["rival_over_ours"].values())
+
+
+# A small results table as `make bench` writes it (only the fields bench/plots.py reads).
+PLOT_FIXTURE = {
+    "timestamp": "2026-12-03T00:00:00+00:00",
+    "device": "cpu",
+    "machine": {"cpu": "fixture"},
+    "served": {
+        "vocab": 2000,
+        "in_process": [{"rows_per_call": 1, "rows_per_s": 800.0}, {"rows_per_call": 4, "rows_per_s": 1300.0}],
+        "served": [
+            {
+                "protocol": protocol,
+                "concurrency": c,
+                "rows_per_s": 100.0 * c,
+                "p50_ms": 2.0 * c,
+                "p90_ms": 3.0 * c,
+                "p99_ms": 5.0 * c,
+                "requests": 500,
+            }
+            for protocol in ("http", "grpc")
+            for c in (1, 4)
+        ],
+    },
+    "step_latency": {
+        "vocab": 2000,
+        "points": [
+            {
+                "rows": rows,
+                "path": "grpc",
+                "concurrency": c,
+                "calls": 1000,
+                "p50_ms": 1.0,
+                "p99_ms": 2.0,
+                "p999_ms": 3.0,
+                "max_ms": 4.0,
+                "rows_per_s": 50.0 * rows * c,
+            }
+            for rows in (1, 8)
+            for c in (1, 2)
+        ],
+    },
+}
+SPECULATIVE_FIXTURE = {
+    "points": [
+        {"workload": w, "streams": s, "algorithm": a, "tokens_per_s": 100.0 * s * (2 if a == "ngram" else 1)}
+        for w in ("repetitive", "non-repetitive")
+        for s in (1, 8)
+        for a in ("none", "ngram")
+    ]
+}
+
+
+def test_quantile_points_put_each_kept_figure_at_its_quantile():
+    from bench import plots
+
+    point = {"p99_ms": 9.0, "p50_ms": 2.0, "p999_ms": 20.0, "max_ms": 31.0, "calls": 1000}
+    assert plots.quantile_points(point) == ([2.0, 9.0, 20.0, 31.0], [0.5, 0.99, 0.999, 1 - 1 / 2000])
+    assert plots.quantile_points({"p50_ms": 1.0, "p90_ms": 2.0, "requests": 10}) == ([1.0, 2.0], [0.5, 0.9])
+
+
+def test_the_figures_render_from_a_results_table(tmp_path):
+    pytest.importorskip("matplotlib", reason="matplotlib comes with `make bench` (the bench extra)")
+    from bench import plots
+
+    written = plots.render(PLOT_FIXTURE, tmp_path, "gpu_", SPECULATIVE_FIXTURE)
+    assert [path.name for path in written] == [f"gpu_{name}" for name in plots.FIGURES]
+    for path in written:
+        assert path.read_bytes().startswith(b"\x89PNG\r\n\x1a\n") and path.stat().st_size > 10_000
+    # without served tables or speculative results there is nothing to draw, and nothing is written
+    assert plots.render({"kernel": []}, tmp_path / "none") == [] and not (tmp_path / "none").exists()

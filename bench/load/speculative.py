@@ -2,7 +2,7 @@
 (default tiny Llama) on a real tritonserver.
 
     .venv/bin/python -m bench.load.speculative [--streams 1 8 32] [--requests-per-stream 4]
-                                               [--max-new-tokens 128] [--rounds 3] [--tiny]
+                                               [--max-new-tokens 128] [--rounds 3] [--tiny] [--output JSON]
 
 Starts one server holding each workload's LM twice, as the shipped `generate` model with
 speculative_algorithm "none" and with "ngram" (the shipped drafting parameters). For each
@@ -22,12 +22,14 @@ p50 falls under speculation while the mean tracks tokens/s), the speed-up (the m
 rounds' ratios), and the acceptance rate
 and accepted tokens per drafted step from the server's counters. The outputs of both models are
 the same token for token (client_tests/test_speculative.py checks it), so only speed differs.
-`--tiny` is a smoke run (streams 1 and 2, one short request each), not a measurement.
+`--tiny` is a smoke run (streams 1 and 2, one short request each), not a measurement. `--output
+JSON` also writes the tokens/s per point, which bench/plots.py draws as speculative.png.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import tempfile
@@ -137,7 +139,9 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per point (order swapped each)")
     parser.add_argument("--tiny", action="store_true", help="a smoke run: streams 1 2, one 48-token request each")
+    parser.add_argument("--output", type=Path, help="also write the tokens/s as JSON (bench/plots.py draws it)")
     args = parser.parse_args()
+    points = []
     if args.tiny:
         args.streams, args.requests_per_stream, args.max_new_tokens, args.rounds = [1, 2], 1, 48, 2
     workdir = Path(tempfile.mkdtemp())
@@ -169,12 +173,26 @@ def main() -> None:
                             )
                     for algorithm in ALGORITHMS:
                         print(row(f"{workload_name} / {streams} / {algorithm}", runs[algorithm]), flush=True)
+                        rates = [rate(stats) for stats, _ in runs[algorithm]]
+                        points.append(
+                            {
+                                "workload": workload_name,
+                                "streams": streams,
+                                "algorithm": algorithm,
+                                "tokens_per_s": float(np.median(rates)),
+                                "round_tokens_per_s": rates,
+                            }
+                        )
                     ratios = [rate(ngram[0]) / rate(none[0]) for none, ngram in zip(runs["none"], runs["ngram"])]
                     print(
                         f"{workload_name} / {streams}: ngram/none tokens/s x{np.median(ratios):.2f} "
                         f"(median of {len(ratios)} interleaved rounds: {', '.join(f'{r:.2f}' for r in ratios)})"
                     )
             print(f"load average after: {os.getloadavg()} ({os.cpu_count()} CPUs; the clients run on them too)")
+            if args.output:
+                stamp = time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime())
+                args.output.write_text(json.dumps({"timestamp": stamp, "points": points}, indent=2) + "\n")
+                print(f"wrote {args.output}")
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
