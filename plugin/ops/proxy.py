@@ -70,6 +70,10 @@ def raise_descriptor_limit() -> int:
     return hard
 
 
+# The longest path a unix socket may have, less one (sun_path holds 108 bytes with its NUL).
+UNIX_PATH_MAX = 107
+
+
 @dataclass
 class FrontDoor:
     """HAProxy and the stream gate for one supervised tritonserver (see the module docstring)."""
@@ -99,7 +103,10 @@ class FrontDoor:
     def stats_socket(self) -> Path | None:
         """HAProxy's exporter socket (ops.proxy_metrics), where this haproxy has the exporter."""
         binary = find_haproxy()
-        return self.directory / "stats.sock" if self.directory and binary and exporter_available(binary) else None
+        if not (self.directory and binary and exporter_available(binary)):
+            return None
+        path = self.directory / "stats.sock"
+        return path if len(str(path)) < UNIX_PATH_MAX else None  # a longer path cannot be bound
 
     @property
     def config_path(self) -> Path:

@@ -7,8 +7,8 @@ not trace). The models time their phases with `time.time_ns()` marks and, after 
 them into spans under that context with the OpenTelemetry SDK (the `tracing` extra), exported over
 OTLP/HTTP to the same endpoint as tritonserver's own.
 
-Off, the only cost is one attribute test per phase: no request's trace is read, nothing is
-imported. The stubs read the endpoint from their environment, which the launcher's carries.
+Off, the cost is one small object per execute call and one attribute test per phase: no
+request's trace is read, nothing is imported. The stubs read the endpoint from their environment, which the launcher's carries.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ class ModelTracer:
             from opentelemetry.sdk.resources import Resource
             from opentelemetry.sdk.trace import TracerProvider
             from opentelemetry.sdk.trace.export import BatchSpanProcessor
+            from opentelemetry.trace import set_span_in_context
             from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
         except ImportError as error:
             log_error(f"{model_name}: {ENDPOINT_ENV} is set but OpenTelemetry is not installed ({error}); no spans")
@@ -49,6 +50,7 @@ class ModelTracer:
         self.provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
         self.tracer = self.provider.get_tracer("triton_sampling_mask.serving")
         self.propagator = TraceContextTextMapPropagator()
+        self.context_of_span = set_span_in_context
         self.enabled = True
 
     def parent_of(self, request):
@@ -65,9 +67,7 @@ class ModelTracer:
         span = self.tracer.start_span(
             f"{self.model_name}.{name}", context=parent, start_time=start_ns, attributes=attributes
         )
-        from opentelemetry.trace import set_span_in_context
-
-        inner = set_span_in_context(span)
+        inner = self.context_of_span(span)
         for child_name, child_start, child_end, child_attributes in children:
             child = self.tracer.start_span(
                 f"{self.model_name}.{child_name}", context=inner, start_time=child_start, attributes=child_attributes
@@ -101,9 +101,7 @@ class BatchSpans:
         if not self.tracer or len(self.marks) < 2:
             return
         try:
-            phases = [
-                (name, start, end, shared) for (_, start), (name, end) in zip(self.marks, self.marks[1:], strict=False)
-            ]
+            phases = [(name, start, end, shared) for (_, start), (name, end) in zip(self.marks, self.marks[1:])]
             for request, own in zip(requests, attributes):
                 parent = self.tracer.parent_of(request)
                 if parent is not None:
