@@ -12,7 +12,7 @@ from ..sampling.outputs import SAMPLING_MASK_LEN
 from ..sampling.validation import SamplingRequestError
 from . import metrics
 from .deployment import load_deployment
-from .tracing import BATCH_SIZE, MASK_WIDTH, OUTCOME, BatchSpans, ModelTracer
+from .tracing import BATCH_SIZE, MASK_WIDTH, OUTCOME, REASON, BatchSpans, ModelTracer
 from .triton_io import error_response, parse_request, sampler_response, wanted_outputs
 
 DEFAULT_MAX_VOCAB_SIZE = 262144
@@ -45,7 +45,7 @@ class SamplerModel:
         responses, outcomes, mask_lengths, sampler_seconds = self._answer(requests, spans)
         if spans.tracer:  # child spans of the requests tritonserver traces
             shared = {BATCH_SIZE: len(requests), MASK_WIDTH: self.mask_width}
-            spans.emit(requests, [{OUTCOME: outcome, "reason": reason} for outcome, reason in outcomes], shared)
+            spans.emit(requests, [{OUTCOME: outcome, REASON: reason} for outcome, reason in outcomes], shared)
         try:
             self.metrics.record(outcomes, mask_lengths, sampler_seconds)
         except Exception as exc:  # metrics must never cost a request its answer
@@ -94,7 +94,7 @@ class SamplerModel:
         return responses, outcomes, mask_lengths, sampler_seconds
 
     def finalize(self) -> None:
-        """Nothing to drain: the stub runs execute and finalize on one thread, and execute returns
-        only once its batch is answered (Triton itself waits for in-flight requests on unload)."""
+        """Only queued spans to export: the stub runs execute and finalize on one thread, and execute
+        returns only once its batch is answered (Triton itself waits for in-flight requests on unload)."""
         self.tracer.shutdown()
         self.logger.log_info("sampler finalized")

@@ -26,6 +26,7 @@ BATCH_SIZE = "batch_size"
 MASK_WIDTH = "mask_width"
 FINISH_REASON = "finish_reason"
 OUTCOME = "outcome"
+REASON = "reason"  # with OUTCOME: the refused field, as the sampler's metrics label it
 
 
 class ModelTracer:
