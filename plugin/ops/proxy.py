@@ -80,6 +80,9 @@ class FrontDoor:
     limits: ProxyLimits = field(default_factory=ProxyLimits.from_settings)
     internal_key: str = field(default_factory=lambda: secrets.token_urlsafe(32))
     directory: Path | None = None
+    # The defences `ops.workarounds` may turn off for a server that does not need them.
+    stream_gate: bool = True
+    json_checks: bool = True
 
     def plan(self) -> ProxyPlan:
         """What the config is generated from."""
@@ -91,6 +94,8 @@ class FrontDoor:
             internal_key=self.internal_key,
             routes=routes,
             limits=self.limits,
+            stream_gate=self.stream_gate,
+            json_checks=self.json_checks,
         )
 
     @property
@@ -159,10 +164,9 @@ class FrontDoor:
 
     def children(self, log_path: Path | None = None) -> list[Child]:
         """The proxy, the gate and the HTTP API, ready to start (their output to `log_path`, or inherited)."""
-        children = [
-            Child("haproxy", self.proxy_command(), soft_stop=signal.SIGUSR1, log_path=log_path),
-            Child("stream gate", self.gate_command(), log_path=log_path),
-        ]
+        children = [Child("haproxy", self.proxy_command(), soft_stop=signal.SIGUSR1, log_path=log_path)]
+        if self.stream_gate:
+            children.append(Child("stream gate", self.gate_command(), log_path=log_path))
         if self.serves_api():
             children.append(Child("http api", self.api_command(), log_path=log_path))
         return children

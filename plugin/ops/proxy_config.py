@@ -284,6 +284,8 @@ class ProxyPlan:
     limits: ProxyLimits = field(default_factory=ProxyLimits)
     admin_header: str = ADMIN_HEADER
     bind_address: str = "0.0.0.0"
+    stream_gate: bool = True  # ModelStreamInfer through the stream gate, else straight to tritonserver
+    json_checks: bool = True  # the JSON of /infer and /generate bodies checked by json_checks.lua
 
     @property
     def grpc_admin_header(self) -> str:
@@ -398,8 +400,7 @@ def render(plan: ProxyPlan) -> str:
         f"    tune.bufsize {BUFFER_BYTES}",
         f"    tune.h2.initial-window-size {H2_WINDOW_BYTES}",
         f"    tune.h2.max-concurrent-streams {limits.streams_per_connection}",
-        "    tune.lua.maxmem 64",
-        f"    lua-load-per-thread {LUA_CHECKS}",
+        *(["    tune.lua.maxmem 64", f"    lua-load-per-thread {LUA_CHECKS}"] if plan.json_checks else []),
         "    hard-stop-after 10s",
         "    # no stats socket: its 'show acl' would print the admin key",
         "",
@@ -526,7 +527,7 @@ def render(plan: ProxyPlan) -> str:
             "    http-request deny deny_status 408 "
             + _json_error("the JSON part of the body did not arrive in time")
             + " if r_infer { req.body_len,sub(txn.json_bytes) lt 0 }",
-            "    http-request lua.check_infer_json if r_infer",
+            *(["    http-request lua.check_infer_json if r_infer"] if plan.json_checks else []),
         ]
     decoupled = [route.name for route in routes if route.decoupled]
     if decoupled:  # tritonserver answers them 501: a client error, said as one
@@ -545,11 +546,14 @@ def render(plan: ProxyPlan) -> str:
             )
             + f" if r_json_{index} {{ req.body_size gt {GENERATE_JSON_BYTES} }}",
             f"    http-request wait-for-body time {_seconds(limits.request_timeout_s)} if r_json_{index}",
-            f'    http-request lua.check_generate_json "{route.input_spec}" generate_stream'
-            f" if r_json_{index} {{ path -m end /generate_stream }}",
-            f'    http-request lua.check_generate_json "{route.input_spec}" generate'
-            f" if r_json_{index} !{{ path -m end /generate_stream }}",
         ]
+        if plan.json_checks:
+            lines += [
+                f'    http-request lua.check_generate_json "{route.input_spec}" generate_stream'
+                f" if r_json_{index} {{ path -m end /generate_stream }}",
+                f'    http-request lua.check_generate_json "{route.input_spec}" generate'
+                f" if r_json_{index} !{{ path -m end /generate_stream }}",
+            ]
     lines += [
         "    http-request deny deny_status 400 content-type application/json "
         + 'lf-string "{\\"error\\":\\"%[var(txn.json_error),json(utf8s)]\\"}" if { var(txn.json_error) -m found }',
@@ -648,7 +652,7 @@ def render(plan: ProxyPlan) -> str:
     )
     lines += _shed_backend(
         "be_grpc_stream",
-        internal["stream_gate"],
+        internal["stream_gate"] if plan.stream_gate else internal["grpc"],
         limits,
         limits.queue_timeout_s,
         h2=True,
