@@ -240,3 +240,18 @@ def test_a_plan_names_only_defences_of_the_registry():
         on.runs("stream_relay")
     assert isinstance(WORKAROUNDS[0], Workaround)
     assert "defences on: stream_gate" in on.describe() and "off: http_max_input_size, allow_client_shm" in on.describe()
+
+
+def test_the_launcher_shows_the_plan_it_would_run(capsys):
+    from triton_sampling_mask.ops import launcher
+
+    launcher.main(["--show-defences"])
+    out = capsys.readouterr().out
+    assert "[launcher] tritonserver 2.51.0 (87 flags)" in out, out
+    assert "defences on: stream_gate, json_checks, dead_stub_sweeps" in out, out
+    assert out.rstrip().endswith("off: http_max_input_size, allow_client_shm") == (
+        not (
+            capabilities.container_marker()
+            and (capabilities.own_namespace("ipc") or capabilities.own_namespace("cgroup"))
+        )
+    ), out  # on a bare host everything but the newer lines' flags

@@ -117,12 +117,13 @@ def container_marker(root: Path = Path("/"), environ: Mapping[str, str] | None =
     return any(hint in cgroups for hint in CONTAINER_CGROUP_HINTS)
 
 
-def read(binary: str, environ: Mapping[str, str]) -> ServerCapabilities:
-    """The capabilities of `binary` (run with `environ`) on this host; the launcher calls it once."""
+def read(binary: str, environ: Mapping[str, str], flags: frozenset[str] | None = None) -> ServerCapabilities:
+    """The capabilities of `binary` (run with `environ`) on this host; the launcher calls it once.
+    `flags`: its `--help` flags where the caller has read them already."""
     private_ipc, private_cgroup = own_namespace("ipc"), own_namespace("cgroup")
     return ServerCapabilities(
         version=run_version(binary, environ),
-        flags=help_flags(run_help(binary, environ)),
+        flags=help_flags(run_help(binary, environ)) if flags is None else flags,
         container=container_marker() and (private_ipc or private_cgroup),
         private_ipc=private_ipc,
         private_cgroup=private_cgroup,

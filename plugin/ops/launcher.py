@@ -55,8 +55,10 @@ from .server_process import (
     server_binary,
     server_command,
     server_environment,
+    server_flags,
 )
 from .supervisor import Supervisor, SupervisorConfig
+from .workarounds import WorkaroundPlan
 from .workarounds import plan as workaround_plan
 
 
@@ -93,6 +95,19 @@ def ports_from_environment() -> dict[str, int]:
         "grpc": settings.TRITON_GRPC_PORT.value(),
         "metrics": settings.TRITON_METRICS_PORT.value(),
     }
+
+
+def defence_plan() -> WorkaroundPlan:
+    """The defences to run (`ops.workarounds`) for this host's tritonserver: its capabilities are
+    read once here (its --help stays cached in `server_flags` for the command line), and logged."""
+    try:
+        binary = server_binary()
+    except RuntimeError as error:
+        sys.exit(f"[launcher] {error}")
+    caps = capabilities.read(binary, server_environment(private_shm=False), flags=server_flags(binary))
+    defences = workaround_plan(caps)
+    print(f"[launcher] {caps.describe()}; {defences.describe()}", flush=True)
+    return defences
 
 
 # Command-line flags that override a setting: flag, setting, meaning.
@@ -137,11 +152,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("extra", nargs=argparse.REMAINDER, help="flags passed to tritonserver after --")
     args = parser.parse_args(argv)
-    # What the server and this host can do, read once: which defences run (ops.workarounds).
-    caps = capabilities.read(server_binary(), server_environment(private_shm=False))
-    defences = workaround_plan(caps)
-    print(f"[launcher] {caps.describe()}; {defences.describe()}", flush=True)
     if args.show_defences:
+        defence_plan()
         return
     extra = args.extra[1:] if args.extra[:1] == ["--"] else args.extra
     for arg in extra:  # tritonserver's own flag, if given, is the exit timeout the supervisor honours
@@ -168,6 +180,7 @@ def main(argv: list[str] | None = None) -> None:
             f"(gRPC: '{GRPC_ADMIN_HEADER}'); key {where}",
             flush=True,
         )
+    defences = defence_plan()
     runs_private_shm = defences.runs("private_shm")
     if defences.runs("memory_limit"):
         cage = make_cage(f"triton-server-{ports['http']}-{os.getpid()}")
