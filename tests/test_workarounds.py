@@ -6,6 +6,7 @@ in docs/upstream-issues.md is the registry's."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -135,16 +136,16 @@ def test_a_missing_binary_reports_nothing(tmp_path):
 
 
 def test_container_markers(tmp_path):
-    assert not capabilities.container_marker(tmp_path, {})
-    assert capabilities.container_marker(tmp_path, {"container": "podman"})
+    assert not capabilities.container_marker({}, tmp_path)
+    assert capabilities.container_marker({"container": "podman"}, tmp_path)
     (tmp_path / "proc" / "1").mkdir(parents=True)
     (tmp_path / "proc" / "1" / "cgroup").write_text("0::/init.scope\n")
-    assert not capabilities.container_marker(tmp_path, {})
+    assert not capabilities.container_marker({}, tmp_path)
     (tmp_path / "proc" / "1" / "cgroup").write_text("12:memory:/kubepods/burstable/pod1/abc\n")
-    assert capabilities.container_marker(tmp_path, {})
+    assert capabilities.container_marker({}, tmp_path)
     (tmp_path / "proc" / "1" / "cgroup").unlink()
     (tmp_path / ".dockerenv").touch()
-    assert capabilities.container_marker(tmp_path, {})
+    assert capabilities.container_marker({}, tmp_path)
 
 
 def test_a_namespace_is_told_from_the_kernels_initial_one(tmp_path):
@@ -251,7 +252,7 @@ def test_the_launcher_shows_the_plan_it_would_run(capsys):
     assert "defences on: stream_gate, json_checks, dead_stub_sweeps" in out, out
     assert out.rstrip().endswith("off: http_max_input_size, allow_client_shm") == (
         not (
-            capabilities.container_marker()
+            capabilities.container_marker(os.environ)
             and (capabilities.own_namespace("ipc") or capabilities.own_namespace("cgroup"))
         )
     ), out  # on a bare host everything but the newer lines' flags

@@ -104,10 +104,9 @@ def own_namespace(name: str, proc: Path = Path("/proc/self")) -> bool:
         return False
 
 
-def container_marker(root: Path = Path("/"), environ: Mapping[str, str] | None = None) -> bool:
+def container_marker(environ: Mapping[str, str], root: Path = Path("/")) -> bool:
     """Whether a container runtime left its mark: /.dockerenv, /run/.containerenv, the `container`
     variable (systemd's convention, set by podman), or a runtime's name in /proc/1/cgroup."""
-    environ = os.environ if environ is None else environ
     if environ.get("container") or any((root / name.lstrip("/")).exists() for name in CONTAINER_FILES):
         return True
     try:
@@ -124,7 +123,7 @@ def read(binary: str, environ: Mapping[str, str], flags: frozenset[str] | None =
     return ServerCapabilities(
         version=run_version(binary, environ),
         flags=help_flags(run_help(binary, environ)) if flags is None else flags,
-        container=container_marker() and (private_ipc or private_cgroup),
+        container=container_marker(environ) and (private_ipc or private_cgroup),
         private_ipc=private_ipc,
         private_cgroup=private_cgroup,
     )

@@ -17,8 +17,6 @@ from dataclasses import dataclass
 
 from .capabilities import ServerCapabilities
 
-UPSTREAM_ISSUES = "docs/upstream-issues.md"
-
 
 @dataclass(frozen=True)
 class Workaround:
@@ -41,11 +39,6 @@ class Workaround:
         if self.fixed_in is not None and caps.version_tuple >= self.fixed_in:
             return False
         return self.applies(caps)
-
-    @property
-    def link(self) -> str:
-        """Its row in docs/upstream-issues.md, repository-relative."""
-        return f"{UPSTREAM_ISSUES}#{self.anchor}"
 
 
 WORKAROUNDS: tuple[Workaround, ...] = (
