@@ -184,3 +184,9 @@ def test_a_cgroup_cage_kills_only_what_runs_in_it_and_counts_it():
     finally:
         cage.remove()
     assert not cage.path.exists()
+
+
+def test_the_side_ports_bind_where_the_deployment_says(tmp_path):
+    text = proxy_config.render(dataclasses.replace(plan(tmp_path), side_bind_address="127.0.0.1"))
+    assert "bind 127.0.0.1:18002\n" in text and "bind 127.0.0.1:18003\n" in text  # metrics, probe
+    assert "bind 0.0.0.0:18000\n" in text and "bind 0.0.0.0:18001 proto h2\n" in text  # the public ones

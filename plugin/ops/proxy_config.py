@@ -277,6 +277,7 @@ class ProxyPlan:
     limits: ProxyLimits = field(default_factory=ProxyLimits)
     admin_header: str = ADMIN_HEADER
     bind_address: str = "0.0.0.0"
+    side_bind_address: str = "0.0.0.0"  # the metrics and probe ports'
 
     @property
     def grpc_admin_header(self) -> str:
@@ -721,7 +722,7 @@ def render(plan: ProxyPlan) -> str:
             continue
         lines += _frontend_head(
             f"fe_{name}",
-            plan.bind_address,
+            plan.side_bind_address,
             public[name],
             "st_side",
             SIDE_PORT_CONNECTIONS,

@@ -82,6 +82,13 @@ TRITON_METRICS_PORT = Setting(
     _port, 8002, "the public metrics port, GET /metrics only (the proxy's; tritonserver's own with `--no-proxy`)"
 )
 TRITON_PROBE_PORT = Setting(_port, 8003, "the supervisor's /ready, /live and /status (through the proxy); 0: none")
+# Kubelet httpGet probes and a Prometheus in another pod reach the pod's address; exec probes and
+# a scraping sidecar need only loopback, and then nobody else can flood or read those ports.
+TRITON_SIDE_PORTS_ADDRESS = Setting(
+    str,
+    "0.0.0.0",
+    "the address the proxy binds the metrics and probe ports to: 127.0.0.1 keeps them on the pod or host",
+)
 TRITON_API_PORT = Setting(
     _port, 9000, "the HTTP API's public port (OpenAI and SGLang dialects over `generate`, behind the proxy); 0: none"
 )
