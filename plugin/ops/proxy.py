@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import proxy_config
+from . import proxy_config, settings
 from .proxy_config import ProxyLimits, ProxyPlan
 from .server_process import PORT_NAMES, LoopbackUrls, TritonServer, free_port, loopback_args
 
@@ -96,6 +96,7 @@ class FrontDoor:
             limits=self.limits,
             stream_gate=self.stream_gate,
             json_checks=self.json_checks,
+            side_bind_address=settings.TRITON_SIDE_PORTS_ADDRESS.value(),
         )
 
     @property
