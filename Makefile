@@ -27,6 +27,8 @@ $(VENV)/.installed: pyproject.toml
 	  { apt-get update -qq >/dev/null && apt-get install -y -qq libjemalloc2 >/dev/null; } ; } || \
 	  echo "note: libjemalloc2 not installed; tritonserver runs with glibc malloc"
 	@$(INSTALL_HAPROXY) || echo "note: haproxy not installed; the front-door tests skip and make serve needs SERVE_ARGS=--no-proxy"
+	# the HAProxy of each image line (2.4, 2.8), unpacked under .venv for tests/test_haproxy_lines.py, never installed
+	@$(PYTHON) scripts/haproxy_lines.py || echo "note: the image lines' HAProxy could not be fetched; their config checks skip"
 	touch $@
 
 # tritonserver under the supervisor (restarts, model watchdog, :8003/ready, admin APIs locked) behind

@@ -34,7 +34,7 @@ from tritonclient.utils import InferenceServerException
 from bench import hostile
 from triton_sampling_mask.client import SamplerClient
 from triton_sampling_mask.client.sampling_params import SamplingParams
-from triton_sampling_mask.ops.proxy_config import WRONG_KEYS_PER_MINUTE
+from triton_sampling_mask.ops.proxy_config import WRONG_KEYS_PER_MINUTE, ProxyLimits
 from triton_sampling_mask.ops.server_process import ADMIN_HEADER
 
 from .server import ExternalTritonServer
@@ -323,6 +323,52 @@ def test_bodies_trickled_from_one_address_leave_the_route_to_others(stack):
         trickler.join()
     finally:
         for sock in slow:
+            sock.close()
+
+
+def _stalled_large_body(source: str, port: int, vocab: int = 151936) -> socket.socket:
+    """A sampler request from `source` whose binary body is larger than the proxy's buffer: its
+    first 400 KiB are sent (the proxy forwards it to a tritonserver slot once its buffer is
+    full), the rest never is, so the request holds its slot for as long as the client waits."""
+    logits = httpclient.InferInput("logits", [1, vocab], "FP32")
+    logits.set_data_from_numpy(np.zeros((1, vocab), np.float32), binary_data=True)
+    body, json_size = httpclient.InferenceServerClient.generate_request_body([logits])
+    head = (
+        f"POST /v2/models/sampler/infer HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n"
+        f"Inference-Header-Content-Length: {json_size}\r\nContent-Type: application/octet-stream\r\n\r\n"
+    ).encode()
+    sock = connect_from(source, port)
+    sock.sendall(head + body[: 400 * 1024])
+    return sock
+
+
+def _answered_status(sock: socket.socket) -> int | None:
+    """The status the proxy already answered on `sock`, or None (still waiting)."""
+    sock.settimeout(0.0)
+    try:
+        data = sock.recv(4096)
+    except (BlockingIOError, OSError):
+        return None
+    return int(data.split(b" ", 2)[1]) if data.startswith(b"HTTP/") else None
+
+
+def test_one_address_holds_at_most_its_share_of_a_routes_slots(stack):
+    """One address opens as many stalled large-body sampler requests as the route has slots: past
+    its share (PROXY_REQUESTS_PER_IP) they are refused with 429 at once, and another client's
+    sampler calls are answered meanwhile (without the share they would all wait for a slot)."""
+    skip_unless_proxied(stack)
+    share = ProxyLimits().requests_per_ip
+    slots = ProxyLimits().max_in_flight
+    held = []
+    try:
+        for _ in range(slots):
+            held.append(_stalled_large_body("127.0.0.9", stack.ports["http"]))
+        time.sleep(1.5)
+        refused = [status for status in map(_answered_status, held) if status is not None]
+        assert refused.count(429) == slots - share, refused
+        assert all(stack.sampler_answers() for _ in range(3))
+    finally:
+        for sock in held:
             sock.close()
 
 

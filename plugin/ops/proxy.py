@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import proxy_config
+from . import proxy_config, settings
 from .proxy_config import ProxyLimits, ProxyPlan
 from .proxy_metrics import exporter_available
 from .server_process import PORT_NAMES, LoopbackUrls, TritonServer, free_port, loopback_args
@@ -85,6 +85,9 @@ class FrontDoor:
     limits: ProxyLimits = field(default_factory=ProxyLimits.from_settings)
     internal_key: str = field(default_factory=lambda: secrets.token_urlsafe(32))
     directory: Path | None = None
+    # The defences `ops.workarounds` may turn off for a server that does not need them.
+    stream_gate: bool = True
+    json_checks: bool = True
 
     def plan(self) -> ProxyPlan:
         """What the config is generated from."""
@@ -96,6 +99,9 @@ class FrontDoor:
             internal_key=self.internal_key,
             routes=routes,
             limits=self.limits,
+            stream_gate=self.stream_gate,
+            json_checks=self.json_checks,
+            side_bind_address=settings.TRITON_SIDE_PORTS_ADDRESS.value(),
             stats_socket=self.stats_socket,
         )
 
@@ -174,10 +180,9 @@ class FrontDoor:
 
     def children(self, log_path: Path | None = None) -> list[Child]:
         """The proxy, the gate and the HTTP API, ready to start (their output to `log_path`, or inherited)."""
-        children = [
-            Child("haproxy", self.proxy_command(), soft_stop=signal.SIGUSR1, log_path=log_path),
-            Child("stream gate", self.gate_command(), log_path=log_path),
-        ]
+        children = [Child("haproxy", self.proxy_command(), soft_stop=signal.SIGUSR1, log_path=log_path)]
+        if self.stream_gate:
+            children.append(Child("stream gate", self.gate_command(), log_path=log_path))
         if self.serves_api():
             children.append(Child("http api", self.api_command(), log_path=log_path))
         return children

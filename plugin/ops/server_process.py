@@ -27,8 +27,10 @@ from pathlib import Path
 from ..serving.admin_key import ADMIN_KEY_DIGEST_ENV, key_digest
 from . import settings
 from .allocator import with_allocator
+from .capabilities import ServerCapabilities, help_flags, run_help
 from .private_shm import with_private_shm
 from .shm_cleanup import remove_unused_regions, server_shm_prefix
+from .workarounds import BY_NAME
 
 PORT_NAMES = ("http", "grpc", "metrics")
 # The admin surfaces: anyone who reaches them can map host shared memory into the server, load
@@ -94,11 +96,12 @@ def system_tritonserver() -> str:
     return found
 
 
-def server_environment(admin_key: str | None = None) -> dict[str, str]:
+def server_environment(admin_key: str | None = None, private_shm: bool = True) -> dict[str, str]:
     """The environment tritonserver needs: this venv's bin/ first, the wheel's shared libraries
     (a Triton image's own server needs neither, and gets the environment unchanged but PATH).
     With `admin_key`, the stubs get its SHA-256 (never the key), which the generate model's
-    weight operations check (serving.weight_control)."""
+    weight operations check (serving.weight_control); with `private_shm`, the library that keeps
+    the stubs' regions 0600 (off where `ops.workarounds` says it cannot act)."""
     env = dict(os.environ)
     env.pop(ADMIN_KEY_DIGEST_ENV, None)
     if admin_key:
@@ -112,7 +115,7 @@ def server_environment(admin_key: str | None = None) -> dict[str, str]:
         env["GOMP_SPINCOUNT"] = settings.GOMP_SPINCOUNT.value(env)
     env.pop(settings.TRITON_ADMIN_KEY.name, None)  # a secret neither tritonserver nor a stub reads
     env = with_allocator(env)  # jemalloc where installed: glibc's malloc fragments under load
-    return with_private_shm(env)  # the stubs' /dev/shm regions 0600
+    return with_private_shm(env) if private_shm else env  # the stubs' /dev/shm regions 0600
 
 
 # Half the cores for Triton's HTTP threads, within these bounds (why: settings.TRITON_HTTP_THREAD_COUNT).
@@ -159,41 +162,35 @@ HTTP_MAX_INPUT_BYTES = 2 * settings.LARGEST_REQUEST_BYTES
 
 @functools.cache
 def server_flags(binary: str) -> frozenset[str]:
-    """The long options `binary --help` lists (tritonserver prints its usage and exits 1); empty
-    when it cannot run."""
-    try:
-        done = subprocess.run(
-            [binary, "--help"], capture_output=True, text=True, env=server_environment(), timeout=30, check=False
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return frozenset()
-    return frozenset(re.findall(r"^\s+(--[a-z0-9-]+)", done.stdout + done.stderr, flags=re.MULTILINE))
+    """The long options `binary --help` lists; empty when it cannot run."""
+    return help_flags(run_help(binary, server_environment()))
 
 
 def compatibility_args(binary: str, extra_args: list[str] = ()) -> list[str]:
     """The flags a newer `binary` needs to hold the largest request and serve client shared
     memory, where it lists them and `extra_args` does not set them."""
     given = {arg.split("=", 1)[0] for arg in extra_args}
-    known = server_flags(binary)
+    caps = ServerCapabilities(version="", flags=server_flags(binary))
     args = []
-    if "--http-max-input-size" in known and "--http-max-input-size" not in given:
+    if BY_NAME["http_max_input_size"].runs(caps) and "--http-max-input-size" not in given:
         args.append(f"--http-max-input-size={HTTP_MAX_INPUT_BYTES}")
-    if "--allow-client-shm" in known and "--allow-client-shm" not in given:
+    if BY_NAME["allow_client_shm"].runs(caps) and "--allow-client-shm" not in given:
         args.append("--allow-client-shm=true")
     return args
+
+
+def server_binary() -> str:
+    """The tritonserver to run: the nvidia-pytriton wheel's, else the Triton image's own."""
+    return str(pytriton_root() / "tritonserver" / "bin" / "tritonserver") if has_pytriton() else system_tritonserver()
 
 
 def server_command(model_repository: Path, ports: dict[str, int], extra_args: list[str] = ()) -> list[str]:
     """The tritonserver command line for a repository and ports: the nvidia-pytriton wheel's server
     with the backends prepared for this Python, or else the Triton image's own with its backends;
     `resource_args` and `compatibility_args` first, then `extra_args`."""
+    binary = [server_binary()]
     if has_pytriton():
-        binary = [
-            str(pytriton_root() / "tritonserver" / "bin" / "tritonserver"),
-            f"--backend-directory={prepare_backends()}",
-        ]
-    else:
-        binary = [system_tritonserver()]
+        binary.append(f"--backend-directory={prepare_backends()}")
     return [
         binary[0],
         f"--model-repository={Path(model_repository).resolve()}",

@@ -89,6 +89,13 @@ TRITON_METRICS_PORT = Setting(
     _port, 8002, "the public metrics port, GET /metrics only (the proxy's; tritonserver's own with `--no-proxy`)"
 )
 TRITON_PROBE_PORT = Setting(_port, 8003, "the supervisor's /ready, /live and /status (through the proxy); 0: none")
+# Kubelet httpGet probes and a Prometheus in another pod reach the pod's address; exec probes and
+# a scraping sidecar need only loopback, and then nobody else can flood or read those ports.
+TRITON_SIDE_PORTS_ADDRESS = Setting(
+    str,
+    "0.0.0.0",
+    "the address the proxy binds the metrics and probe ports to: 127.0.0.1 keeps them on the pod or host",
+)
 TRITON_API_PORT = Setting(
     _port, 9000, "the HTTP API's public port (OpenAI and SGLang dialects over `generate`, behind the proxy); 0: none"
 )
@@ -134,6 +141,14 @@ PROXY_MAX_IN_FLIGHT = Setting(
     int, DEFAULT_ROUTE_CAPACITY, "requests (or gRPC streams) per model route in flight to tritonserver at once"
 )
 PROXY_MAX_QUEUE = Setting(int, 32, "requests per model route waiting in the proxy; beyond it a request is shed at once")
+# One address's share of a model route (in tritonserver and waiting together): past it, 429 /
+# RESOURCE_EXHAUSTED, so that one client cannot hold the slots everyone else needs. Behind a load
+# balancer every request comes from its address unless it forwards the client's (docs/operations.md).
+PROXY_REQUESTS_PER_IP = Setting(
+    int,
+    (DEFAULT_ROUTE_CAPACITY + PROXY_MAX_QUEUE.default) // 2,  # half the slots and half the queue
+    "requests one client address may have at one model route at once, in tritonserver or waiting in the proxy",
+)
 PROXY_QUEUE_TIMEOUT_S = Setting(float, 2.0, "seconds a sampler request may wait in the proxy before it is shed")
 # Open: sent, not finally answered; beyond it the stream gate stops reading the stream.
 PROXY_STREAM_MAX_OPEN = Setting(int, 64, "requests one gRPC stream may have open at once")

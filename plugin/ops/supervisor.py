@@ -142,6 +142,9 @@ class SupervisorConfig(LoopbackUrls):
     # ones and `admin_key` the internal key the proxy sets on admin requests.
     front_door: FrontDoor | None = None
     memory_cage: MemoryCage | None = None
+    # The defences `ops.workarounds` may turn off where they cannot act or are not needed.
+    private_shm: bool = True  # the stubs' regions 0600 (ops.private_shm)
+    dead_stub_sweeps: bool = True  # dead stubs' regions unlinked, a server holding too many restarted
 
     @property
     def public_http_port(self) -> int:
@@ -580,7 +583,7 @@ class Supervisor:
         cage = self.config.memory_cage
         self.child = subprocess.Popen(
             command,
-            env=server_environment(self.config.public_admin_key),
+            env=server_environment(self.config.public_admin_key, private_shm=self.config.private_shm),
             start_new_session=True,
             preexec_fn=_caged_child_setup(cage) if cage else _child_setup,
             umask=SERVER_UMASK,
@@ -704,7 +707,7 @@ class Supervisor:
                     self.stopping.wait(0.2)
                     served = served or self.watchdog.ready()[0]
                     self._tend_helpers()
-                    leaking = not self.stopping.is_set() and self._sweep_dead_regions()
+                    leaking = self.config.dead_stub_sweeps and not self.stopping.is_set() and self._sweep_dead_regions()
                 if leaking:
                     self._drain_and_stop()
                     continue
