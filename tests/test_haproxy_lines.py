@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from triton_sampling_mask.ops import proxy, proxy_config
+from triton_sampling_mask.ops import proxy, proxy_config, proxy_metrics
 from triton_sampling_mask.ops.proxy_config import ProxyPlan
 from triton_sampling_mask.ops.server_process import free_port
 
@@ -71,6 +71,7 @@ def _plan(tmp_path: Path, stub_port: int) -> ProxyPlan:
         admin_key_file=key_file,
         internal_key="i" * 40,
         routes=proxy_config.model_routes(REPOSITORY, 12288),
+        stats_socket=tmp_path / "stats.sock",  # the exporter's frontend (ops.proxy_metrics): every line has it
     )
 
 
@@ -142,6 +143,9 @@ def test_each_lines_haproxy_accepts_the_config_and_refuses_every_bad_framing(tmp
             if answers[name][0] != status or says not in answers[name][1] or b"reached" in answers[name][1]
         }
         assert not wrong, wrong
+        # each refusal counted on this line's exporter, read as the supervisor reads it (ops.proxy_metrics)
+        refused = proxy_metrics.refusals(proxy_metrics.scrape(plan.stats_socket))["http"]
+        assert refused["refused"] + refused["bad_request"] == len(CASES) and refused["queue_full"] == 0, refused
     finally:
         running.terminate()
         running.wait(10)
