@@ -24,7 +24,7 @@ from ..sampling.outputs import (
     SAMPLING_MASK_LEN,
     SAMPLING_MASK_LOGPROBS,
 )
-from .text import IncrementalDetokenizer, StopStrings
+from .text import IncrementalDetokenizer, StopStrings, ids_decoder
 
 FINISH_STOP, FINISH_LENGTH = "stop", "length"
 # The outputs every sequence receives, and those a mask request adds.
@@ -71,7 +71,9 @@ class SequenceResult:
 
 
 def _slice(result: SampleResult, stop: int) -> SampleResult:
-    """The first `stop` tokens of a result."""
+    """The first `stop` tokens of a result (the result itself when it holds no more)."""
+    if stop >= len(result.output_ids):
+        return result
     fields = SampleResult.__dataclass_fields__
     return SampleResult(**{n: (None if getattr(result, n) is None else getattr(result, n)[:stop]) for n in fields})
 
@@ -131,11 +133,13 @@ class SequenceRunner:
 
     def __init__(self, client: AsyncGenerateClient, tokenizer):
         self.client, self.tokenizer = client, tokenizer
+        self._decoders = {skip: ids_decoder(tokenizer, skip) for skip in (False, True)}
 
     def _state(self, request: SequenceRequest) -> _SequenceState:
+        skip = request.skip_special_tokens
         return _SequenceState(
             request,
-            IncrementalDetokenizer(self.tokenizer, request.skip_special_tokens),
+            IncrementalDetokenizer(self.tokenizer, skip, self._decoders[skip]),
             StopStrings(request.stop_strings),
         )
 
