@@ -34,6 +34,10 @@ from .weight_routes import add_weight_routes
 
 logger = logging.getLogger("triton_sampling_mask.api")
 _HEALTH_TIMEOUT_S = 2.0
+# How long an idle client connection is kept (uvicorn's default is 5 s): a client whose pooled
+# connection the server closed just as it sent a request on it sees a connection error, which a
+# trainer pausing between rollout batches (or the gRPC half of bench/api_cost.py) meets at 5 s.
+_KEEP_ALIVE_S = 75
 _OPEN_PATHS = ("/health",)
 
 
@@ -247,4 +251,12 @@ def main(argv: list[str] | None = None) -> None:
     # uvicorn stops accepting on SIGTERM / SIGINT and lets requests in flight finish, up to the grace
     # period; then it raises the signal again under the handler found before it: exit 0 on SIGTERM.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=10)
+    # uvicorn takes uvloop and httptools (the api extra) when they are installed.
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=10,
+        timeout_keep_alive=_KEEP_ALIVE_S,
+    )
