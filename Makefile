@@ -85,8 +85,9 @@ SOAK_ARGS ?= --clients 32 --duration 60
 soak: setup
 	$(PYTHON) -m bench.load.soak --model-repository $(MODEL_REPOSITORY) $(SOAK_ARGS)
 
-# Kernel + served benchmark (not part of the tests): table on stdout, bench/results/latest.json,
-# ratios.png and the figures of bench/plots.py. matplotlib comes from the `bench` extra, installed here only.
+# Kernel + served benchmark, the front door's and the HTTP API's cost (bench/api_cost.py); not part of
+# the tests: table on stdout, bench/results/latest.json, ratios.png and the figures of bench/plots.py.
+# matplotlib comes from the `bench` extra, installed here only.
 # perf_analyzer 2.51 (Triton's C++ load generator) drives the served points: its binary ships in the
 # tritonclient==2.51.0 wheel (the server's line; later wheels dropped it), installed without its Python
 # dependencies into a venv of its own so the project's newer tritonclient (BF16 via ml_dtypes) stays;

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from bench import baseline, kernel, report, run, stream_cost
+from bench import api_cost, baseline, kernel, report, run, stream_cost
 from tests.reference import reference_row
 
 
@@ -124,7 +124,7 @@ def _check_targets_and_top_p(results: dict) -> None:
     assert all(_positive_finite(v) for v in [*top_p["ms"].values(), *top_p["over_ours"].values()])
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)  # one tritonserver per served table, the API process too: minutes on 2 loaded cores
 def test_tiny_benchmark_writes_results(tmp_path):
     """`make bench` on tiny sizes, served part included (it starts its own tritonserver)."""
     output, plot = tmp_path / "latest.json", tmp_path / "ratios.png"
@@ -171,6 +171,11 @@ def test_tiny_benchmark_writes_results(tmp_path):
         figures = ("ttft_p50_ms", "ttft_p99_ms", "tokens_per_s")
         assert all(_positive_finite(stream[side][name]) for side in ("direct", "proxy") for name in figures)
         assert all(_positive_finite(results["targets"][key]["value"]) for key in stream_cost.TARGETS)
+    # The HTTP API's cost: both paths streamed every token at each stream count, the target reported.
+    for point in results["api_cost"]["points"].values():
+        assert point["grpc"]["tokens"] == point["http"]["tokens"] > 0
+        assert _positive_finite(point["api_cpu_us_per_token"]) and _positive_finite(point["http"]["ttft_p50_ms"])
+    assert set(api_cost.TARGETS) <= set(results["targets"])
     assert plot_args == ["--no-plot"] or plot.stat().st_size > 0
 
 

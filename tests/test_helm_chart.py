@@ -25,7 +25,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 CHART = REPO_ROOT / "docker" / "helm" / "triton-sampling-mask"
 RELEASE, NAMESPACE = "rl", "sampling"
 FULLNAME = f"{RELEASE}-triton-sampling-mask"
-PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002, "probe": 8003}
+PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002, "probe": 8003, "api": 9000}
 PENDING_METRIC = "nv_inference_pending_request_count"
 # The launcher's charset for TRITON_ADMIN_KEY (server_process.admin_args).
 ADMIN_KEY_CHARSET = r"[A-Za-z0-9._~+/-]+"
@@ -228,6 +228,30 @@ def test_service_exposes_every_port_by_name():
     policy = one(manifests, "NetworkPolicy")
     assert policy["spec"]["podSelector"]["matchLabels"].items() <= pod_labels.items()
     assert sorted(port["port"] for port in policy["spec"]["ingress"][0]["ports"]) == sorted(PORTS.values())
+
+
+def test_http_api_port_and_key_reach_the_launcher():
+    """The API's port is the launcher's TRITON_API_PORT, served by the container, the Service and
+    the NetworkPolicy; 0 runs no API and leaves it out; its key comes from a Secret only."""
+    from triton_sampling_mask.ops import settings
+
+    manifests = render()
+    assert PORTS["api"] == settings.TRITON_API_PORT.default
+    assert env(manifests)["TRITON_API_PORT"]["value"] == str(PORTS["api"])
+    assert "TRITON_API_KEY" not in env(manifests)
+
+    manifests = render({"ports": {"api": 0}, "apiKey": {"existingSecret": "sampler-api"}})
+    assert env(manifests)["TRITON_API_PORT"]["value"] == "0"
+    assert "api" not in {port["name"] for port in container(manifests)["ports"]}
+    assert "api" not in {port["name"] for port in one(manifests, "Service")["spec"]["ports"]}
+    policy_ports = {port["port"] for port in one(manifests, "NetworkPolicy")["spec"]["ingress"][0]["ports"]}
+    assert policy_ports == {port for name, port in PORTS.items() if name != "api"}
+    assert env(manifests)["TRITON_API_KEY"] == {
+        "name": "TRITON_API_KEY",
+        "valueFrom": {"secretKeyRef": {"name": "sampler-api", "key": "api-key"}},
+    }
+    with pytest.raises(Exception, match="api"):
+        render({"ports": {"api": 70000}})
 
 
 def test_metrics_scrape_annotations_and_service_monitor():

@@ -36,7 +36,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..model_config import output_width, string_parameter
-from ..sampling.outputs import BY_NAME, CONTROL_RESULT, FINISH_REASON, SAMPLING_MASK, TOKEN_OUTPUTS, WEIGHT_VERSION
+from ..sampling.outputs import (
+    BY_NAME,
+    CONTROL_RESULT,
+    FINISH_REASON,
+    SAMPLING_MASK,
+    TIMING_OUTPUTS,
+    TOKEN_OUTPUTS,
+    WEIGHT_VERSION,
+)
 from ..sampling.params import PARAM_SPECS, SEED, RowParams
 from ..sampling.refusals import DEFAULT_ROUTE_CAPACITY
 from ..sampling.validation import SPECULATIVE_ALGORITHMS, MaskPolicy, SamplingRequestError
@@ -86,11 +94,14 @@ class GenerateResult(SampleResult):
     before the last); `index` is the request's position in the call's prompts. The mask fields
     are what the converters take: `to_vllm_csr(r.sampling_mask, r.sampling_mask_len)`.
     `weight_version` [n] (str) names the weights that sampled each token: a request that straddles
-    a weight update has the old version on its first tokens and the new one after."""
+    a weight update has the old version on its first tokens and the new one after. `timings`
+    holds the request's `queue_time_s`, `time_to_first_token_s` and `generation_time_s` (seconds,
+    docs/metrics.md) when `outputs=` asked for them, on its whole result or its last chunk."""
 
     finish_reason: str = ""
     index: int = 0
     weight_version: np.ndarray | None = None
+    timings: dict[str, float] | None = None
 
 
 def concatenate_tokens(results: Sequence[SampleResult]) -> SampleResult:
@@ -207,11 +218,18 @@ def _result(index: int, parts: list[dict]) -> GenerateResult:
     arrays = {}
     for spec in TOKEN_OUTPUTS:
         values = [p[spec.name] for p in parts]
-        arrays[spec.name] = None if any(v is None for v in values) else np.concatenate(values).astype(spec.dtype)
+        if any(v is None for v in values):
+            arrays[spec.name] = None
+        elif len(values) == 1:  # a streamed chunk: one copy, no concatenation
+            arrays[spec.name] = np.array(values[0], dtype=spec.dtype)
+        else:
+            arrays[spec.name] = np.concatenate(values).astype(spec.dtype)
     versions = [p.get(WEIGHT_VERSION.name) for p in parts]
     version = None if not parts or any(v is None for v in versions) else np.concatenate(versions)
     finish = parts[-1][FINISH_REASON.name] if parts else ""
-    return GenerateResult(**arrays, finish_reason=finish, index=index, weight_version=version)
+    timings = {spec.name: parts[-1].get(spec.name) for spec in TIMING_OUTPUTS} if parts else {}
+    timings = timings if all(v is not None for v in timings.values()) and timings else None
+    return GenerateResult(**arrays, finish_reason=finish, index=index, weight_version=version, timings=timings)
 
 
 class _Call:
