@@ -23,7 +23,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..sampling.outputs import CONTROL_RESULT, FINISH_REASON, MASK, TOKEN_OUTPUTS, WEIGHT_VERSION, from_wire_values
+from ..sampling.outputs import (
+    CONTROL_RESULT,
+    FINISH_REASON,
+    MASK,
+    SAMPLED_OUTPUTS,
+    TIMING_OUTPUTS,
+    WEIGHT_VERSION,
+    from_wire_values,
+)
 from ..sampling.refusals import is_busy
 from .sampler_client import SamplerError
 
@@ -233,9 +241,12 @@ def _grpc_outputs(infer_response) -> dict:
 
     result = InferResult(infer_response)
     outputs = {}
-    for spec in TOKEN_OUTPUTS:
+    for spec in SAMPLED_OUTPUTS:
         value = from_wire_values(spec.name, result.as_numpy(spec.name))
         outputs[spec.name] = None if value is None else value[0]
+    for spec in TIMING_OUTPUTS:  # a request's last response only
+        value = result.as_numpy(spec.name)
+        outputs[spec.name] = None if value is None else float(value.reshape(-1)[0])
     versions = result.as_numpy(WEIGHT_VERSION.name)
     outputs[WEIGHT_VERSION.name] = None if versions is None else _texts(versions[0])
     finish = result.as_numpy(FINISH_REASON.name)
@@ -356,13 +367,16 @@ def _json_outputs(reply: dict, mask_width: int) -> dict:
     """Outputs from a JSON reply (tensors flat, one-value ones possibly as scalars)."""
     outputs = {}
     tokens = np.array(reply.get("output_ids", []), np.int32).reshape(-1).size
-    for spec in TOKEN_OUTPUTS:
+    for spec in SAMPLED_OUTPUTS:
         if spec.name not in reply:
             outputs[spec.name] = None
             continue
         array = from_wire_values(spec.name, np.array(reply[spec.name], spec.dtype))
         width = -1 if tokens else mask_width  # the server's own W when there are rows to tell it
         outputs[spec.name] = array.reshape((tokens, width) if spec.per == MASK else (-1,))
+    for spec in TIMING_OUTPUTS:  # a request's last response only
+        value = reply.get(spec.name)
+        outputs[spec.name] = None if value is None else float(value[0] if isinstance(value, list) else value)
     versions = reply.get(WEIGHT_VERSION.name)
     outputs[WEIGHT_VERSION.name] = (
         None if versions is None else _texts(versions if isinstance(versions, list) else [versions])
