@@ -522,8 +522,9 @@ class AsyncGenerateClient(ReplicatedClient):
             unknown = [name for name in wanted if name not in BY_NAME or name == CONTROL_RESULT.name]
             if unknown:
                 raise ValueError(f"unknown outputs {unknown}; the generate model sends {sorted(BY_NAME)}")
-            extra = (SAMPLING_SEED.name,) * return_receipts + tuple(s.name for s in TIMING_OUTPUTS) * return_timings
-            wanted = tuple(dict.fromkeys((*wanted, FINISH_REASON.name, "output_ids", *extra)))
+            receipts = [SAMPLING_SEED.name] if return_receipts else []
+            timings = [spec.name for spec in TIMING_OUTPUTS] if return_timings else []
+            wanted = tuple(dict.fromkeys((*wanted, FINISH_REASON.name, "output_ids", *receipts, *timings)))
         limits = await self.server_limits()
         if rows.return_sampling_mask.any():
             check_rows_like_server(rows, None, limits.policy)
