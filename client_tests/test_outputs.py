@@ -109,6 +109,7 @@ def test_only_the_outputs_asked_for_are_sent(triton_server):
         "sampling_mask_len",
         "sampling_logprobs",
         "sampling_mask_logprobs",
+        "sampling_seed",
     }
     status, header, ids_only = raw_binary_infer(triton_server.http_url, logits, ["output_ids"])
     assert status == 200 and [o["name"] for o in header["outputs"]] == ["output_ids"]

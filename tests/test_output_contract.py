@@ -16,7 +16,7 @@ from triton_sampling_mask.sampling import outputs
 from triton_sampling_mask.sampling.sampler import SamplingResult
 
 REPOSITORY = Path(__file__).resolve().parent.parent / "model_repository"
-TRITON_TYPES = {np.int32: "TYPE_INT32", np.float32: "TYPE_FP32", np.object_: "TYPE_STRING"}
+TRITON_TYPES = {np.int32: "TYPE_INT32", np.uint64: "TYPE_UINT64", np.float32: "TYPE_FP32", np.object_: "TYPE_STRING"}
 
 
 def declared(model: str) -> dict:
@@ -34,7 +34,9 @@ def test_each_config_declares_the_table_outputs_with_their_dtypes_and_dims(model
 
 def test_result_types_carry_the_wire_names():
     assert SamplingResult.FIELDS[: len(outputs.TOKEN_OUTPUT_NAMES)] == outputs.TOKEN_OUTPUT_NAMES
-    assert tuple(f.name for f in dataclasses.fields(SampleResult)) == outputs.TOKEN_OUTPUT_NAMES
+    # The client's result: every output both models send, by name, then the receipts built from them.
+    names = tuple(f.name for f in dataclasses.fields(SampleResult))
+    assert names == (*outputs.SAMPLED_OUTPUT_NAMES, "receipts")
 
 
 def test_to_wire_casts_and_orders_by_the_table_and_padding_uses_the_fill():

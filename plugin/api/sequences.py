@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from ..client import AsyncGenerateClient, GenerateResult, SampleResult, concatenate_tokens
+from ..client.generate_client import RequestTimings
 from ..client.sampling_params import SamplingParams
 from ..sampling.outputs import (
     OUTPUT_IDS,
@@ -61,7 +62,7 @@ class Delta:
     stop_reason: int | str | None = None  # the stop string or stop id that ended it (None for EOS)
     # On the last delta of a sequence the engine ended, when asked: the generate model's timings
     # (queue_time_s, time_to_first_token_s, generation_time_s); None for one a stop string ended.
-    timings: dict[str, float] | None = None
+    timings: RequestTimings | None = None
 
 
 @dataclass
@@ -75,7 +76,7 @@ class SequenceResult:
     finish_reason: str
     stop_reason: int | str | None
     prompt_ids: tuple[int, ...] = ()
-    timings: dict[str, float] | None = None  # as Delta.timings
+    timings: RequestTimings | None = None  # as Delta.timings
 
 
 def _slice(result: SampleResult, stop: int) -> SampleResult:

@@ -13,15 +13,15 @@ and adds the others in its style (no unit suffix, seconds).
 
 from __future__ import annotations
 
-from ..sampling.outputs import GENERATION_TIME, QUEUE_TIME, TIME_TO_FIRST_TOKEN
+from ..client.generate_client import RequestTimings
 
 
-def openai_timings(timings: dict[str, float] | None, completion_tokens: int) -> dict | None:
+def openai_timings(timings: RequestTimings | None, completion_tokens: int) -> dict | None:
     """A choice's `timings` object; None when the generate model sent none (a sequence a stop
     string ended is cancelled before its last response)."""
     if timings is None:
         return None
-    queue, ttft, generation = (timings[s.name] for s in (QUEUE_TIME, TIME_TO_FIRST_TOKEN, GENERATION_TIME))
+    queue, ttft, generation = timings.queue_s, timings.time_to_first_token_s, timings.generation_s
     end_to_end = queue + generation
     return {
         "queue_time_s": queue,
@@ -33,7 +33,7 @@ def openai_timings(timings: dict[str, float] | None, completion_tokens: int) -> 
     }
 
 
-def sglang_timings(timings: dict[str, float] | None, completion_tokens: int) -> dict:
+def sglang_timings(timings: RequestTimings | None, completion_tokens: int) -> dict:
     """The same figures as meta_info keys (empty when there are none)."""
     figures = openai_timings(timings, completion_tokens)
     if figures is None:

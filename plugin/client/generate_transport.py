@@ -27,8 +27,8 @@ from ..sampling.outputs import (
     CONTROL_RESULT,
     FINISH_REASON,
     MASK,
+    SAMPLED_OUTPUTS,
     TIMING_OUTPUTS,
-    TOKEN_OUTPUTS,
     WEIGHT_VERSION,
     from_wire_values,
 )
@@ -273,7 +273,7 @@ def _grpc_outputs(infer_response) -> dict:
     """A response's outputs without the batch dimension (None for those not sent)."""
     tensors = _grpc_tensors(infer_response)
     outputs = {}
-    for spec in TOKEN_OUTPUTS:
+    for spec in SAMPLED_OUTPUTS:
         value = from_wire_values(spec.name, tensors.get(spec.name))
         outputs[spec.name] = None if value is None else value[0]
     versions = tensors.get(WEIGHT_VERSION.name)
@@ -399,13 +399,16 @@ def _json_outputs(reply: dict, mask_width: int) -> dict:
     """Outputs from a JSON reply (tensors flat, one-value ones possibly as scalars)."""
     outputs = {}
     tokens = np.array(reply.get("output_ids", []), np.int32).reshape(-1).size
-    for spec in TOKEN_OUTPUTS:
+    for spec in SAMPLED_OUTPUTS:
         if spec.name not in reply:
             outputs[spec.name] = None
             continue
         array = from_wire_values(spec.name, np.array(reply[spec.name], spec.dtype))
         width = -1 if tokens else mask_width  # the server's own W when there are rows to tell it
         outputs[spec.name] = array.reshape((tokens, width) if spec.per == MASK else (-1,))
+    for spec in TIMING_OUTPUTS:  # a request's last response only
+        value = reply.get(spec.name)
+        outputs[spec.name] = None if value is None else float(value[0] if isinstance(value, list) else value)
     versions = reply.get(WEIGHT_VERSION.name)
     outputs[WEIGHT_VERSION.name] = (
         None if versions is None else _texts(versions if isinstance(versions, list) else [versions])
