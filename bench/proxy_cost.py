@@ -26,9 +26,9 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
 
+from testbed.fronted import FrontedTritonServer
 from triton_sampling_mask.client import unregister_shared_memory
 from triton_sampling_mask.client.wire import sampler_inputs
-from triton_sampling_mask.ops.proxy import FrontedTritonServer
 
 from . import perf_analyzer as pa_module
 from . import report

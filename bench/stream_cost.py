@@ -26,9 +26,9 @@ from pathlib import Path
 
 import numpy as np
 
+from testbed.fronted import FrontedTritonServer
 from triton_sampling_mask.client import AsyncGenerateClient
 from triton_sampling_mask.client.sampling_params import SamplingParams
-from triton_sampling_mask.ops.proxy import FrontedTritonServer
 
 from . import report
 from .common import machine_facts

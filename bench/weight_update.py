@@ -23,14 +23,17 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 import torch
 
 from bench.common import RESULTS_DIR
+from testbed.process_memory import process_name
 from triton_sampling_mask.client import GenerateClient, GenerateError
 from triton_sampling_mask.client.sampler_client import admin_headers
 from triton_sampling_mask.client.sampling_params import SamplingParams
 from triton_sampling_mask.generation.lm import build_default_model
-from triton_sampling_mask.ops.server_process import TritonServer, group_members
+from triton_sampling_mask.ops.child import group_members
+from triton_sampling_mask.ops.server_process import TritonServer
 
 MODEL = "generate"
 ADMIN_KEY = "bench-weights-key"
@@ -105,12 +108,10 @@ class StubMemory:
         total = 0
         for pid in group_members(self.pgid):
             try:
-                if b"triton_python_backend_stub" not in Path(f"/proc/{pid}/cmdline").read_bytes():
-                    continue
-                for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                    if line.startswith("VmRSS:"):
-                        total += int(line.split()[1]) * 1024
-            except OSError:
+                process = psutil.Process(pid)
+                if process_name(process).startswith("stub"):
+                    total += process.memory_info().rss
+            except psutil.Error:
                 continue
         return total
 

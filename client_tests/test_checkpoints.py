@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 import torch
 
+from testbed.server import MODEL_REPOSITORY, ExternalTritonServer, set_parameter
 from tests.lm_reference import step_logits
 from triton_sampling_mask.client import GenerateClient, GenerateError
 from triton_sampling_mask.client.sampling_params import SamplingParams
 from triton_sampling_mask.ops.server_process import TritonServer
 
 from .generate_client import assert_matches_reference
-from .server import MODEL_REPOSITORY, ExternalTritonServer, set_parameter
 
 # Tiny sizes; a large initializer_range makes the next-token distributions peaked enough for
 # top-p and min-p to matter.

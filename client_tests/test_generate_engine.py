@@ -17,12 +17,13 @@ import numpy as np
 import pytest
 from tritonclient.utils import InferenceServerException
 
+from testbed.metrics import counter, wait_for_counter
+from testbed.server import MODEL_REPOSITORY, ExternalTritonServer, set_parameter
 from triton_sampling_mask.client import GenerateClient
 from triton_sampling_mask.client.sampling_params import SamplingParams
 from triton_sampling_mask.ops.server_process import TritonServer
 
-from .generate_client import GenerateStream, collect, counter, grpc_generate, http_generate, wait_for_counter
-from .server import MODEL_REPOSITORY, ExternalTritonServer, set_parameter
+from .generate_client import GenerateStream, collect, grpc_generate, http_generate
 
 SAMPLED = dict(temperature=0.7, top_k=10, top_p=0.9, min_p=0.03, return_sampling_mask=True, ignore_eos=True)
 VARIANTS = {

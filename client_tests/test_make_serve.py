@@ -11,9 +11,8 @@ import subprocess
 import time
 import urllib.request
 
+from testbed.server import MODEL_REPOSITORY, REPO_ROOT
 from triton_sampling_mask.ops.server_process import free_port
-
-from .server import MODEL_REPOSITORY, REPO_ROOT
 
 
 def api_completion(port: int, deadline: float) -> dict:

@@ -9,11 +9,11 @@ import json
 import numpy as np
 import tritonclient.http as httpclient
 
+from testbed.server import infer, sampler_inputs
 from tests.reference import reference_row
 from triton_sampling_mask.sampling.outputs import WIRE_NEG_INF
 
 from .generate_client import grpc_generate
-from .server import infer, sampler_inputs
 
 VOCAB, WIDTH = 3000, 512  # WIDTH: the dims of sampling_mask in model_repository/sampler/config.pbtxt
 

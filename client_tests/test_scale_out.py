@@ -20,12 +20,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from testbed.server import MODEL_REPOSITORY
 from triton_sampling_mask.client import SamplerClient
 from triton_sampling_mask.client.sampling_params import SamplingParams
 from triton_sampling_mask.ops.server_process import TritonServer
 from triton_sampling_mask.ops.shm_cleanup import SHM_DIR
-
-from .server import MODEL_REPOSITORY
 
 RUN_SECONDS = float(os.environ.get("SCALE_OUT_SECONDS", "20"))
 THREADS = 16

@@ -18,11 +18,12 @@ import pytest
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+from testbed.metrics import counter, wait_for_counter
+from testbed.server import MODEL_REPOSITORY, REPO_ROOT, ExternalTritonServer, infer, set_parameter
 from triton_sampling_mask.ops.server_process import TritonServer
 from triton_sampling_mask.sampling.validation import SPECULATIVE_MASK_MESSAGE
 
-from .generate_client import GenerateStream, collect, counter, http_generate, wait_for_counter
-from .server import MODEL_REPOSITORY, REPO_ROOT, ExternalTritonServer, infer, set_parameter
+from .generate_client import GenerateStream, collect, http_generate
 from .test_generate_engine import build_engine_repository, read_to_final
 
 PLAIN, NGRAM, EAGLE, SAMPLER_NGRAM = "generate_plain", "generate_ngram", "generate_eagle", "sampler_ngram"

@@ -36,8 +36,8 @@ from pathlib import Path
 
 import numpy as np
 
-from client_tests.generate_client import counter, wait_for_counter
-from client_tests.server import MODEL_REPOSITORY, set_parameter
+from testbed.metrics import counter, wait_for_counter
+from testbed.server import MODEL_REPOSITORY, set_parameter
 from triton_sampling_mask.ops.server_process import TritonServer
 
 from .generate import LoadStats, closed_loop

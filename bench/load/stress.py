@@ -42,14 +42,13 @@ from pathlib import Path
 
 import numpy as np
 
+from testbed.fronted import FrontedTritonServer
+from testbed.process_memory import ProcessMemory, cpu_seconds, mapped_shm_regions, process_tree_memory
 from triton_sampling_mask.client.replicas import DEFAULT_EJECT_BACKOFF_S, DEFAULT_MAX_EJECT_BACKOFF_S
 from triton_sampling_mask.ops import settings
-from triton_sampling_mask.ops.proxy import FrontedTritonServer
 from triton_sampling_mask.ops.proxy_config import QUEUE_TIMEOUT
 from triton_sampling_mask.ops.server_process import TritonServer
 from triton_sampling_mask.sampling.outputs import SAMPLING_MASK_LOGPROBS, TOKEN_OUTPUT_NAMES
-
-from .procfs import ProcessMemory, mapped_shm_regions, process_tree_memory
 
 MODEL = "sampler"
 # Every output but the [rows, W] per-support log-probs.
@@ -217,10 +216,6 @@ def tree_memory_mb(pid: int) -> tuple[list[ProcessMemory], float, float]:
     return memories, sum(m.rss for m in memories) / 2**20, sum(m.pss for m in memories) / 2**20
 
 
-def _server_cpu_s(pid: int) -> float:
-    return sum(memory.cpu_s for memory in process_tree_memory(pid))
-
-
 def _client_cpu_s() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
@@ -247,7 +242,7 @@ def run_round(
         for i in range(clients)
     ]
     counters_before, started = triton_counters(metrics_url), time.perf_counter()
-    client_cpu_before, server_cpu_before = _client_cpu_s(), _server_cpu_s(pid)
+    client_cpu_before, server_cpu_before = _client_cpu_s(), cpu_seconds(pid)
     for thread in threads:
         thread.start()
     stop.wait(duration_s)
@@ -257,7 +252,7 @@ def run_round(
     wall_s, cores = time.perf_counter() - started, len(os.sched_getaffinity(0))
     report = RoundReport(round=number)
     report.client_cpu = (_client_cpu_s() - client_cpu_before) / (wall_s * cores)
-    report.server_cpu = (_server_cpu_s(pid) - server_cpu_before) / (wall_s * cores)
+    report.server_cpu = (cpu_seconds(pid) - server_cpu_before) / (wall_s * cores)
     counters = triton_counters(metrics_url)
     admitted = np.array([s for t in threads for s in t.admitted])
     admitted_send = np.array([s for t in threads for s in t.admitted_send])

@@ -1,4 +1,5 @@
-"""Helpers for tests against a real tritonserver: test model repositories and tiny clients."""
+"""Real tritonservers for tests and benchmarks: the test model repositories (the shipped one plus
+variants on the backends in `backends/`), a server someone else started, and a tiny sampler client."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from triton_sampling_mask.sampling.outputs import SAMPLING_MASK_LOGPROBS, TOKEN_
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MODEL_REPOSITORY = REPO_ROOT / "model_repository"
+# The test-only sampling backends, copied into the models that name them.
+BACKENDS = Path(__file__).resolve().parent / "backends"
 
 # Variants of the sampler the tests load beside it: name -> config parameter overrides
 # (LOGITS_TYPE: the logits input's data_type instead, the documented one-line change).
@@ -55,7 +58,7 @@ def build_test_repository(dest: Path) -> Path:
         for key, value in overrides.items():
             text = set_logits_type(text, value) if key == LOGITS_TYPE else set_parameter(text, key, value)
         (variant / "config.pbtxt").write_text(text)
-        shutil.copy(Path(__file__).parent / "no_support_backend.py", variant / "1")
+        shutil.copy(BACKENDS / "no_support_backend.py", variant / "1")
     return dest
 
 
@@ -73,7 +76,7 @@ def add_faulty_sampler(repository: Path) -> Path:
         .replace('name: "sampler"', f'name: "{FAULTY_SAMPLER}"')
     )
     (faulty / "config.pbtxt").write_text(set_parameter(text, "sampling_backend", "faulty_backend:FaultyBackend"))
-    shutil.copy(Path(__file__).parent / "faulty_backend.py", faulty / "1")
+    shutil.copy(BACKENDS / "faulty_backend.py", faulty / "1")
     return repository
 
 
@@ -94,7 +97,7 @@ def build_external_repository(dest: Path, gpu: bool = False) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """python -m client_tests.server DEST [--gpu]: write the external server's repository to DEST
+    """python -m testbed.server DEST [--gpu]: write the external server's repository to DEST
     and print its tritonserver flags, one a line (docker/run-gpu-tests.sh, bench/gpu-check.sh)."""
     import argparse
 
