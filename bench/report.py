@@ -536,6 +536,13 @@ def plot(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def _markdown_table(title: str, header: list[str], rows: list[list[str]]) -> list[str]:
+    """A titled markdown table's lines, a blank line before the title and before the table."""
+    return ["", title, "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + [
+        "| " + " | ".join(cells) + " |" for cells in rows
+    ]
+
+
 def markdown_summary(results: dict) -> str:
     """The committed results as markdown tables (bench/results/latest.md; bench/README.md quotes the targets)."""
     m = results["machine"]
@@ -579,17 +586,14 @@ def markdown_summary(results: dict) -> str:
             lines.append(f"| {c['rows']} | {c['vocab']} | {c['top_k']} | {c['logits']} | {times} | {ratios} |")
     top_p = results.get("top_p")
     if top_p:
-        lines += [
-            "",
-            _top_p_title(top_p) + ".",
-            "",
-            "| function | median ms | best ms | median / ours | best / ours |",
-            "|---|---|---|---|---|",
-        ]
+        rows = []
         for name, ms in top_p["ms"].items():
             over = "1" if name == "ours" else f"{top_p['over_ours'][name]:.2f}"
             best = "1" if name == "ours" else f"{top_p['over_ours_best_of'][name]:.2f}"
-            lines.append(f"| {name} | {ms:.2f} | {top_p['min_ms'][name]:.2f} | {over} | {best} |")
+            rows.append([name, f"{ms:.2f}", f"{top_p['min_ms'][name]:.2f}", over, best])
+        lines += _markdown_table(
+            _top_p_title(top_p) + ".", ["function", "median ms", "best ms", "median / ours", "best / ours"], rows
+        )
     served = results.get("served")
     if served:
         lines += [
@@ -610,19 +614,10 @@ def markdown_summary(results: dict) -> str:
             )
     call = results.get("served_call")
     if call:
-        lines += [
-            "",
-            _call_title(call) + ".",
-            "",
-            "| " + " | ".join(_CALL_HEADER) + " |",
-            "|" + "---|" * len(_CALL_HEADER),
-        ]
-        lines += ["| " + " | ".join(cells) + " |" for cells in _call_rows(call)]
+        lines += _markdown_table(_call_title(call) + ".", _CALL_HEADER, _call_rows(call))
     step = results.get("step_latency")
     if step:
-        header = _step_header(step)
-        lines += ["", _step_title(step) + ".", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-        lines += ["| " + " | ".join(cells) + " |" for cells in _step_rows(step)]
+        lines += _markdown_table(_step_title(step) + ".", _step_header(step), _step_rows(step))
         if step.get("itl"):
             lines += ["", _itl_line(step["itl"], step["slow_ms"]) + "."]
     lines += [

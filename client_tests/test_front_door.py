@@ -24,6 +24,7 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+import psutil
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
@@ -169,18 +170,11 @@ def test_metrics_and_probe_ports_answer_reads_only(stack):
 def listening_addresses(port: int) -> set[str]:
     """The local IPv4 addresses (dotted) that listen on `port`, IPv4-mapped IPv6 ones included."""
     found = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            local, state = line.split()[1], line.split()[3]
-            address, hex_port = local.split(":")
-            if state != "0A" or int(hex_port, 16) != port:
-                continue
-            if len(address) == 32 and address.startswith("0000000000000000FFFF0000"):
-                address = address[24:]  # ::ffff:a.b.c.d
-            if len(address) == 8:
-                found.add(".".join(str(b) for b in reversed(bytes.fromhex(address))))
-            else:
-                found.add(f"ipv6 {address}")
+    for connection in psutil.net_connections(kind="tcp"):
+        if connection.status != psutil.CONN_LISTEN or connection.laddr.port != port:
+            continue
+        address = connection.laddr.ip.removeprefix("::ffff:")
+        found.add(address if "." in address else f"ipv6 {address}")
     return found
 
 
@@ -190,7 +184,7 @@ def test_tritonserver_listens_on_loopback_only_and_checks_its_own_internal_key(s
     for port in (stack.server_http_port, stack.server_http_port + 1, stack.server_http_port + 2):  # HTTP, gRPC, metrics
         assert listening_addresses(port) == {"127.0.0.1"}, port
     [pid] = full_stack.pids_with_argument(f"--http-port={stack.server_http_port}")
-    argv = (Path(f"/proc/{pid}/cmdline").read_bytes()).decode().split("\0")
+    argv = psutil.Process(pid).cmdline()
     restricted = [arg for arg in argv if arg.startswith("--http-restricted-api=")]
     assert len(restricted) == 1 and "shared-memory,model-repository,logging,trace:" in restricted[0]
     assert full_stack.ADMIN_KEY not in restricted[0]
@@ -238,10 +232,10 @@ def proxy_pid(stack: full_stack.Stack) -> int | None:
     """The pid of the stack's HAProxy (the one whose config names this stack's ports)."""
     for pid in full_stack.pids_with_argument("-db"):
         try:
-            config = Path(Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")[-2])
+            config = Path(psutil.Process(pid).cmdline()[-1])
             if f":{stack.ports['http']}\n" in config.read_text():
                 return pid
-        except (OSError, IndexError):
+        except (OSError, IndexError, psutil.Error):
             continue
     return None
 

@@ -21,16 +21,15 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import stat
 import threading
-from pathlib import Path
 
+import psutil
 import pytest
 
 from testbed.backends.hanging_backend import HANG_SECONDS, HANG_VOCAB
-from testbed.server import BACKENDS, MODEL_REPOSITORY, ExternalTritonServer, set_parameter
+from testbed.server import ExternalTritonServer, copy_model
 from testbed.stack import Stack, launch, pids_with_argument, recover, request, shipped_repository
 from triton_sampling_mask.ops.child import group_members
 from triton_sampling_mask.ops.shm_cleanup import SHM_DIR, mapped_regions, server_shm_prefix, stub_process
@@ -52,14 +51,7 @@ def served(tmp_path_factory):
     if ExternalTritonServer.from_environment() is not None:
         pytest.skip("kills, hangs and stops the server's stubs: needs a local launcher of its own")
     repository = shipped_repository(tmp_path_factory.mktemp("recovery") / "model_repository")
-    shutil.copytree(MODEL_REPOSITORY / "sampler", repository / HANGING, ignore=shutil.ignore_patterns("__pycache__"))
-    config = (
-        (MODEL_REPOSITORY / "sampler" / "config.pbtxt").read_text().replace('name: "sampler"', f'name: "{HANGING}"')
-    )
-    (repository / HANGING / "config.pbtxt").write_text(
-        set_parameter(config, "sampling_backend", "hanging_backend:HangingBackend")
-    )
-    shutil.copy(BACKENDS / "hanging_backend.py", repository / HANGING / "1")
+    copy_model(repository, "sampler", HANGING, backend="hanging_backend:HangingBackend")
     server = launch(
         repository,
         tmp_path_factory.mktemp("recovery-logs") / "launcher.log",
@@ -142,7 +134,7 @@ def test_stub_regions_are_private_and_no_server_process_holds_the_admin_key(serv
     modes = {name: oct(stat.S_IMODE(info.st_mode)) for name, info in regions(served).items()}
     assert len(live) == 3 and modes == {region: "0o600" for region in live.values()}
     for pid in (server_pid, *live):
-        assert b"TRITON_ADMIN_KEY=" not in Path(f"/proc/{pid}/environ").read_bytes(), pid
+        assert "TRITON_ADMIN_KEY" not in psutil.Process(pid).environ(), pid
 
 
 def test_dead_stub_regions_are_removed_and_tritonserver_restarts_past_the_bound(served):
@@ -222,5 +214,5 @@ def test_a_stopped_stub_makes_ready_503_and_its_region_goes_once_replaced(served
     seconds, _ = recover(lambda: (region not in regions(served), "still there"), LIMIT_S)
     assert seconds is not None, f"the replaced stub's region is still there\n{served.log_tail()}"
     assert the_stub(served, "generate")[0] != stub_pid  # reloaded: a new stub serves it
-    if os.path.exists(f"/proc/{stub_pid}") and tritonserver_pid(served) == server_pid:
+    if psutil.pid_exists(stub_pid) and tritonserver_pid(served) == server_pid:
         assert (region, REGION_BYTES) in leaked(served, server_pid)  # the replaced stub lingers: counted

@@ -10,7 +10,6 @@ per replica count is `python -m bench.load.replicas`).
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import threading
 import time
@@ -20,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from testbed.server import MODEL_REPOSITORY
+from testbed.server import copy_model
 from triton_sampling_mask.client import SamplerClient
 from triton_sampling_mask.client.sampling_params import SamplingParams
 from triton_sampling_mask.ops.server_process import TritonServer
@@ -36,7 +35,7 @@ CASES = 24
 
 def sampler_only_repository(dest: Path) -> Path:
     """A model repository holding only the shipped sampler (less memory and a faster start)."""
-    shutil.copytree(MODEL_REPOSITORY / "sampler", dest / "sampler", ignore=shutil.ignore_patterns("__pycache__"))
+    copy_model(dest, "sampler")
     return dest
 
 

@@ -8,7 +8,6 @@ import http.client
 import json
 import os
 import random
-import shutil
 import socket
 import sys
 import time
@@ -22,7 +21,7 @@ from triton_sampling_mask.ops.child import Child
 from triton_sampling_mask.ops.memory_limit import MemoryCage, make_cage
 from triton_sampling_mask.ops.server_process import LoopbackUrls, free_port
 
-from .server import MODEL_REPOSITORY, REPO_ROOT
+from .server import REPO_ROOT, copy_model
 
 ADMIN_KEY = "hostile-suite-admin-key-0123456789abcdef"
 START_LIMIT_S = 180.0
@@ -184,7 +183,7 @@ class Stack(LoopbackUrls):
 def shipped_repository(dest: Path, models: tuple[str, ...] = ("sampler", "generate")) -> Path:
     """A copy of the shipped `models` (sampler and generate) in `dest` (created)."""
     for model in models:
-        shutil.copytree(MODEL_REPOSITORY / model, dest / model, ignore=shutil.ignore_patterns("__pycache__"))
+        copy_model(dest, model)
     return dest
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from testbed.server import MODEL_REPOSITORY
+from testbed.server import copy_model
 from triton_sampling_mask.client import GenerateClient, GenerateError
 from triton_sampling_mask.client.sampling_params import SamplingParams
 from triton_sampling_mask.ops.server_process import TritonServer
@@ -134,7 +134,7 @@ def closed_loop(url: str, model: str, budgets: np.ndarray, stream: bool, **workl
 
 def build_repository(dest: Path) -> Path:
     """A repository holding only the shipped generate model (the sampler models stay unloaded)."""
-    shutil.copytree(MODEL_REPOSITORY / MODEL, dest / MODEL, ignore=shutil.ignore_patterns("__pycache__"))
+    copy_model(dest, MODEL)
     return dest
 
 

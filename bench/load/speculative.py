@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from testbed.metrics import counter, wait_for_counter
-from testbed.server import MODEL_REPOSITORY, set_parameter
+from testbed.server import copy_model
 from triton_sampling_mask.ops.server_process import TritonServer
 
 from .generate import LoadStats, closed_loop
@@ -74,16 +74,10 @@ def model_name(workload: str, algorithm: str) -> str:
 
 def build_repository(dest: Path) -> Path:
     """Per workload, the shipped generate model on its LM, with speculative_algorithm "none" and "ngram"."""
-    base = (MODEL_REPOSITORY / "generate" / "config.pbtxt").read_text()
     for workload, (lm, _) in WORKLOADS.items():
         for algorithm in ALGORITHMS:
-            name = model_name(workload, algorithm)
-            shutil.copytree(MODEL_REPOSITORY / "generate", dest / name, ignore=shutil.ignore_patterns("__pycache__"))
-            shutil.copy(LOOPING_LM, dest / name / "1")
-            text = set_parameter(
-                base.replace('name: "generate"', f'name: "{name}"'), "speculative_algorithm", algorithm
-            )
-            (dest / name / "config.pbtxt").write_text(set_parameter(text, "lm", lm))
+            parameters = {"speculative_algorithm": algorithm, "lm": lm}
+            copy_model(dest, "generate", model_name(workload, algorithm), parameters, files=(LOOPING_LM,))
     return dest
 
 

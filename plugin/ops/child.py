@@ -93,6 +93,7 @@ class Child:
     started_at: float = 0.0
     deaths_in_a_row: int = 0  # deaths since the last one after a stable run (that one included)
     _restart_at: float | None = field(default=None, repr=False)
+    _delay: float = field(default=0.0, repr=False)
 
     @property
     def pid(self) -> int:
@@ -172,18 +173,21 @@ class Child:
             time.sleep(0.05)
 
     def restart_delay(self, served: bool = False) -> float:
-        """Seconds from its death until the restart, counted once per death: the shortest after a
-        run of STABLE_RUN_S or one that `served`, longer with each quick death in a row (a child
-        that cannot start, e.g. its port taken, is not spun)."""
+        """Seconds from its death until the restart, fixed at the first call after a death: the
+        shortest after a run of STABLE_RUN_S or one that `served`, longer with each quick death
+        in a row (a child that cannot start, e.g. its port taken, is not spun)."""
         if self._restart_at is None:
             ran = time.monotonic() - self.started_at
             self.deaths_in_a_row = 1 if ran >= STABLE_RUN_S or served else self.deaths_in_a_row + 1
-            delay = RESTART_BACKOFF_S[min(self.deaths_in_a_row, len(RESTART_BACKOFF_S)) - 1]
-            self._restart_at = time.monotonic() + delay
-        return max(0.0, self._restart_at - time.monotonic())
+            self._delay = RESTART_BACKOFF_S[min(self.deaths_in_a_row, len(RESTART_BACKOFF_S)) - 1]
+            self._restart_at = time.monotonic() + self._delay
+        return self._delay
 
     def restart_due(self) -> bool:
         """Whether the process may start (again): never started, or dead and its delay over."""
         if self.process is None:
             return True
-        return not self.running() and self.restart_delay() == 0.0
+        if self.running():
+            return False
+        self.restart_delay()
+        return time.monotonic() >= self._restart_at
