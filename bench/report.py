@@ -273,6 +273,18 @@ def print_tables(results: dict) -> None:
     print_verdicts(results["targets"])
 
 
+def publish(cost: dict, targets: dict, output: Path | None) -> dict:
+    """A one-table benchmark's end: `cost` with its `targets` (verdicts) and the load average,
+    the verdicts printed, the JSON written to `output` when given; returns `cost`."""
+    from .common import machine_facts
+
+    cost.update(targets=targets, load_average_1m=machine_facts()["load_average_1m"])
+    print_verdicts(targets)
+    if output:
+        output.write_text(json.dumps(cost, indent=2) + "\n")
+    return cost
+
+
 def print_verdicts(targets: dict) -> None:
     """One line per target: met or missed, the value (with its best-of-rounds and paired median
     where measured), the threshold, and the case it was read at."""

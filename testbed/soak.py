@@ -250,13 +250,18 @@ def _run_clients(http_url, grpc_url, clients, duration_s, vocab, seed, timeout_s
         )
         for i in range(clients)
     ]
+    run_threads_for(threads, stop, duration_s, timeout_s + 5)
+    return threads
+
+
+def run_threads_for(threads: list[threading.Thread], stop: threading.Event, duration_s: float, join_s: float) -> None:
+    """Start `threads`, let them run `duration_s`, then set `stop` and join each (up to `join_s`)."""
     for thread in threads:
         thread.start()
     stop.wait(duration_s)
     stop.set()
     for thread in threads:
-        thread.join(timeout_s + 5)
-    return threads
+        thread.join(join_s)
 
 
 def run_soak(

@@ -15,12 +15,13 @@ clients share the CPUs with the server).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -138,6 +139,23 @@ def build_repository(dest: Path) -> Path:
     return dest
 
 
+@contextlib.contextmanager
+def serving(build: Callable[[Path], Path], what: str) -> Iterator[TritonServer]:
+    """A TritonServer on the repository `build(dest)` writes into a temporary folder (removed
+    after), with one line when it is ready (`what` the run does) and the load average at the end."""
+    workdir = Path(tempfile.mkdtemp())
+    started = time.perf_counter()
+    try:
+        with TritonServer(build(workdir / "model_repository")) as server:
+            print(
+                f"server ready in {time.perf_counter() - started:.1f}s; {what}; load average before: {os.getloadavg()}"
+            )
+            yield server
+            print(f"load average after: {os.getloadavg()} ({os.cpu_count()} CPUs; the clients run on them too)")
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--clients", type=int, default=32)
@@ -147,33 +165,26 @@ def main() -> None:
     budgets = np.random.default_rng(args.seed).integers(
         BUDGET_RANGE[0], BUDGET_RANGE[1] + 1, size=(args.clients, args.requests_per_client)
     )
-    workdir = Path(tempfile.mkdtemp())
-    started = time.perf_counter()
-    try:
-        with TritonServer(build_repository(workdir / "model_repository")) as server:
+    what = (
+        f"{args.clients} closed-loop clients x {args.requests_per_client} requests, "
+        f"max_new_tokens in {list(BUDGET_RANGE)} (mean {budgets.mean():.0f})"
+    )
+    with serving(build_repository, what) as server:
+        closed_loop(server.grpc_url, MODEL, np.full((2, 1), 8), stream=False)  # warm-up
+        print(
+            f"{'configuration':<26} {'tokens/s':>9} {'TTFT p50':>8} {'TTFT p99':>8} {'ITL p50':>8} {'ITL p99':>8}   (ms)"
+        )
+        results = {}
+        for stream in (False, True):
+            stats = closed_loop(server.grpc_url, MODEL, budgets, stream)
+            results[stream] = stats
             print(
-                f"server ready in {time.perf_counter() - started:.1f}s; {args.clients} closed-loop clients x "
-                f"{args.requests_per_client} requests, max_new_tokens in {list(BUDGET_RANGE)} "
-                f"(mean {budgets.mean():.0f}); load average before: {os.getloadavg()}"
+                stats.row("streaming" if stream else "non-streaming")
+                + (f"  ERRORS: {len(stats.errors)} e.g. {stats.errors[0]}" if stats.errors else ""),
+                flush=True,
             )
-            closed_loop(server.grpc_url, MODEL, np.full((2, 1), 8), stream=False)  # warm-up
-            print(
-                f"{'configuration':<26} {'tokens/s':>9} {'TTFT p50':>8} {'TTFT p99':>8} {'ITL p50':>8} {'ITL p99':>8}   (ms)"
-            )
-            results = {}
-            for stream in (False, True):
-                stats = closed_loop(server.grpc_url, MODEL, budgets, stream)
-                results[stream] = stats
-                print(
-                    stats.row("streaming" if stream else "non-streaming")
-                    + (f"  ERRORS: {len(stats.errors)} e.g. {stats.errors[0]}" if stats.errors else ""),
-                    flush=True,
-                )
-            ratio = (results[True].tokens / results[True].seconds) / (results[False].tokens / results[False].seconds)
-            print(f"streaming/non-streaming tokens/s x{ratio:.2f} (each streamed token is one response)")
-            print(f"load average after: {os.getloadavg()} ({os.cpu_count()} CPUs; the clients run on them too)")
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+        ratio = (results[True].tokens / results[True].seconds) / (results[False].tokens / results[False].seconds)
+        print(f"streaming/non-streaming tokens/s x{ratio:.2f} (each streamed token is one response)")
 
 
 if __name__ == "__main__":

@@ -28,19 +28,14 @@ the same token for token (client_tests/test_speculative.py checks it), so only s
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
-import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 
 from testbed.metrics import counter, wait_for_counter
 from testbed.server import copy_model
-from triton_sampling_mask.ops.server_process import TritonServer
 
-from .generate import LoadStats, closed_loop
+from .generate import LoadStats, closed_loop, serving
 
 ALGORITHMS = ("none", "ngram")  # speculative_algorithm of the two models of each workload
 SPEC_COUNTERS = ("drafts", "drafted_tokens", "accepted_tokens")
@@ -134,43 +129,28 @@ def main() -> None:
     args = parser.parse_args()
     if args.tiny:
         args.streams, args.requests_per_stream, args.max_new_tokens, args.rounds = [1, 2], 1, 48, 2
-    workdir = Path(tempfile.mkdtemp())
-    started = time.perf_counter()
-    try:
-        with TritonServer(build_repository(workdir / "model_repository")) as server:
-            print(
-                f"server ready in {time.perf_counter() - started:.1f}s; streaming clients x "
-                f"{args.requests_per_stream} requests of {args.max_new_tokens} tokens; "
-                f"load average before: {os.getloadavg()}"
-            )
-            for workload_name, (_, workload) in WORKLOADS.items():  # warm-up
+    with serving(
+        build_repository, f"streaming clients x {args.requests_per_stream} requests of {args.max_new_tokens} tokens"
+    ) as server:
+        for workload_name, (_, workload) in WORKLOADS.items():  # warm-up
+            for algorithm in ALGORITHMS:
+                closed_loop(server.grpc_url, model_name(workload_name, algorithm), np.full((2, 1), 8), True, **workload)
+        header = f"{'workload / streams / algorithm':<34} {'tokens/s':>9} {'ITL p50':>8} {'ITL p99':>8} {'ITL mean':>8}"
+        print(header + "  (ms)")
+        for workload_name, (_, workload) in WORKLOADS.items():
+            for streams in args.streams:
+                budgets = np.full((streams, args.requests_per_stream), args.max_new_tokens)
+                runs = {algorithm: [] for algorithm in ALGORITHMS}
+                for round_ in range(args.rounds):  # interleaved, the order swapped every round
+                    for algorithm in ALGORITHMS[:: 1 if round_ % 2 == 0 else -1]:
+                        runs[algorithm].append(measure(server, model_name(workload_name, algorithm), budgets, workload))
                 for algorithm in ALGORITHMS:
-                    closed_loop(
-                        server.grpc_url, model_name(workload_name, algorithm), np.full((2, 1), 8), True, **workload
-                    )
-            header = (
-                f"{'workload / streams / algorithm':<34} {'tokens/s':>9} {'ITL p50':>8} {'ITL p99':>8} {'ITL mean':>8}"
-            )
-            print(header + "  (ms)")
-            for workload_name, (_, workload) in WORKLOADS.items():
-                for streams in args.streams:
-                    budgets = np.full((streams, args.requests_per_stream), args.max_new_tokens)
-                    runs = {algorithm: [] for algorithm in ALGORITHMS}
-                    for round_ in range(args.rounds):  # interleaved, the order swapped every round
-                        for algorithm in ALGORITHMS[:: 1 if round_ % 2 == 0 else -1]:
-                            runs[algorithm].append(
-                                measure(server, model_name(workload_name, algorithm), budgets, workload)
-                            )
-                    for algorithm in ALGORITHMS:
-                        print(row(f"{workload_name} / {streams} / {algorithm}", runs[algorithm]), flush=True)
-                    ratios = [rate(ngram[0]) / rate(none[0]) for none, ngram in zip(runs["none"], runs["ngram"])]
-                    print(
-                        f"{workload_name} / {streams}: ngram/none tokens/s x{np.median(ratios):.2f} "
-                        f"(median of {len(ratios)} interleaved rounds: {', '.join(f'{r:.2f}' for r in ratios)})"
-                    )
-            print(f"load average after: {os.getloadavg()} ({os.cpu_count()} CPUs; the clients run on them too)")
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+                    print(row(f"{workload_name} / {streams} / {algorithm}", runs[algorithm]), flush=True)
+                ratios = [rate(ngram[0]) / rate(none[0]) for none, ngram in zip(runs["none"], runs["ngram"])]
+                print(
+                    f"{workload_name} / {streams}: ngram/none tokens/s x{np.median(ratios):.2f} "
+                    f"(median of {len(ratios)} interleaved rounds: {', '.join(f'{r:.2f}' for r in ratios)})"
+                )
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ import numpy as np
 
 from testbed.fronted import FrontedTritonServer
 from testbed.process_memory import ProcessMemory, cpu_seconds, mapped_shm_regions, process_tree_memory
+from testbed.soak import run_threads_for
 from triton_sampling_mask.client.replicas import DEFAULT_EJECT_BACKOFF_S, DEFAULT_MAX_EJECT_BACKOFF_S
 from triton_sampling_mask.ops import settings
 from triton_sampling_mask.ops.proxy_config import QUEUE_TIMEOUT
@@ -243,12 +244,7 @@ def run_round(
     ]
     counters_before, started = triton_counters(metrics_url), time.perf_counter()
     client_cpu_before, server_cpu_before = _client_cpu_s(), cpu_seconds(pid)
-    for thread in threads:
-        thread.start()
-    stop.wait(duration_s)
-    stop.set()
-    for thread in threads:
-        thread.join(timeout_s + 5)
+    run_threads_for(threads, stop, duration_s, timeout_s + 5)
     wall_s, cores = time.perf_counter() - started, len(os.sched_getaffinity(0))
     report = RoundReport(round=number)
     report.client_cpu = (_client_cpu_s() - client_cpu_before) / (wall_s * cores)
