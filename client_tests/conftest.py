@@ -1,7 +1,7 @@
 """A real tritonserver on free ports for the whole session, with HTTP and gRPC clients.
 
 The session's server is what `make serve` runs: tritonserver on loopback behind its front door
-(HAProxy and the gRPC stream gate, `ops.proxy.FrontedTritonServer`), its admin APIs open as with
+(HAProxy and the gRPC stream gate, `testbed.fronted.FrontedTritonServer`), its admin APIs open as with
 `--open-admin-apis`; the tests reach it only through the proxy's ports, as users do. A test of
 tritonserver's own answers starts a server of its own and says why. Without HAProxy (a host where
 `make setup` could not install it) the session falls back to the bare server, with a warning.

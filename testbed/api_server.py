@@ -14,7 +14,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from triton_sampling_mask.ops.child import Child
+from triton_sampling_mask.ops.child import Child, log_tail
 from triton_sampling_mask.ops.server_process import free_port
 
 
@@ -75,10 +75,8 @@ class ApiProcess:
         return self.child.stop(timeout_s)
 
     def log_tail(self, chars: int = 4000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:]
-        except OSError:
-            return ""
+        """The end of the API's log."""
+        return log_tail(self.log_path, chars)
 
     def __enter__(self) -> ApiProcess:
         return self.start()

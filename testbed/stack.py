@@ -17,7 +17,7 @@ from pathlib import Path
 
 import psutil
 
-from triton_sampling_mask.ops.child import Child
+from triton_sampling_mask.ops.child import Child, log_tail
 from triton_sampling_mask.ops.memory_limit import MemoryCage, make_cage
 from triton_sampling_mask.ops.server_process import LoopbackUrls, free_port
 
@@ -137,7 +137,7 @@ class Stack(LoopbackUrls):
 
     def log_tail(self, chars: int = 3000) -> str:
         """The end of the launcher's log."""
-        return self.log_path.read_text(errors="replace")[-chars:]
+        return log_tail(self.log_path, chars)
 
     def sampler_check(self) -> tuple[bool, str]:
         """Whether a greedy sampler request through the public port is answered correctly; else

@@ -21,7 +21,7 @@ spent their time (client upload; Triton's queue and compute from its metrics por
 share of the clients and the server. It fails (exit 1) on any failure or lost request, on p99 of
 admitted requests >= 5 s, or on RSS after the last round more than 15% above RSS after the first.
 RSS counts the stubs' shared pools once per process and once per mapping (see
-`procfs.process_tree_rss`); PSS counts every page once, which is why both are shown.
+`testbed.process_memory.process_tree_rss`); PSS counts every page once, which is why both are shown.
 """
 
 from __future__ import annotations

@@ -67,6 +67,14 @@ def end_process_group(pgid: int, timeout_s: float = 2.0) -> None:
         time.sleep(0.05)
 
 
+def log_tail(path: Path | None, chars: int = 4000) -> str:
+    """The last `chars` characters of a log file ("" when there is none to read)."""
+    try:
+        return Path(path).read_text(errors="replace")[-chars:] if path else ""
+    except OSError:
+        return ""
+
+
 @dataclass
 class Child:
     """A child process in a session of its own (see the module docstring).

@@ -26,7 +26,7 @@ from pathlib import Path
 from ..serving.admin_key import ADMIN_KEY_DIGEST_ENV, key_digest
 from . import settings
 from .allocator import with_allocator
-from .child import Child
+from .child import Child, log_tail
 from .private_shm import with_private_shm
 from .shm_cleanup import remove_unused_regions, server_shm_prefix
 
@@ -376,10 +376,7 @@ class TritonServer(LoopbackUrls):
 
     def log_tail(self, chars: int = 4000) -> str:
         """The end of the server log."""
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:]
-        except OSError:
-            return ""
+        return log_tail(self.log_path, chars)
 
     def __enter__(self) -> TritonServer:
         return self.start()
