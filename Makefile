@@ -63,7 +63,7 @@ STRESS_ARGS ?= --clients 128 --rows 16 --vocab 151936 --rounds 3 --duration 30
 stress: setup
 	$(PYTHON) -m bench.load.stress --model-repository $(MODEL_REPOSITORY) $(STRESS_ARGS)
 
-# Each attack of bench/hostile.py against a fresh `make serve` stack (in a memory cgroup where one can be
+# Each attack of testbed/hostile.py against a fresh `make serve` stack (in a memory cgroup where one can be
 # made): outcome, what was measured, time until it answered again; exit 1 if one got through.
 HOSTILE_ARGS ?=
 hostile: setup

@@ -30,7 +30,7 @@ import numpy as np
 import openai
 
 from bench.load.generate import build_repository
-from client_tests.api_server import ApiProcess
+from testbed.api_server import ApiProcess
 from triton_sampling_mask.client import AsyncGenerateClient
 from triton_sampling_mask.client.sampling_params import SamplingParams
 from triton_sampling_mask.ops.server_process import TritonServer

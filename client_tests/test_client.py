@@ -11,6 +11,7 @@ import torch
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
+from testbed.server import MODEL_REPOSITORY
 from tests.reference import reference_row
 from triton_sampling_mask.client import AsyncSamplerClient, SamplerClient, SamplerError
 from triton_sampling_mask.client.replay import replay_logprobs, replay_support_logprobs
@@ -21,8 +22,6 @@ from triton_sampling_mask.sampling.validation import (
     SamplingRequestError,
     backend_mask_message,
 )
-
-from .server import MODEL_REPOSITORY
 
 VOCAB = 300
 ROWS = [

@@ -121,24 +121,10 @@ def test_async_chat_with_masks_matches_the_generate_model(api_server, direct, te
 
     async def run():
         async with openai.AsyncOpenAI(base_url=f"{api_server.url}/v1", api_key="unused", max_retries=0) as client:
-            whole = await client.chat.completions.create(
-                model="generate",
-                messages=messages,
-                max_tokens=8,
-                seed=5,
-                logprobs=True,
-                **SAMPLING,
-                extra_body={**MASKS, "ignore_eos": True},
-            )
+            request = dict(model="generate", messages=messages, max_tokens=8, seed=5, logprobs=True, **SAMPLING)
+            whole = await client.chat.completions.create(**request, extra_body={**MASKS, "ignore_eos": True})
             stream = await client.chat.completions.create(
-                model="generate",
-                messages=messages,
-                max_tokens=8,
-                seed=5,
-                logprobs=True,
-                stream=True,
-                **SAMPLING,
-                extra_body={**MASKS, "ignore_eos": True},
+                **request, stream=True, extra_body={**MASKS, "ignore_eos": True}
             )
             return whole, [chunk async for chunk in stream]
 

@@ -19,7 +19,7 @@ from triton_sampling_mask.serving.tracing import ENDPOINT_ENV, SERVICE_NAME
 
 from .generate_client import grpc_generate
 from .otlp_collector import OtlpCollector
-from .server import MODEL_REPOSITORY, ExternalTritonServer
+from testbed.server import MODEL_REPOSITORY, ExternalTritonServer
 
 SAMPLER_PHASES = {"sampler.parse", "sampler.sample", "sampler.response"}
 GENERATE_PHASES = {"generate.parse", "generate.queue", "generate.decode", "generate.response"}

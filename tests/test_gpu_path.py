@@ -8,7 +8,7 @@ import torch
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
-from client_tests.server import MODEL_REPOSITORY
+from testbed.server import MODEL_REPOSITORY
 from triton_sampling_mask.model_config import instance_device
 from triton_sampling_mask.ops.gpu_repository import build_gpu_repository, gpu_config_text
 from triton_sampling_mask.serving.triton_io import input_to_numpy, input_to_torch, read_params

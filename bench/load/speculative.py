@@ -30,19 +30,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-from client_tests.generate_client import counter, wait_for_counter
-from client_tests.server import MODEL_REPOSITORY, set_parameter
-from triton_sampling_mask.ops.server_process import TritonServer
+from testbed.metrics import counter, wait_for_counter
+from testbed.server import copy_model
 
-from .generate import LoadStats, closed_loop
+from .generate import LoadStats, closed_loop, serving
 
 ALGORITHMS = ("none", "ngram")  # speculative_algorithm of the two models of each workload
 SPEC_COUNTERS = ("drafts", "drafted_tokens", "accepted_tokens")
@@ -76,16 +72,10 @@ def model_name(workload: str, algorithm: str) -> str:
 
 def build_repository(dest: Path) -> Path:
     """Per workload, the shipped generate model on its LM, with speculative_algorithm "none" and "ngram"."""
-    base = (MODEL_REPOSITORY / "generate" / "config.pbtxt").read_text()
     for workload, (lm, _) in WORKLOADS.items():
         for algorithm in ALGORITHMS:
-            name = model_name(workload, algorithm)
-            shutil.copytree(MODEL_REPOSITORY / "generate", dest / name, ignore=shutil.ignore_patterns("__pycache__"))
-            shutil.copy(LOOPING_LM, dest / name / "1")
-            text = set_parameter(
-                base.replace('name: "generate"', f'name: "{name}"'), "speculative_algorithm", algorithm
-            )
-            (dest / name / "config.pbtxt").write_text(set_parameter(text, "lm", lm))
+            parameters = {"speculative_algorithm": algorithm, "lm": lm}
+            copy_model(dest, "generate", model_name(workload, algorithm), parameters, files=(LOOPING_LM,))
     return dest
 
 
@@ -144,57 +134,42 @@ def main() -> None:
     points = []
     if args.tiny:
         args.streams, args.requests_per_stream, args.max_new_tokens, args.rounds = [1, 2], 1, 48, 2
-    workdir = Path(tempfile.mkdtemp())
-    started = time.perf_counter()
-    try:
-        with TritonServer(build_repository(workdir / "model_repository")) as server:
-            print(
-                f"server ready in {time.perf_counter() - started:.1f}s; streaming clients x "
-                f"{args.requests_per_stream} requests of {args.max_new_tokens} tokens; "
-                f"load average before: {os.getloadavg()}"
-            )
-            for workload_name, (_, workload) in WORKLOADS.items():  # warm-up
+    with serving(
+        build_repository, f"streaming clients x {args.requests_per_stream} requests of {args.max_new_tokens} tokens"
+    ) as server:
+        for workload_name, (_, workload) in WORKLOADS.items():  # warm-up
+            for algorithm in ALGORITHMS:
+                closed_loop(server.grpc_url, model_name(workload_name, algorithm), np.full((2, 1), 8), True, **workload)
+        header = f"{'workload / streams / algorithm':<34} {'tokens/s':>9} {'ITL p50':>8} {'ITL p99':>8} {'ITL mean':>8}"
+        print(header + "  (ms)")
+        for workload_name, (_, workload) in WORKLOADS.items():
+            for streams in args.streams:
+                budgets = np.full((streams, args.requests_per_stream), args.max_new_tokens)
+                runs = {algorithm: [] for algorithm in ALGORITHMS}
+                for round_ in range(args.rounds):  # interleaved, the order swapped every round
+                    for algorithm in ALGORITHMS[:: 1 if round_ % 2 == 0 else -1]:
+                        runs[algorithm].append(measure(server, model_name(workload_name, algorithm), budgets, workload))
                 for algorithm in ALGORITHMS:
-                    closed_loop(
-                        server.grpc_url, model_name(workload_name, algorithm), np.full((2, 1), 8), True, **workload
+                    print(row(f"{workload_name} / {streams} / {algorithm}", runs[algorithm]), flush=True)
+                    rates = [rate(stats) for stats, _ in runs[algorithm]]
+                    points.append(
+                        {
+                            "workload": workload_name,
+                            "streams": streams,
+                            "algorithm": algorithm,
+                            "tokens_per_s": float(np.median(rates)),
+                            "round_tokens_per_s": rates,
+                        }
                     )
-            header = (
-                f"{'workload / streams / algorithm':<34} {'tokens/s':>9} {'ITL p50':>8} {'ITL p99':>8} {'ITL mean':>8}"
-            )
-            print(header + "  (ms)")
-            for workload_name, (_, workload) in WORKLOADS.items():
-                for streams in args.streams:
-                    budgets = np.full((streams, args.requests_per_stream), args.max_new_tokens)
-                    runs = {algorithm: [] for algorithm in ALGORITHMS}
-                    for round_ in range(args.rounds):  # interleaved, the order swapped every round
-                        for algorithm in ALGORITHMS[:: 1 if round_ % 2 == 0 else -1]:
-                            runs[algorithm].append(
-                                measure(server, model_name(workload_name, algorithm), budgets, workload)
-                            )
-                    for algorithm in ALGORITHMS:
-                        print(row(f"{workload_name} / {streams} / {algorithm}", runs[algorithm]), flush=True)
-                        rates = [rate(stats) for stats, _ in runs[algorithm]]
-                        points.append(
-                            {
-                                "workload": workload_name,
-                                "streams": streams,
-                                "algorithm": algorithm,
-                                "tokens_per_s": float(np.median(rates)),
-                                "round_tokens_per_s": rates,
-                            }
-                        )
-                    ratios = [rate(ngram[0]) / rate(none[0]) for none, ngram in zip(runs["none"], runs["ngram"])]
-                    print(
-                        f"{workload_name} / {streams}: ngram/none tokens/s x{np.median(ratios):.2f} "
-                        f"(median of {len(ratios)} interleaved rounds: {', '.join(f'{r:.2f}' for r in ratios)})"
-                    )
-            print(f"load average after: {os.getloadavg()} ({os.cpu_count()} CPUs; the clients run on them too)")
-            if args.output:
-                stamp = time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime())
-                args.output.write_text(json.dumps({"timestamp": stamp, "points": points}, indent=2) + "\n")
-                print(f"wrote {args.output}")
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+                ratios = [rate(ngram[0]) / rate(none[0]) for none, ngram in zip(runs["none"], runs["ngram"])]
+                print(
+                    f"{workload_name} / {streams}: ngram/none tokens/s x{np.median(ratios):.2f} "
+                    f"(median of {len(ratios)} interleaved rounds: {', '.join(f'{r:.2f}' for r in ratios)})"
+                )
+    if args.output:
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime())
+        args.output.write_text(json.dumps({"timestamp": stamp, "points": points}, indent=2) + "\n")
+        print(f"wrote {args.output}")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ import importlib.util
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from ..serving.admin_key import ADMIN_KEY_DIGEST_ENV, key_digest
 from . import settings
 from .allocator import with_allocator
 from .capabilities import ServerCapabilities, help_flags, run_help
+from .child import Child, log_tail
 from .private_shm import with_private_shm
 from .shm_cleanup import remove_unused_regions, server_shm_prefix
 from .workarounds import BY_NAME
@@ -318,7 +318,12 @@ class TritonServer(LoopbackUrls):
         self.ports = {name: free_port() for name in PORT_NAMES}
         self.shm_prefix = server_shm_prefix(self.ports["http"])
         self.log_path = log_path or Path(tempfile.gettempdir()) / f"tritonserver-{self.ports['http']}.log"
-        self.process: subprocess.Popen | None = None
+        self.child: Child | None = None
+
+    @property
+    def process(self) -> subprocess.Popen | None:
+        """tritonserver's process (None before `start`)."""
+        return self.child.process if self.child else None
 
     def command(self) -> list[str]:
         """The tritonserver command line this server runs."""
@@ -329,20 +334,18 @@ class TritonServer(LoopbackUrls):
 
     def start(self, timeout_s: float = 180.0) -> TritonServer:
         """Start the server and wait until every model is ready; raises with the log tail if not."""
-        self._log = open(self.log_path, "w")  # noqa: SIM115 (open while the server runs)
-        self.process = subprocess.Popen(
+        self.child = Child(
+            "tritonserver",
             self.command(),
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
             env=server_environment(self.admin_key),
-            start_new_session=True,
             umask=SERVER_UMASK,
-        )
+            log_path=self.log_path,
+            append_log=False,
+        ).start()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                self._log.close()
-                self._clean_up()
+                self.stop()
                 raise RuntimeError(f"tritonserver exited with {self.process.returncode}:\n{self.log_tail()}")
             if self.is_ready() and self.metrics_listening():
                 return self
@@ -359,61 +362,21 @@ class TritonServer(LoopbackUrls):
             return False
 
     def stop(self, timeout_s: float = 30.0) -> int | None:
-        """SIGTERM (Triton's clean shutdown), then SIGKILL if it lingers; returns the exit code.
-        Stubs the server left behind are killed and their /dev/shm regions removed."""
-        if self.process is None:
+        """SIGTERM to its process group (Triton's clean shutdown), then SIGKILL if it lingers;
+        returns the exit code. Stubs the server left behind are killed and their /dev/shm regions
+        removed."""
+        if self.child is None:
             return None
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
-        self._log.close()
-        self._clean_up()
-        return self.process.returncode
-
-    def _clean_up(self) -> None:
-        end_process_group(self.process.pid)
+        code = self.child.stop(timeout_s, group=True)
         remove_unused_regions(self.shm_prefix)
+        return code
 
     def log_tail(self, chars: int = 4000) -> str:
         """The end of the server log."""
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:]
-        except OSError:
-            return ""
+        return log_tail(self.log_path, chars)
 
     def __enter__(self) -> TritonServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-def group_members(pgid: int) -> list[int]:
-    """Live (non-zombie) processes of process group `pgid`, from /proc."""
-    members = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if fields[0] != "Z" and int(fields[2]) == pgid:
-            members.append(int(proc.name))
-    return members
-
-
-def end_process_group(pgid: int, timeout_s: float = 2.0) -> None:
-    """SIGKILL what is left of a server's process group (stubs outliving a crashed or timed-out
-    tritonserver) and wait, up to `timeout_s`, until none of it runs."""
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        return
-    deadline = time.monotonic() + timeout_s
-    while group_members(pgid) and time.monotonic() < deadline:
-        time.sleep(0.05)
