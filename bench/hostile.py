@@ -8,7 +8,9 @@ client holding the admin key, can still do to `make serve`.
 Starts the launcher (supervisor and proxy on) on free ports with the shipped models, inside a
 memory-limited cgroup of its own where this host has one (the destructive attacks run only
 there), runs each attack and prints whether the service held, what was measured and how long it
-took to answer again. Exit status 1 when an attack got through.
+took to answer again, with what a well-behaved client on 127.0.0.1 got meanwhile (sampler calls
+over HTTP and gRPC, health checks) and tritonserver's memory before, at its peak during and after
+the attack. Exit status 1 when an attack got through.
 
 The stack and the attacks live in testbed/ (`testbed.stack`, `testbed.hostile`), which
 client_tests/test_front_door.py runs too. Attacks (docs/operations.md, "Threat model"):
@@ -21,6 +23,9 @@ client_tests/test_front_door.py runs too. Attacks (docs/operations.md, "Threat m
 - admin-surface: logging and trace settings without the key (HTTP and gRPC), and registering the
   server's own stub region as shared memory with it;
 - secrets: the admin key on any command line, the key files' modes;
+- the front door's third round (testbed/door_attacks.py): route-share, trickled-bodies,
+  header-only-calls, header-spellings, abandoned-streams, probe-flood, admin-key-guessing,
+  short-admin-key;
 - memory-blowup (destructive, in a memory-limited cgroup only): the JSON shape body straight to
   tritonserver's loopback port, past the proxy: the memory limit must kill the server, not the
   host, and the supervisor bring it back.
@@ -35,8 +40,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-from testbed.hostile import ATTACKS, wait_until_answering
+from testbed import door_attacks, hostile
+from testbed.hostile import MemoryWatch, Prober, wait_until_answering
 from testbed.stack import launch, shipped_repository
+
+# The front door's own attacks first; the destructive memory-blowup last.
+ATTACKS = {**door_attacks.ATTACKS, **hostile.ATTACKS}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,7 +87,9 @@ def main(argv: list[str] | None = None) -> int:
                 "idle-flood": {"connections": args.connections},
             }
             print(f"-- {name}", flush=True)
-            outcome = attack(stack, **kwargs.get(name, {}))
+            with Prober(stack) as prober, MemoryWatch(stack) as memory:  # a well-behaved client meanwhile
+                outcome = attack(stack, **kwargs.get(name, {}))
+            outcome.detail += f"; meanwhile: {prober.summary()}; {memory.summary()}"
             print(outcome.row(), flush=True)
             outcomes.append(outcome)
             if not stack.sampler_answers():  # let a struck server come back before the next attack

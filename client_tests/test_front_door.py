@@ -17,27 +17,22 @@ import json
 import os
 import shlex
 import signal
-import socket
-import threading
 import time
 from pathlib import Path
 
-import grpc
 import numpy as np
 import psutil
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
-from tritonclient.grpc import service_pb2
 from tritonclient.utils import InferenceServerException
 
-from testbed import hostile
+from testbed import door_attacks, hostile
 from testbed import stack as full_stack
 from testbed.server import ExternalTritonServer
 from triton_sampling_mask.client import SamplerClient
 from triton_sampling_mask.client.sampling_params import SamplingParams
-from triton_sampling_mask.ops.proxy_config import WRONG_KEYS_PER_MINUTE, ProxyLimits
 from triton_sampling_mask.ops.server_process import ADMIN_HEADER, GRPC_ADMIN_HEADER
 
 LEGACY = os.environ.get("HOSTILE_LAUNCHER_LEGACY") == "1"
@@ -262,205 +257,29 @@ def test_a_dead_proxy_is_restarted_by_the_supervisor(stack):
 # client on 127.0.0.1 is another source, as in production; each test checks that client is
 # served while the attack goes on.
 
-SERVER_READY = "/inference.GRPCInferenceService/ServerReady"
-MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
-
 
 def skip_unless_proxied(stack) -> None:
     if not stack.proxied:
         pytest.skip("the proxy's own limits")
 
 
-def connect_from(source: str, port: int) -> socket.socket:
-    sock = socket.socket()
-    sock.bind((source, 0))
-    sock.settimeout(10)
-    sock.connect(("127.0.0.1", port))
-    return sock
-
-
-def served_meanwhile(stack, attempts: int = 5) -> int:
-    """How many of `attempts` health calls from 127.0.0.1 are answered 200 within 5 s each."""
-    return sum(
-        full_stack.request(stack.ports["http"], "GET", "/v2/health/ready", timeout_s=5.0)[0] == 200
-        for _ in range(attempts)
-    )
-
-
-def test_bodies_trickled_from_one_address_leave_the_route_to_others(stack):
-    """64 connections, each sending a body a byte every second: they wait at the proxy (which
-    forwards a request once its body is in), never in tritonserver's 64 slots."""
+@pytest.mark.parametrize(
+    "attack",
+    [
+        door_attacks.trickled_bodies,
+        door_attacks.route_share,
+        door_attacks.header_only_calls,
+        door_attacks.header_spellings,
+        door_attacks.probe_flood,
+        door_attacks.admin_key_guessing,
+        door_attacks.abandoned_streams,
+    ],
+    ids=lambda attack: attack.__name__,
+)
+def test_the_front_door_holds(stack, attack):
     skip_unless_proxied(stack)
-    slow = []
-    try:
-        for _ in range(64):
-            sock = connect_from("127.0.0.4", stack.ports["http"])
-            sock.sendall(b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\nContent-Length: 70\r\n\r\n")
-            slow.append(sock)
-        stop = threading.Event()
-
-        def trickle():
-            while not stop.is_set():
-                for sock in slow:
-                    try:
-                        sock.send(b"x")
-                    except OSError:
-                        pass
-                stop.wait(1.0)
-
-        trickler = threading.Thread(target=trickle, daemon=True)
-        trickler.start()
-        time.sleep(1.0)
-        assert served_meanwhile(stack) == 5
-        assert stack.sampler_answers()
-        stop.set()
-        trickler.join()
-    finally:
-        for sock in slow:
-            sock.close()
+    assert_held(attack(stack), stack)
 
 
-def _stalled_large_body(source: str, port: int, vocab: int = 151936) -> socket.socket:
-    """A sampler request from `source` whose binary body is larger than the proxy's buffer: its
-    first 400 KiB are sent (the proxy forwards it to a tritonserver slot once its buffer is
-    full), the rest never is, so the request holds its slot for as long as the client waits."""
-    logits = httpclient.InferInput("logits", [1, vocab], "FP32")
-    logits.set_data_from_numpy(np.zeros((1, vocab), np.float32), binary_data=True)
-    body, json_size = httpclient.InferenceServerClient.generate_request_body([logits])
-    head = (
-        f"POST /v2/models/sampler/infer HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n"
-        f"Inference-Header-Content-Length: {json_size}\r\nContent-Type: application/octet-stream\r\n\r\n"
-    ).encode()
-    sock = connect_from(source, port)
-    sock.sendall(head + body[: 400 * 1024])
-    return sock
-
-
-def _answered_status(sock: socket.socket) -> int | None:
-    """The status the proxy already answered on `sock`, or None (still waiting)."""
-    sock.settimeout(0.0)
-    try:
-        data = sock.recv(4096)
-    except (BlockingIOError, OSError):
-        return None
-    return int(data.split(b" ", 2)[1]) if data.startswith(b"HTTP/") else None
-
-
-def test_one_address_holds_at_most_its_share_of_a_routes_slots(stack):
-    """One address opens as many stalled large-body sampler requests as the route has slots: past
-    its share (PROXY_REQUESTS_PER_IP) they are refused with 429 at once, and another client's
-    sampler calls are answered meanwhile (without the share they would all wait for a slot)."""
-    skip_unless_proxied(stack)
-    share = ProxyLimits().requests_per_ip
-    slots = ProxyLimits().max_in_flight
-    held = []
-    try:
-        for _ in range(slots):
-            held.append(_stalled_large_body("127.0.0.9", stack.ports["http"]))
-        time.sleep(1.5)
-        refused = [status for status in map(_answered_status, held) if status is not None]
-        assert refused.count(429) == slots - share, refused
-        assert all(stack.sampler_answers() for _ in range(3))
-    finally:
-        for sock in held:
-            sock.close()
-
-
-def _header_only_calls(channel: grpc.Channel, method: str, count: int) -> list:
-    """`count` calls of `method` that send their headers and no message (a request iterator
-    that never yields), kept open until cancelled."""
-    hold = threading.Event()
-
-    def nothing():
-        hold.wait()
-        return
-        yield  # a generator that ends without a message once released
-
-    call = channel.stream_unary(method, request_serializer=lambda m: m, response_deserializer=lambda b: b)
-    futures = [call.future(nothing()) for _ in range(count)]
-    futures.append(hold)
-    return futures
-
-
-def test_grpc_calls_that_send_only_headers_hold_no_slot(stack):
-    """64 ModelInfer calls on one connection that never send their message: they wait at the
-    proxy and are cut after its request timeout; another client's calls are answered meanwhile."""
-    skip_unless_proxied(stack)
-    channel = grpc.insecure_channel(stack.grpc_url)
-    held = _header_only_calls(channel, MODEL_INFER, 64)
-    try:
-        time.sleep(1.0)
-        other = grpc.insecure_channel(stack.grpc_url)
-        try:
-            ready = other.unary_unary(
-                SERVER_READY,
-                request_serializer=service_pb2.ServerReadyRequest.SerializeToString,
-                response_deserializer=service_pb2.ServerReadyResponse.FromString,
-            )
-            assert ready(service_pb2.ServerReadyRequest(), timeout=10).ready
-            assert stack.sampler_answers()
-        finally:
-            other.close()
-    finally:
-        held[-1].set()
-        for future in held[:-1]:
-            future.cancel()
-        channel.close()
-
-
-def test_unfinished_requests_on_the_probe_port_leave_ready_answered(stack):
-    """Two addresses each opening 32 requests they never finish: per-address caps and a short
-    head timeout keep /ready answering the kubelet."""
-    skip_unless_proxied(stack)
-    held = []
-    try:
-        for source in ("127.0.0.5", "127.0.0.6"):
-            for _ in range(32):
-                try:
-                    sock = connect_from(source, stack.ports["probe"])
-                    sock.sendall(b"GET /ready HTTP/1.1\r\nHost: x\r\n")  # the head never ends
-                    held.append(sock)
-                except OSError:
-                    pass  # refused at the address's cap
-        for _ in range(5):
-            assert full_stack.request(stack.ports["probe"], "GET", "/ready", timeout_s=3.0)[0] == 200
-    finally:
-        for sock in held:
-            sock.close()
-
-
-def _raw_status(source: str, port: int, request: bytes) -> int:
-    with connect_from(source, port) as sock:
-        sock.sendall(request)
-        return int(sock.recv(4096).split(b" ", 2)[1])
-
-
-def test_a_key_with_a_nul_or_a_suffix_is_not_the_key(stack):
-    skip_unless_proxied(stack)
-    for key in (full_stack.ADMIN_KEY.encode() + b"\0anything", full_stack.ADMIN_KEY.encode() + b"x"):
-        request = (
-            b"POST /v2/logging HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n"
-            + ADMIN_HEADER.encode()
-            + b": "
-            + key
-            + b"\r\nConnection: close\r\n\r\n{}"
-        )
-        assert _raw_status("127.0.0.7", stack.ports["http"], request) in (400, 403)
-
-
-def test_wrong_keys_are_rate_limited_per_address(stack):
-    skip_unless_proxied(stack)
-
-    def logging_status(key: str) -> int:
-        request = (
-            f"GET /v2/logging HTTP/1.1\r\nHost: x\r\n{ADMIN_HEADER}: {key}\r\nConnection: close\r\n\r\n"
-        ).encode()
-        return _raw_status("127.0.0.8", stack.ports["http"], request)
-
-    wrong = [logging_status("w" * 40) for _ in range(WRONG_KEYS_PER_MINUTE + 3)]
-    assert wrong[0] == 403 and wrong[-1] == 429, wrong
-    assert logging_status(full_stack.ADMIN_KEY) == 429  # the right key too, from that address, for a minute
-    assert (
-        full_stack.request(stack.ports["http"], "GET", "/v2/logging", headers={ADMIN_HEADER: full_stack.ADMIN_KEY})[0]
-        == 200
-    )
+def test_a_short_admin_key_is_refused_at_start():
+    assert door_attacks.short_admin_key(None).held

@@ -113,6 +113,38 @@ class Prober:
         return "; ".join(f"{kind} {dict(counts)}" for kind, counts in self.outcomes.items())
 
 
+class MemoryWatch:
+    """tritonserver's process-tree RSS before an attack, its peak during it (sampled every half
+    second) and after it, in MB."""
+
+    def __init__(self, stack: Stack, interval_s: float = 0.5):
+        self.stack, self.interval_s = stack, interval_s
+        self.before = self.peak = self.after = 0.0
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _rss_mb(self) -> float:
+        pid = self.stack.server_pid()
+        return process_tree_rss(pid) / 2**20 if pid else 0.0
+
+    def _sample(self) -> None:
+        while not self.stopping.wait(self.interval_s):
+            self.peak = max(self.peak, self._rss_mb())
+
+    def __enter__(self) -> MemoryWatch:
+        self.before = self.peak = self._rss_mb()
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stopping.set()
+        self.thread.join(10)
+        self.after = self._rss_mb()
+
+    def summary(self) -> str:
+        return f"RSS {self.before:.0f} / {self.peak:.0f} / {self.after:.0f} MB before / peak / after"
+
+
 def _still_open(sock: socket.socket) -> bool:
     """Whether the peer has neither closed nor reset a connection that never sent anything."""
     sock.setblocking(False)
@@ -160,7 +192,7 @@ def idle_flood(stack: Stack, connections: int = 1500, source: str = "127.0.0.2",
     )
 
 
-def _tiny_sampler_request() -> service_pb2.ModelInferRequest:
+def tiny_sampler_request() -> service_pb2.ModelInferRequest:
     message = service_pb2.ModelInferRequest(model_name="sampler")
     tensor = message.inputs.add()
     tensor.name, tensor.datatype = "logits", "FP32"
@@ -177,7 +209,7 @@ def unread_stream(stack: Stack, seconds: float = 30.0, rss_limit_mb: float = 300
     base = process_tree_rss(pid)
     stopping = threading.Event()
     sent = Counter()
-    message = _tiny_sampler_request()
+    message = tiny_sampler_request()
 
     def requests():
         while not stopping.is_set():
