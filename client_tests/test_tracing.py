@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 
+from testbed.server import MODEL_REPOSITORY, ExternalTritonServer
 from triton_sampling_mask.client.wire import sampler_inputs
 from triton_sampling_mask.model_config import output_width
 from triton_sampling_mask.ops.server_process import TritonServer
@@ -19,7 +20,6 @@ from triton_sampling_mask.serving.tracing import ENDPOINT_ENV, SERVICE_NAME
 
 from .generate_client import grpc_generate
 from .otlp_collector import OtlpCollector
-from testbed.server import MODEL_REPOSITORY, ExternalTritonServer
 
 SAMPLER_PHASES = {"sampler.parse", "sampler.sample", "sampler.response"}
 GENERATE_PHASES = {"generate.parse", "generate.queue", "generate.decode", "generate.response"}
