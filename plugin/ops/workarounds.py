@@ -1,5 +1,6 @@
-"""Every defence against a Triton 2.51 limit or a bare host, in one table: where it lives, when it
-runs, what the server offers natively, and its row in docs/upstream-issues.md.
+"""Every defence against a Triton 2.51 limit or a bare host, in one table (workarounds.toml, beside
+this module): where it lives, when it runs, what the server offers natively, and its row in
+docs/upstream-issues.md.
 
 The launcher reads the server's capabilities once (`ops.capabilities`), asks `plan(caps)` which
 defences run, and passes the answers as booleans to the builders (`FrontDoor(stream_gate=...,
@@ -12,10 +13,17 @@ keeps them equal, and prints the table to paste when they differ).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 from .capabilities import ServerCapabilities
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # the 24.10 image line's Python
+    import tomli as tomllib
 
 
 @dataclass(frozen=True)
@@ -41,79 +49,45 @@ class Workaround:
         return self.applies(caps)
 
 
-WORKAROUNDS: tuple[Workaround, ...] = (
-    Workaround(
-        name="stream_gate",
-        title="gRPC stream gate",
-        modules=("triton_sampling_mask.ops.stream_gate",),
-        anchor="grpc-streams-read-without-bound",
-        on_when="always (behind the proxy)",
-        applies=lambda caps: True,
-        native=(
-            "none that covers it: 2.56+ `--grpc-max-response-pool-size` bounds the responses queued per request, "
-            "not the requests a stream has open, and blocks the thread delivering the model's responses when full"
-        ),
-    ),
-    Workaround(
-        name="json_checks",
-        title="JSON checks at the proxy",
-        modules=("triton_sampling_mask.ops.proxy_config",),
-        files=("plugin/ops/haproxy/json_checks.lua",),
-        anchor="json-bodies-checked-at-the-proxy",
-        on_when="always (behind the proxy)",
-        applies=lambda caps: True,
-        native=(
-            "partly: nesting limit (2.58), sizes checked against the body (2.60 to 2.68); still open at 2.73: "
-            "malformed JSON is a 500, integers wrap, NaN is accepted"
-        ),
-    ),
-    Workaround(
-        name="dead_stub_sweeps",
-        title="dead stubs' /dev/shm regions swept",
-        modules=("triton_sampling_mask.ops.shm_cleanup",),
-        anchor="dead-stub-regions-kept",
-        on_when="always (under the supervisor)",
-        applies=lambda caps: True,
-        native="none: a dead stub's instance is never released (python_backend PR #431, open)",
-    ),
-    Workaround(
-        name="private_shm",
-        title="stub regions 0600 (preloaded library)",
-        modules=("triton_sampling_mask.ops.private_shm",),
-        files=("plugin/ops/private_shm.c",),
-        anchor="stub-regions-readable-by-every-user",
-        on_when="bare host, or a container sharing the host's IPC namespace",
-        applies=lambda caps: not (caps.container and caps.private_ipc),
-        native="none: the Python backend creates each region 0644",
-    ),
-    Workaround(
-        name="memory_limit",
-        title="memory limit on tritonserver",
-        modules=("triton_sampling_mask.ops.memory_limit",),
-        anchor="memory-blow-up-reaches-the-host",
-        on_when="bare host, or a container sharing the host's cgroup namespace",
-        applies=lambda caps: not (caps.container and caps.private_cgroup),
-        native="none; in a container, the container's own memory limit",
-    ),
-    Workaround(
-        name="http_max_input_size",
-        title="`--http-max-input-size` raised to the largest request",
-        modules=("triton_sampling_mask.ops.server_process",),
-        anchor="flags-of-newer-lines",
-        on_when="the server lists `--http-max-input-size` (2.59+)",
-        applies=lambda caps: caps.has_flag("--http-max-input-size"),
-        native="the flag itself: its 64 MiB default refuses the largest request the sampler admits",
-    ),
-    Workaround(
-        name="allow_client_shm",
-        title="`--allow-client-shm=true`",
-        modules=("triton_sampling_mask.ops.server_process",),
-        anchor="flags-of-newer-lines",
-        on_when="the server lists `--allow-client-shm` (2.69+)",
-        applies=lambda caps: caps.has_flag("--allow-client-shm"),
-        native="the flag itself: client shared memory is off by default (the admin key still locks it)",
-    ),
-)
+TABLE = Path(__file__).with_name("workarounds.toml")
+# What a row's `applies` may say, as a condition on the server's capabilities.
+CONDITIONS: dict[str, Callable[[ServerCapabilities], bool]] = {
+    "always": lambda caps: True,
+    "host-ipc": lambda caps: not (caps.container and caps.private_ipc),
+    "host-cgroup": lambda caps: not (caps.container and caps.private_cgroup),
+}
+
+
+def condition(text: str) -> Callable[[ServerCapabilities], bool]:
+    """A row's `applies` as a predicate: a name of CONDITIONS, or `flag --name` (the server lists it)."""
+    if text.startswith("flag "):
+        flag = text.removeprefix("flag ").strip()
+        return lambda caps: caps.has_flag(flag)
+    if text not in CONDITIONS:
+        raise ValueError(f"{TABLE.name}: unknown condition {text!r} (known: {', '.join(CONDITIONS)}, flag --name)")
+    return CONDITIONS[text]
+
+
+def read_table(path: Path = TABLE) -> tuple[Workaround, ...]:
+    """The defences of workarounds.toml, in its order."""
+    rows = tomllib.loads(path.read_text())["defence"]
+    return tuple(
+        Workaround(
+            name=row["name"],
+            title=row["title"],
+            modules=tuple(row["modules"]),
+            anchor=row["anchor"],
+            on_when=row["on_when"],
+            applies=condition(row["applies"]),
+            native=row["native"],
+            files=tuple(row.get("files", ())),
+            fixed_in=tuple(int(part) for part in row["fixed_in"].split(".")) if "fixed_in" in row else None,
+        )
+        for row in rows
+    )
+
+
+WORKAROUNDS: tuple[Workaround, ...] = read_table()
 BY_NAME: dict[str, Workaround] = {workaround.name: workaround for workaround in WORKAROUNDS}
 
 
