@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import os
 import platform
-import re
 import statistics
 import time
 from pathlib import Path
 
 import torch
+
+from triton_sampling_mask.model_config import output_width, read_config_file
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MODEL_REPOSITORY = REPO_ROOT / "model_repository"
@@ -18,11 +19,7 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 def mask_width() -> int:
     """W, read from the dims of the `sampling_mask` output in the shipped config.pbtxt."""
-    text = (MODEL_REPOSITORY / "sampler" / "config.pbtxt").read_text()
-    match = re.search(r'name:\s*"sampling_mask"[^}]*dims:\s*\[\s*(\d+)\s*\]', text)
-    if match is None:
-        raise RuntimeError("config.pbtxt declares no fixed dims for output 'sampling_mask'")
-    return int(match.group(1))
+    return output_width(read_config_file(MODEL_REPOSITORY / "sampler" / "config.pbtxt"), "sampling_mask")
 
 
 def synchronize(device: torch.device) -> None:

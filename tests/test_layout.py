@@ -112,15 +112,6 @@ def test_probe_blocks_what_it_names():
     assert done.returncode != 0 and "blocked by the layering test: tritonclient" in done.stderr
 
 
-@pytest.mark.parametrize("old", ["converters", "replay", "sampling_params", "sampler", "launcher", "gpu_repository"])
-def test_the_pre_split_import_paths_are_gone(old):
-    # They were aliases of the subpackages' modules until 0.1.0 (CHANGELOG.md).
-    import importlib
-
-    with pytest.raises(ModuleNotFoundError):
-        importlib.import_module(f"triton_sampling_mask.{old}")
-
-
 def source_modules(trees: dict[str, Path]) -> dict[str, Path]:
     """Module name -> file, for every .py file of `trees` (a package is its __init__.py)."""
     found = {}

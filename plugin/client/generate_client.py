@@ -36,8 +36,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..model_config import output_width, string_parameter
+from ..sampling.inputs import IGNORE_EOS, INPUT_IDS, MAX_NEW_TOKENS, STOP_TOKEN_IDS, STREAM, generate_wire_inputs
 from ..sampling.outputs import BY_NAME, CONTROL_RESULT, FINISH_REASON, SAMPLING_MASK, TOKEN_OUTPUTS, WEIGHT_VERSION
-from ..sampling.params import PARAM_SPECS, SEED, RowParams
+from ..sampling.params import PARAM_SPECS, RowParams
 from ..sampling.refusals import DEFAULT_ROUTE_CAPACITY
 from ..sampling.validation import SPECULATIVE_ALGORITHMS, MaskPolicy, SamplingRequestError
 from .generate_transport import GenerateError, GrpcConnection, HttpConnection, WireRequest
@@ -52,7 +53,6 @@ from .replicas import (
 from .sampler_client import SampleResult
 from .sampling_params import SamplingParams, check_rows_like_server, rows_to_params
 from .weight_updates import SharedTensors, check_pause_mode, on_every_replica
-from .wire import INPUT_DTYPES
 
 __all__ = [
     "AsyncGenerateClient",
@@ -619,22 +619,17 @@ def _versioned(command: dict, weight_version: str | None) -> dict:
 
 def _wire_inputs(prompt, budget: int, rows: RowParams, row: int, stops, ignore_eos: bool, stream: bool) -> dict:
     """One request's inputs as (array [1, ...], Triton datatype); defaults left to the server."""
-    inputs = {
-        "input_ids": (prompt.reshape(1, -1), "INT32"),
-        "max_new_tokens": (np.array([[budget]], np.int32), "INT32"),
-    }
+    values = {INPUT_IDS.name: prompt, MAX_NEW_TOKENS.name: budget}
     if stops.size:
-        inputs["stop_token_ids"] = (stops.reshape(1, -1), "INT32")
+        values[STOP_TOKEN_IDS.name] = stops
     if ignore_eos:
-        inputs["ignore_eos"] = (np.ones((1, 1), np.bool_), "BOOL")
+        values[IGNORE_EOS.name] = True
     if stream:
-        inputs["stream"] = (np.ones((1, 1), np.bool_), "BOOL")
+        values[STREAM.name] = True
     for spec in PARAM_SPECS:
-        if spec is SEED and not rows.has_seed[row]:
-            continue
-        value = getattr(rows, spec.name)[row]
-        inputs[spec.name] = (np.array([[value]], spec.dtype), INPUT_DTYPES[spec.name])
-    return inputs
+        if spec.presence is None or getattr(rows, spec.presence)[row]:
+            values[spec.name] = getattr(rows, spec.name)[row]
+    return generate_wire_inputs(values)
 
 
 class AsyncGenerateStream:

@@ -32,11 +32,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from tritonclient.utils import InferenceServerException, np_to_triton_dtype
+from tritonclient.utils import InferenceServerException
 
 from ..model_config import output_width, string_parameter
+from ..sampling.admin import ADMIN_HEADER, GRPC_RESTRICTED_PREFIX
+from ..sampling.inputs import triton_datatype
 from ..sampling.outputs import SAMPLING_MASK, TOKEN, TOKEN_OUTPUTS, from_wire_values
-from ..sampling.params import LOGITS, MIN_P, RETURN_SAMPLING_MASK, SEED, TEMPERATURE, TOP_K, TOP_P, RowParams
+from ..sampling.params import LOGITS, PARAM_SPECS, SEED, RowParams
 from ..sampling.validation import MaskPolicy, SamplingRequestError
 from .replicas import (
     DEFAULT_EJECT_BACKOFF_S,
@@ -53,11 +55,6 @@ DEFAULT_MODEL = "sampler"
 _PROTOCOLS = ("http", "grpc")
 # Seconds a health probe of an ejected replica may take.
 _PROBE_TIMEOUT_S = 2.0
-# The header the launcher's servers require on the shared-memory and model-repository APIs
-# (tritonserver --http-restricted-api / --grpc-restricted-protocol; ops.server_process.ADMIN_HEADER).
-# Over gRPC Triton expects it with this prefix.
-ADMIN_HEADER = "triton-admin-key"
-GRPC_RESTRICTED_PREFIX = "triton-grpc-protocol-"
 
 
 def admin_headers(protocol: str, admin_key: str | None, header: str = ADMIN_HEADER) -> dict[str, str] | None:
@@ -208,15 +205,13 @@ def _wire_arrays(
     arrays = {
         LOGITS: (np.ascontiguousarray(logits.astype(_logits_numpy_dtype(logits_datatype), copy=False)), logits_datatype)
     }
-    for spec in (TEMPERATURE, TOP_K, TOP_P, MIN_P, RETURN_SAMPLING_MASK):
-        arrays[spec.name] = (
-            getattr(params, spec.name).reshape(rows, 1).astype(spec.dtype),
-            np_to_triton_dtype(np.dtype(spec.dtype)),
-        )
-    if params.has_seed.any():
-        fresh = np.frombuffer(os.urandom(8 * rows), dtype=np.uint64)
-        seed = np.where(params.has_seed, params.seed, fresh).astype(SEED.dtype)
-        arrays[SEED.name] = (seed.reshape(rows, 1), np_to_triton_dtype(np.dtype(SEED.dtype)))
+    for spec in PARAM_SPECS:
+        values = getattr(params, spec.name)
+        if spec is SEED:
+            if not params.has_seed.any():
+                continue
+            values = np.where(params.has_seed, values, np.frombuffer(os.urandom(8 * rows), dtype=np.uint64))
+        arrays[spec.name] = (values.reshape(rows, 1).astype(spec.dtype), triton_datatype(spec.dtype))
     return arrays
 
 

@@ -15,7 +15,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from ..sampling.outputs import ADMIN_KEY_PARAMETER, CONTROL_INPUT
+from ..sampling.admin import ADMIN_KEY_PARAMETER
+from ..sampling.inputs import CONTROL_INPUT
 from .generate_transport import GenerateError, WireRequest
 
 # The server's names (serving.weight_control, generation.engine); tests/test_weight_control.py
