@@ -29,7 +29,6 @@ import asyncio
 import concurrent.futures
 import inspect
 import itertools
-import threading
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -42,6 +41,7 @@ from ..sampling.params import PARAM_SPECS, RowParams
 from ..sampling.refusals import DEFAULT_ROUTE_CAPACITY
 from ..sampling.validation import SPECULATIVE_ALGORITHMS, MaskPolicy, SamplingRequestError
 from .generate_transport import GenerateError, GrpcConnection, HttpConnection, WireRequest
+from .loop_thread import LoopThread
 from .replicas import (
     DEFAULT_EJECT_BACKOFF_S,
     DEFAULT_MAX_EJECT_BACKOFF_S,
@@ -664,18 +664,9 @@ class GenerateClient:
 
     def __init__(self, url: str | Sequence[str], protocol: str = "grpc", model_name: str = DEFAULT_MODEL, **kwargs):
         self._client = AsyncGenerateClient(url, protocol, model_name, **kwargs)
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="generate-client", daemon=True)
-        self._thread.start()
+        self._loop = LoopThread("generate-client")
+        self._run = self._loop.run  # an interrupted wait cancels the call and its requests
         self.protocol, self.model_name, self.urls = protocol, model_name, self._client.urls
-
-    def _run(self, coroutine):
-        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
-        try:
-            return future.result()
-        except BaseException:
-            future.cancel()  # e.g. KeyboardInterrupt: the call and its requests are cancelled
-            raise
 
     def server_limits(self) -> GenerateLimits:
         """The deployment's mask rules, read once from the model config."""
@@ -688,7 +679,7 @@ class GenerateClient:
     def submit(self, prompts: Sequence, *args, **kwargs) -> concurrent.futures.Future:
         """`generate` without waiting: a Future of its results; `Future.cancel()` cancels the
         call's requests on the server."""
-        return asyncio.run_coroutine_threadsafe(self._client.generate(prompts, *args, **kwargs), self._loop)
+        return self._loop.submit(self._client.generate(prompts, *args, **kwargs))
 
     def stream(self, prompts: Sequence, *args, **kwargs) -> GenerateStream:
         """As AsyncGenerateClient.stream: an iterator of chunks; use it as `with` (leaving it
@@ -744,13 +735,7 @@ class GenerateClient:
 
     def close(self) -> None:
         """Cancel the calls in progress, close every connection and stop the loop's thread."""
-        if not self._loop.is_closed():
-            try:
-                self._run(self._client.close())
-            finally:
-                self._loop.call_soon_threadsafe(self._loop.stop)
-                self._thread.join()
-                self._loop.close()
+        self._loop.close(self._client.close())
 
     def __enter__(self) -> GenerateClient:
         return self

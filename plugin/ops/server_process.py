@@ -304,7 +304,7 @@ class TritonServer(LoopbackUrls):
     """A tritonserver child process on free ports, for tests and benchmarks (a context manager).
 
     With `admin_key` the shared-memory and model-repository APIs need that key (`admin_args`);
-    None leaves them open, as before. The stubs' /dev/shm regions carry this server's own prefix
+    None leaves them open. The stubs' /dev/shm regions carry this server's own prefix
     and `stop` removes the ones left behind."""
 
     def __init__(
