@@ -41,14 +41,13 @@ from ..sampling.params import PARAM_SPECS, RowParams
 from ..sampling.refusals import DEFAULT_ROUTE_CAPACITY
 from ..sampling.validation import SPECULATIVE_ALGORITHMS, MaskPolicy, SamplingRequestError
 from .generate_transport import GenerateError, GrpcConnection, HttpConnection, WireRequest
-from .loop_thread import LoopThread
+from .loop_thread import LoopClient, LoopThread
 from .replicas import (
     DEFAULT_EJECT_BACKOFF_S,
     DEFAULT_MAX_EJECT_BACKOFF_S,
     BusyPolicy,
     ReplicatedClient,
     split_urls,
-    start_probe_tasks,
 )
 from .sampler_client import SampleResult
 from .sampling_params import SamplingParams, check_rows_like_server, rows_to_params
@@ -298,9 +297,8 @@ class AsyncGenerateClient(ReplicatedClient):
         self._limits: GenerateLimits | None = None
         self._channel_options = tuple(channel_options)
         self._admin_key = admin_key
-        self._init_replicas(urls, self._connect, True, max_attempts, eject_backoff_s, max_eject_backoff_s, busy_policy)
+        self._init_replicas(urls, self._connect, max_attempts, eject_backoff_s, max_eject_backoff_s, busy_policy)
         self._in_flight = asyncio.Semaphore(self.max_in_flight)
-        self._calls: set = set()  # tasks of calls in progress (cancelled by close)
 
     def _connect(self, url: str):
         if self.protocol == "grpc":
@@ -453,13 +451,6 @@ class AsyncGenerateClient(ReplicatedClient):
     def _server_error(exc: BaseException) -> GenerateError | None:
         return exc if isinstance(exc, GenerateError) else None
 
-    async def _on_a_replica(self, work):
-        """`await work(connection)` on a chosen replica, retried on another when the replica fails."""
-        return await self._attempts().acall(work)
-
-    def _start_probes(self) -> None:
-        start_probe_tasks(self._replicas, self._probe, self._probes)
-
     async def _probe(self, replica) -> None:
         """Whether the replica's server and model are ready, on a short-lived connection."""
         connection = self._connect(replica.url)
@@ -590,20 +581,6 @@ class AsyncGenerateClient(ReplicatedClient):
         answers = await self._control({"op": "get_weight_version"}, None)
         return {url: answer["weight_version"] for url, answer in answers.items()}
 
-    async def close(self) -> None:
-        """Cancel the calls in progress (and their requests on the server), then close every connection."""
-        for task in list(self._calls):
-            task.cancel()
-        await asyncio.gather(*self._calls, *self._probes, return_exceptions=True)
-        for connection in self._replicas.all_clients():
-            await connection.close()
-
-    async def __aenter__(self) -> AsyncGenerateClient:
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.close()
-
 
 # stream takes generate's arguments, but return_exceptions: one signature for both (shown by help()).
 _STREAM_SIGNATURE = inspect.signature(AsyncGenerateClient.generate).replace(return_annotation="AsyncGenerateStream")
@@ -655,7 +632,7 @@ class AsyncGenerateStream:
         await self.aclose()
 
 
-class GenerateClient:
+class GenerateClient(LoopClient):
     """Synchronous client for the generate model: an AsyncGenerateClient run on an event loop of
     its own (a daemon thread), safe to call from several threads.
     """
@@ -685,15 +662,6 @@ class GenerateClient:
         """As AsyncGenerateClient.stream: an iterator of chunks; use it as `with` (leaving it
         early cancels the requests still running)."""
         return GenerateStream(self, self._client.stream(prompts, *args, **kwargs))
-
-    @property
-    def busy_refusals(self) -> int:
-        """Refusals that said the server was busy so far (each retried after a backoff)."""
-        return self._client.busy_refusals
-
-    def replica_shares(self) -> dict[str, int]:
-        """Requests each replica answered so far, by URL."""
-        return self._client.replica_shares()
 
     def update_weights_from_disk(self, model_path: str, **kwargs) -> dict[str, dict]:
         """As AsyncGenerateClient.update_weights_from_disk, waited for."""
@@ -728,20 +696,6 @@ class GenerateClient:
     def get_weight_version(self) -> dict[str, str]:
         """Each replica's weight version, by URL."""
         return self._run(self._client.get_weight_version())
-
-    def healthy_replicas(self) -> list[str]:
-        """The URLs of the replicas not ejected right now."""
-        return self._client.healthy_replicas()
-
-    def close(self) -> None:
-        """Cancel the calls in progress, close every connection and stop the loop's thread."""
-        self._loop.close(self._client.close())
-
-    def __enter__(self) -> GenerateClient:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 class GenerateStream:

@@ -9,6 +9,8 @@ import asyncio
 import concurrent.futures
 import threading
 
+from .replicas import ReplicaAccounts, ReplicatedClient
+
 
 class LoopThread:
     """An event loop running on a daemon thread; coroutines are handed to it from any thread."""
@@ -44,3 +46,25 @@ class LoopThread:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join()
             self._loop.close()
+
+
+class LoopClient(ReplicaAccounts):
+    """A synchronous client over its asyncio twin `_client`, run on `_loop`: the twin's replica
+    accounts, and closing both (a context manager)."""
+
+    _client: ReplicatedClient
+    _loop: LoopThread
+
+    def _replicated(self) -> ReplicatedClient:
+        return self._client
+
+    def close(self) -> None:
+        """Close the asyncio client (its calls in progress cancelled, its connections closed),
+        then stop the loop's thread."""
+        self._loop.close(self._client.close())
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -39,13 +39,12 @@ from ..sampling.inputs import triton_datatype
 from ..sampling.outputs import SAMPLING_MASK, TOKEN, TOKEN_OUTPUTS, from_wire_values
 from ..sampling.params import LOGITS, PARAM_SPECS, SEED, RowParams
 from ..sampling.validation import MaskPolicy, SamplingRequestError
-from .loop_thread import LoopThread
+from .loop_thread import LoopClient, LoopThread
 from .replicas import (
     DEFAULT_EJECT_BACKOFF_S,
     DEFAULT_MAX_EJECT_BACKOFF_S,
     BusyPolicy,
     ReplicatedClient,
-    start_probe_tasks,
 )
 from .sampling_params import SamplingParams, check_rows_like_server, rows_to_params
 
@@ -368,7 +367,7 @@ class AsyncSamplerClient(ReplicatedClient):
         self._client_kwargs = kwargs
         make_client = lambda u: self._module.InferenceServerClient(u, **kwargs)  # noqa: E731
         busy_policy = BusyPolicy(timeout_s=busy_timeout_s)
-        self._init_replicas(url, make_client, True, max_attempts, eject_backoff_s, max_eject_backoff_s, busy_policy)
+        self._init_replicas(url, make_client, max_attempts, eject_backoff_s, max_eject_backoff_s, busy_policy)
 
     def _server_error(self, exc: BaseException) -> SamplerError | None:
         """A server or transport failure as SamplerError; None for anything else (raised as it is)."""
@@ -473,13 +472,6 @@ class AsyncSamplerClient(ReplicatedClient):
                         break
                     await asyncio.sleep(0.01)
 
-    async def _on_a_replica(self, work, served: bool = False):
-        """`await work(tritonclient)` on a chosen replica, retried on another when the replica fails."""
-        return await self._attempts().acall(work, served)
-
-    def _start_probes(self) -> None:
-        start_probe_tasks(self._replicas, self._probe, self._probes)
-
     async def _probe(self, replica) -> None:
         """Whether the replica's server and model are ready, on a short-lived tritonclient."""
         ready = False
@@ -495,21 +487,8 @@ class AsyncSamplerClient(ReplicatedClient):
             ready = False
         self._replicas.probed(replica, ready)
 
-    async def close(self) -> None:
-        """Close every tritonclient, after the health probes in flight (each bounded by its timeout)."""
-        if self._probes:
-            await asyncio.gather(*list(self._probes), return_exceptions=True)
-        for client in self._replicas.all_clients():
-            await client.close()
 
-    async def __aenter__(self) -> AsyncSamplerClient:
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.close()
-
-
-class SamplerClient:
+class SamplerClient(LoopClient):
     """Synchronous client for the sampler model: an AsyncSamplerClient (same arguments) run on an
     event loop of its own (a daemon thread), safe to share between threads.
 
@@ -548,26 +527,3 @@ class SamplerClient:
     ) -> SampleResult:
         """As AsyncSamplerClient.sample, waited for."""
         return self._loop.run(self._client.sample(logits, params, use_shared_memory=use_shared_memory))
-
-    @property
-    def busy_refusals(self) -> int:
-        """Refusals that said the server was busy so far (each retried after a backoff)."""
-        return self._client.busy_refusals
-
-    def replica_shares(self) -> dict[str, int]:
-        """Requests each replica answered so far, by URL (each chunk of a split request counts)."""
-        return self._client.replica_shares()
-
-    def healthy_replicas(self) -> list[str]:
-        """The URLs of the replicas not ejected right now."""
-        return self._client.healthy_replicas()
-
-    def close(self) -> None:
-        """Close every tritonclient (after the health probes in flight) and stop the loop's thread."""
-        self._loop.close(self._client.close())
-
-    def __enter__(self) -> SamplerClient:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
