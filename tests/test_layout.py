@@ -22,7 +22,7 @@ TREES = {
     "client_tests": REPO_ROOT / "client_tests",
 }
 # The package's layers, lowest first (plugin/__init__.py): each may import only those before it.
-# model_config is shared by client and serving.
+# model_config is shared by client, serving and ops (torch-free).
 LAYERS = ("sampling", "generation", "model_config", "client", "api", "serving", "ops")
 # ops runs the server and talks to it over HTTP only: none of the client's code.
 NEVER = {("ops", "client")}
