@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m pip install --quiet --upgrade pip
 	# torch==2.13.0 pins the CPU wheel kept on these machines; elsewhere any torch>=2.4 will do.
 	$(PYTHON) -m pip install --quiet torch==2.13.0 || $(PYTHON) -m pip install --quiet 'torch>=2.4'
-	$(PYTHON) -m pip install --quiet -e '.[server,client,proxy,test,lint,generate,api]'
+	$(PYTHON) -m pip install --quiet -e '.[server,client,proxy,test,lint,generate,api,tracing]'
 	# checkov (the Helm chart's static analysis) in a venv of its own: its pins would downgrade ours.
 	test -x $(VENV)/checkov/bin/checkov || { $(SYSTEM_PYTHON) -m venv $(VENV)/checkov && $(VENV)/checkov/bin/pip install --quiet checkov==3.3.30; }
 	# jemalloc for tritonserver (plugin/ops/allocator.py); glibc's malloc is the fallback where it can't be installed.
@@ -27,6 +27,8 @@ $(VENV)/.installed: pyproject.toml
 	  { apt-get update -qq >/dev/null && apt-get install -y -qq libjemalloc2 >/dev/null; } ; } || \
 	  echo "note: libjemalloc2 not installed; tritonserver runs with glibc malloc"
 	@$(INSTALL_HAPROXY) || echo "note: haproxy not installed; the front-door tests skip and make serve needs SERVE_ARGS=--no-proxy"
+	# the HAProxy of each image line (2.4, 2.8), unpacked under .venv for tests/test_haproxy_lines.py, never installed
+	@$(PYTHON) scripts/haproxy_lines.py || echo "note: the image lines' HAProxy could not be fetched; their config checks skip"
 	touch $@
 
 # tritonserver under the supervisor (restarts, model watchdog, :8003/ready, admin APIs locked) behind
@@ -61,7 +63,7 @@ STRESS_ARGS ?= --clients 128 --rows 16 --vocab 151936 --rounds 3 --duration 30
 stress: setup
 	$(PYTHON) -m bench.load.stress --model-repository $(MODEL_REPOSITORY) $(STRESS_ARGS)
 
-# Each attack of bench/hostile.py against a fresh `make serve` stack (in a memory cgroup where one can be
+# Each attack of testbed/hostile.py against a fresh `make serve` stack (in a memory cgroup where one can be
 # made): outcome, what was measured, time until it answered again; exit 1 if one got through.
 HOSTILE_ARGS ?=
 hostile: setup
@@ -83,8 +85,9 @@ SOAK_ARGS ?= --clients 32 --duration 60
 soak: setup
 	$(PYTHON) -m bench.load.soak --model-repository $(MODEL_REPOSITORY) $(SOAK_ARGS)
 
-# Kernel + served benchmark (not part of the tests): table on stdout, bench/results/latest.json and
-# ratios.png. matplotlib comes from the `bench` extra, installed here only, not by `make setup`.
+# Kernel + served benchmark, the front door's and the HTTP API's cost (bench/api_cost.py); not part of
+# the tests: table on stdout, bench/results/latest.json, ratios.png and the figures of bench/plots.py.
+# matplotlib comes from the `bench` extra, installed here only.
 # perf_analyzer 2.51 (Triton's C++ load generator) drives the served points: its binary ships in the
 # tritonclient==2.51.0 wheel (the server's line; later wheels dropped it), installed without its Python
 # dependencies into a venv of its own so the project's newer tritonclient (BF16 via ml_dtypes) stays;

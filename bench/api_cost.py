@@ -2,22 +2,26 @@
 `/v1/completions` (the official `openai` SDK) beside the same generations through the gRPC
 client (`AsyncGenerateClient`), at 1 and 32 concurrent streams.
 
-    .venv/bin/python -m bench.api_cost [--streams 1 32] [--requests-per-stream 4] [--max-tokens 64]
+    .venv/bin/python -m bench.api_cost [--quick] [--rounds N] [--output PATH]
 
 Starts one tritonserver holding the shipped `generate` model and one API process in front of it
-on free ports. Each of `streams` closed-loop clients sends `requests-per-stream` streamed
-requests (token-id prompts, max_tokens each, EOS ignored, masks on with top_k 20, seeded), one
-request per call as the API makes them; the two paths alternate per round so the machine's load
-falls on both. Target: the API costs at most 10% of the gRPC client's tokens/s at 32 streams.
-Clients, API and server share the machine's CPUs: report figures with the load they ran under.
+on free ports. Each of `streams` closed-loop clients sends `requests` streamed requests (token-id
+prompts, max_tokens each, EOS ignored, masks on with top_k 20, seeded), one request per call as
+the API makes them; per stream count, rounds alternate gRPC / HTTP, the first side alternating
+too, so the machine's load falls on both alike. Reported per path: tokens/s and TTFT p50 over all
+rounds, the median over rounds of the API's cost (1 - HTTP tokens/s / gRPC tokens/s), and the API
+process's CPU time per streamed token (/proc: what the API spends, whatever else runs). Target:
+the API costs at most 10% of the gRPC client's tokens/s at 32 streams. Clients, API and server
+share the machine's CPUs: report figures with the load they ran under. `make bench` runs it
+(`--quick` with `--tiny`).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import shutil
+import json
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -26,13 +30,36 @@ import numpy as np
 import openai
 
 from bench.load.generate import build_repository
-from client_tests.api_server import ApiProcess
+from testbed.api_server import ApiProcess
 from triton_sampling_mask.client import AsyncGenerateClient
 from triton_sampling_mask.client.sampling_params import SamplingParams
 from triton_sampling_mask.ops.server_process import TritonServer
 
+from . import report
+from .common import machine_facts
+
 TOP_K = 20
 TARGET_COST = 0.10
+TARGET_STREAMS = 32
+TARGETS = {"api_tokens": "32 streams through /v1/completions: tokens/s at least 0.90x the gRPC client's (cost <= 10%)"}
+SIZES = {
+    "full": {"streams": (1, TARGET_STREAMS), "requests": 2, "max_tokens": 32, "rounds": 4},
+    "quick": {"streams": (1, 4), "requests": 1, "max_tokens": 4, "rounds": 1},
+}
+PATHS = {"grpc": "gRPC client", "http": "/v1/completions"}
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds a process's threads have run, to the nanosecond (/proc/PID/task/*/schedstat:
+    /proc/PID/stat counts 10 ms ticks, too coarse for a short round). Threads that ended are not
+    counted; the API's (the event loop, gRPC's poller) live as long as it does."""
+    total = 0
+    for schedstat in Path(f"/proc/{pid}/task").glob("*/schedstat"):
+        try:
+            total += int(schedstat.read_text().split()[0])
+        except (OSError, IndexError, ValueError):
+            continue
+    return total / 1e9
 
 
 def prompt(stream: int, k: int) -> list[int]:
@@ -77,60 +104,132 @@ async def closed_loop(request, client, streams: int, per_stream: int, max_tokens
 
     start = time.perf_counter()
     await asyncio.gather(*(one_client(c) for c in range(streams)))
-    seconds = time.perf_counter() - start
-    return {"tokens_per_s": sum(counts) / seconds, "ttft_p50_ms": 1000 * float(np.median(ttfts)), "tokens": sum(counts)}
+    return {"seconds": time.perf_counter() - start, "ttft_s": ttfts, "tokens": sum(counts)}
 
 
-async def measure(grpc_url: str, api_url: str, args) -> dict:
-    results = {}
+def _pooled(rounds: list[dict]) -> dict:
+    ttft = [t for r in rounds for t in r["ttft_s"]]
+    return {
+        "tokens_per_s": sum(r["tokens"] for r in rounds) / sum(r["seconds"] for r in rounds),
+        "ttft_p50_ms": 1000 * float(np.percentile(ttft, 50)),
+        "tokens": sum(r["tokens"] for r in rounds),
+    }
+
+
+async def measure_async(grpc_url: str, api: ApiProcess, size: dict, progress=print) -> dict:
+    """Per stream count: both paths' pooled figures, the median per-round cost, the API's CPU per token."""
+    points = {}
     async with (
         AsyncGenerateClient(grpc_url) as grpc_client,
-        openai.AsyncOpenAI(base_url=f"{api_url}/v1", api_key="unused", max_retries=0) as http_client,
+        openai.AsyncOpenAI(base_url=f"{api.url}/v1", api_key="unused", max_retries=0) as http_client,
     ):
-        await closed_loop(grpc_request, grpc_client, 2, 1, 8)  # warm-up
-        await closed_loop(http_request, http_client, 2, 1, 8)
-        for streams in args.streams:
-            runs = {"grpc": [], "http": []}
-            for _ in range(args.rounds):
-                runs["grpc"].append(
-                    await closed_loop(grpc_request, grpc_client, streams, args.requests_per_stream, args.max_tokens)
-                )
-                runs["http"].append(
-                    await closed_loop(http_request, http_client, streams, args.requests_per_stream, args.max_tokens)
-                )
-            results[streams] = {
-                path: {key: float(np.median([r[key] for r in rounds])) for key in rounds[0]}
-                for path, rounds in runs.items()
+        sides = {"grpc": (grpc_request, grpc_client), "http": (http_request, http_client)}
+        for request, client in sides.values():  # warm-up: connections, the model config, the engine
+            await closed_loop(request, client, 2, 1, 8)
+        for streams in size["streams"]:
+            rounds = {side: [] for side in sides}
+            api_cpu_s = 0.0
+            for number in range(size["rounds"]):
+                for side in list(sides) if number % 2 == 0 else list(sides)[::-1]:
+                    request, client = sides[side]
+                    before = cpu_seconds(api.process.pid)
+                    result = await closed_loop(request, client, streams, size["requests"], size["max_tokens"])
+                    if side == "http":
+                        api_cpu_s += cpu_seconds(api.process.pid) - before
+                    rounds[side].append(result)
+                    progress(
+                        f"  {streams:>3} streams, round {number} {PATHS[side]:<16}: "
+                        f"{result['tokens'] / result['seconds']:7.1f} tokens/s"
+                    )
+            http_tokens = sum(r["tokens"] for r in rounds["http"])
+            points[str(streams)] = {
+                **{side: _pooled(rounds[side]) for side in sides},
+                "cost": statistics.median(
+                    1 - (h["tokens"] / h["seconds"]) / (g["tokens"] / g["seconds"])
+                    for g, h in zip(rounds["grpc"], rounds["http"])
+                ),
+                "api_cpu_us_per_token": 1e6 * api_cpu_s / http_tokens,
             }
-    return results
+    return points
 
 
-def main() -> None:
+def verdicts(cost: dict) -> dict:
+    """The target on the median per-round cost at the largest stream count measured."""
+    streams = max(cost["points"], key=int)
+    return {
+        "api_tokens": {
+            "target": TARGETS["api_tokens"],
+            "case": f"{streams} streams x {cost['requests_per_stream']} requests of {cost['max_tokens']} tokens, "
+            f"{cost['rounds']} round pairs",
+            "value": cost["points"][streams]["cost"],
+            "threshold": TARGET_COST,
+            "met": cost["points"][streams]["cost"] <= TARGET_COST and int(streams) == TARGET_STREAMS,
+        }
+    }
+
+
+def table(cost: dict) -> str:
+    """The markdown table of one run (bench/results/api_cost.md)."""
+    lines = [
+        "| streams | gRPC client tokens/s | `/v1/completions` tokens/s | API cost (median of rounds) "
+        "| TTFT p50 gRPC / HTTP | API CPU per token |",
+        "|---|---|---|---|---|---|",
+    ]
+    for streams, p in cost["points"].items():
+        lines.append(
+            f"| {streams} | {p['grpc']['tokens_per_s']:,.1f} | {p['http']['tokens_per_s']:,.1f} | "
+            f"{100 * p['cost']:.1f}% | {p['grpc']['ttft_p50_ms']:.1f} / {p['http']['ttft_p50_ms']:.1f} ms | "
+            f"{p['api_cpu_us_per_token']:.0f} µs |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def run(quick: bool, progress=print, rounds: int | None = None) -> dict:
+    """A fresh tritonserver holding only `generate` and one API process in front of it; the
+    measurement (`rounds` round pairs per stream count, default by size)."""
+    size = dict(SIZES["quick" if quick else "full"])
+    size["rounds"] = rounds or size["rounds"]
+    with tempfile.TemporaryDirectory(prefix="bench-api-") as tmp:
+        with (
+            TritonServer(build_repository(Path(tmp) / "model_repository")) as server,
+            ApiProcess(server.grpc_url) as api,
+        ):
+            progress(f"API cost: {size['streams']} streams, tritonserver {server.grpc_url}, API {api.url}")
+            points = asyncio.run(measure_async(server.grpc_url, api, size, progress))
+    cost = {
+        "streams": list(size["streams"]),
+        "requests_per_stream": size["requests"],
+        "max_tokens": size["max_tokens"],
+        "rounds": size["rounds"],
+        "points": points,
+    }
+    for streams, p in points.items():
+        progress(
+            f"  {streams:>3} streams: gRPC {p['grpc']['tokens_per_s']:.1f} tokens/s, HTTP {p['http']['tokens_per_s']:.1f}"
+            f" tokens/s; API cost {100 * p['cost']:.1f}% (median of rounds); TTFT p50 "
+            f"{p['grpc']['ttft_p50_ms']:.1f} / {p['http']['ttft_p50_ms']:.1f} ms; API CPU "
+            f"{p['api_cpu_us_per_token']:.0f} us/token"
+        )
+    return cost
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """This table alone."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--streams", type=int, nargs="+", default=[1, 32])
-    parser.add_argument("--requests-per-stream", type=int, default=4)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=3)
-    args = parser.parse_args()
-    workdir = Path(tempfile.mkdtemp())
-    try:
-        with TritonServer(build_repository(workdir / "model_repository")) as server, ApiProcess(server.grpc_url) as api:
-            print(f"load average before: {os.getloadavg()} ({os.cpu_count()} CPUs, shared by clients, API and server)")
-            results = asyncio.run(measure(server.grpc_url, api.url, args))
-            print(f"{'streams':>7} {'path':<18} {'tokens/s':>9} {'TTFT p50 ms':>12}")
-            for streams, paths in results.items():
-                for path, label in (("grpc", "gRPC client"), ("http", "/v1/completions")):
-                    row = paths[path]
-                    print(f"{streams:>7} {label:<18} {row['tokens_per_s']:>9.1f} {row['ttft_p50_ms']:>12.1f}")
-                cost = 1 - paths["http"]["tokens_per_s"] / paths["grpc"]["tokens_per_s"]
-                verdict = "met" if cost <= TARGET_COST or streams != 32 else "missed"
-                print(
-                    f"{streams:>7} HTTP API cost: {100 * cost:.1f}% of tokens/s"
-                    + (f" ({verdict})" if streams == 32 else "")
-                )
-            print(f"load average after: {os.getloadavg()}")
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+    parser.add_argument("--quick", action="store_true", help="1 and 4 streams, one short round: checks that it runs")
+    parser.add_argument("--rounds", type=int, default=None, help="round pairs per stream count (default 4)")
+    parser.add_argument("--output", type=Path, default=None, help="write the JSON here")
+    args = parser.parse_args(argv)
+    load_before = machine_facts()["load_average_1m"]
+    cost = run(args.quick, rounds=args.rounds)
+    cost["targets"] = verdicts(cost)
+    cost["load_average_1m"] = [load_before, machine_facts()["load_average_1m"]]
+    print(f"load average (1 min) before / after: {cost['load_average_1m']}\n")
+    print(table(cost))
+    report.print_verdicts(cost["targets"])
+    if args.output:
+        args.output.write_text(json.dumps(cost, indent=2) + "\n")
+    return cost
 
 
 if __name__ == "__main__":

@@ -10,10 +10,9 @@ from pathlib import Path
 
 import torch
 
+from testbed.server import MODEL_REPOSITORY, REPO_ROOT  # noqa: F401 (the benchmarks' paths, from here)
 from triton_sampling_mask.model_config import output_width, read_config_file
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
@@ -66,7 +65,7 @@ def paired_median_ratio(numerator: list[float], denominator: list[float]) -> flo
 def machine_facts() -> dict:
     """Where the numbers came from: CPU model, cores, torch threads and versions, current load."""
     cpu = platform.processor() or platform.machine()
-    try:
+    try:  # psutil names no CPU model: /proc/cpuinfo does
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
                 cpu = line.split(":", 1)[1].strip()

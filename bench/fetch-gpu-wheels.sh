@@ -30,7 +30,7 @@ abi="cp${line_python/./}"
 # Each entry: group|what needs it|wheels.
 groups=(
     "pytest|anything at all: pytest, pytest-timeout (pyproject sets a timeout), hypothesis|pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 packaging==26.4 pygments==2.21.0 pytest-timeout==2.4.0 hypothesis==6.170.17 sortedcontainers==2.4.0"
-    "tritonclient|the client package (client_tests.server, test_sampling_params) and tests/test_gpu_path.py|tritonclient==2.73.0 ml-dtypes==0.5.4 python-rapidjson==1.25 urllib3==2.8.0 grpcio==1.85.3 protobuf==6.33.6"
+    "tritonclient|the client package (testbed.server, test_sampling_params) and tests/test_gpu_path.py|tritonclient==2.73.0 ml-dtypes==0.5.4 python-rapidjson==1.25 urllib3==2.8.0 grpcio==1.85.3 protobuf==6.33.6"
     "scipy|tests/test_sampler.py (the chi-square test of the draws; the module imports scipy.stats)|scipy==1.17.1"
     "transformers|tests/test_generation.py (the generate model's LM, transformers as in the $line image)|transformers==$transformers huggingface-hub==2.4.0 tokenizers==0.23.3 safetensors==0.8.0 regex==2026.11.19 pyyaml==6.0.4 tqdm==4.70.1 typer==0.29.2 click==8.5.1 shellingham==1.5.4 rich==15.0.0 markdown-it-py==4.3.0 mdurl==0.1.2 annotated-doc==0.0.7 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0 httpx2==2.16.2 httpcore2==2.16.2 anyio==4.16.0 h11==0.16.0 idna==3.20 truststore==0.10.5"
 )

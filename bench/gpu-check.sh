@@ -206,7 +206,7 @@ import re
 
 import pytest
 
-PROJECT = {"tests", "client_tests", "bench", "triton_sampling_mask"}
+PROJECT = {"tests", "client_tests", "bench", "testbed", "triton_sampling_mask"}
 
 
 def skip(report, nodeid, path, name):
@@ -325,7 +325,7 @@ import sys
 import urllib.request
 from pathlib import Path
 
-from client_tests.server import build_external_repository
+from testbed.server import build_external_repository
 from triton_sampling_mask.ops.server_process import TritonServer
 
 out, device, work, *client_args = sys.argv[1:]

@@ -14,7 +14,6 @@ HAProxy (the proxy of `make serve`, with its settings), timed in interleaved rou
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import tempfile
@@ -26,13 +25,14 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
 
+from testbed.fronted import FrontedTritonServer
 from triton_sampling_mask.client import unregister_shared_memory
 from triton_sampling_mask.client.wire import sampler_inputs
-from triton_sampling_mask.ops.proxy import FrontedTritonServer
+from triton_sampling_mask.sampling.admin import GRPC_ADMIN_HEADER
 
 from . import perf_analyzer as pa_module
 from . import report
-from .common import interleaved_medians, machine_facts, paired_median_ratio
+from .common import interleaved_medians, paired_median_ratio
 from .served_call import CALL_PARAMS, call_params, explicit_models
 
 FULL = {"call": (64, 151936), "step": (1, 151936)}
@@ -83,8 +83,8 @@ def measure(server: FrontedTritonServer, tiny: bool, progress=print) -> dict:
     call_logits = (rng.standard_normal(shapes["call"]) * 3).astype(np.float32)
     step_logits = (rng.standard_normal(shapes["step"]) * 3).astype(np.float32)
     direct, proxied = server.server, server
-    internal = {"triton-grpc-protocol-triton-admin-key": server.front_door.internal_key}
-    public = {"triton-grpc-protocol-triton-admin-key": ADMIN_KEY}
+    internal = {GRPC_ADMIN_HEADER: server.front_door.internal_key}
+    public = {GRPC_ADMIN_HEADER: ADMIN_KEY}
     callers = {
         "call_grpc_direct": Caller("grpc", direct.grpc_url, call_logits),
         "call_grpc_proxy": Caller("grpc", proxied.grpc_url, call_logits),
@@ -167,12 +167,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     torch.set_num_threads(2)
     cost = run(args.tiny)
-    cost["targets"] = verdicts(cost)
-    cost["load_average_1m"] = machine_facts()["load_average_1m"]
-    report.print_verdicts(cost["targets"])
-    if args.output:
-        args.output.write_text(json.dumps(cost, indent=2) + "\n")
-    return cost
+    return report.publish(cost, verdicts(cost), args.output)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,11 @@
-"""Turn benchmark results into the target verdicts, a terminal table, JSON and a PNG plot."""
+"""Turn benchmark results into the target verdicts, a terminal table, JSON and PNG plots (bench/plots.py)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+from . import plots
 from .common import paired_median_ratio
 
 TARGETS = {
@@ -273,6 +274,18 @@ def print_tables(results: dict) -> None:
     print_verdicts(results["targets"])
 
 
+def publish(cost: dict, targets: dict, output: Path | None) -> dict:
+    """A one-table benchmark's end: `cost` with its `targets` (verdicts) and the load average,
+    the verdicts printed, the JSON written to `output` when given; returns `cost`."""
+    from .common import machine_facts
+
+    cost.update(targets=targets, load_average_1m=machine_facts()["load_average_1m"])
+    print_verdicts(targets)
+    if output:
+        output.write_text(json.dumps(cost, indent=2) + "\n")
+    return cost
+
+
 def print_verdicts(targets: dict) -> None:
     """One line per target: met or missed, the value (with its best-of-rounds and paired median
     where measured), the threshold, and the case it was read at."""
@@ -462,8 +475,10 @@ def write_json(results: dict, path: Path) -> None:
     partial.replace(path)
 
 
-def plot(results: dict, path: Path) -> None:
-    """Bars of the three kernel ratios per case and the served/in-process fraction, with targets."""
+def plot(results: dict, path: Path) -> list[Path]:
+    """Bars of the three kernel ratios per case and the served/in-process fraction, with targets, at
+    `path`; beside it bench/plots.py's figures (named with the same prefix: `gpu_` for gpu_ratios.png),
+    speculative decoding's from a `speculative.json` in that folder. The files written."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -534,6 +549,16 @@ def plot(results: dict, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    speculative_path = path.parent / "speculative.json"
+    speculative = json.loads(speculative_path.read_text()) if speculative_path.exists() else None
+    return [path, *plots.render(results, path.parent, path.stem.removesuffix("ratios"), speculative)]
+
+
+def _markdown_table(title: str, header: list[str], rows: list[list[str]]) -> list[str]:
+    """A titled markdown table's lines, a blank line before the title and before the table."""
+    return ["", title, "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + [
+        "| " + " | ".join(cells) + " |" for cells in rows
+    ]
 
 
 def markdown_summary(results: dict) -> str:
@@ -579,17 +604,14 @@ def markdown_summary(results: dict) -> str:
             lines.append(f"| {c['rows']} | {c['vocab']} | {c['top_k']} | {c['logits']} | {times} | {ratios} |")
     top_p = results.get("top_p")
     if top_p:
-        lines += [
-            "",
-            _top_p_title(top_p) + ".",
-            "",
-            "| function | median ms | best ms | median / ours | best / ours |",
-            "|---|---|---|---|---|",
-        ]
+        rows = []
         for name, ms in top_p["ms"].items():
             over = "1" if name == "ours" else f"{top_p['over_ours'][name]:.2f}"
             best = "1" if name == "ours" else f"{top_p['over_ours_best_of'][name]:.2f}"
-            lines.append(f"| {name} | {ms:.2f} | {top_p['min_ms'][name]:.2f} | {over} | {best} |")
+            rows.append([name, f"{ms:.2f}", f"{top_p['min_ms'][name]:.2f}", over, best])
+        lines += _markdown_table(
+            _top_p_title(top_p) + ".", ["function", "median ms", "best ms", "median / ours", "best / ours"], rows
+        )
     served = results.get("served")
     if served:
         lines += [
@@ -610,19 +632,10 @@ def markdown_summary(results: dict) -> str:
             )
     call = results.get("served_call")
     if call:
-        lines += [
-            "",
-            _call_title(call) + ".",
-            "",
-            "| " + " | ".join(_CALL_HEADER) + " |",
-            "|" + "---|" * len(_CALL_HEADER),
-        ]
-        lines += ["| " + " | ".join(cells) + " |" for cells in _call_rows(call)]
+        lines += _markdown_table(_call_title(call) + ".", _CALL_HEADER, _call_rows(call))
     step = results.get("step_latency")
     if step:
-        header = _step_header(step)
-        lines += ["", _step_title(step) + ".", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-        lines += ["| " + " | ".join(cells) + " |" for cells in _step_rows(step)]
+        lines += _markdown_table(_step_title(step) + ".", _step_header(step), _step_rows(step))
         if step.get("itl"):
             lines += ["", _itl_line(step["itl"], step["slow_ms"]) + "."]
     lines += [

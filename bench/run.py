@@ -1,7 +1,8 @@
 """`make bench`: kernel benchmark, then the served one; prints tables, writes JSON and the plot.
 
     python -m bench.run [--device cpu|cuda] [--grid cpu|gpu] [--tiny] [--skip-served] [--skip-top-p]
-                        [--skip-served-call] [--skip-proxy-cost] [--skip-stream-cost] [--call-requests N]
+                        [--skip-served-call] [--skip-proxy-cost] [--skip-stream-cost] [--skip-api-cost]
+                        [--call-requests N]
                         [--no-perf-analyzer]
                         [--skip-step-latency] [--step-calls N] [--skip-itl]
                         [--output PATH] [--plot PATH] [--no-plot] [--flashinfer-timeout S] [--note TEXT]
@@ -16,7 +17,8 @@ with perf_analyzer as the client where it runs (bench/perf_analyzer.py), then th
 the same server (bench/step_latency.py: 10,000 calls per point of B=1 and B=8 rows at concurrency
 1/8/16, gRPC with and without shared memory, every call timed; generate's inter-token gaps at 32
 streams), what the front door (HAProxy) adds to the one call and to a B=1 step
-(bench/proxy_cost.py), and what it adds to 32 streams of `generate` (bench/stream_cost.py).
+(bench/proxy_cost.py), what it adds to 32 streams of `generate` (bench/stream_cost.py), and what the
+HTTP API costs against the gRPC client at 1 and 32 streams (bench/api_cost.py).
 --tiny shrinks it all to seconds. The JSON is rewritten after every case ("complete": false
 until the end), so a run cut short keeps what finished.
 """
@@ -64,6 +66,11 @@ def main(argv: list[str] | None = None) -> dict:
         "--skip-stream-cost",
         action="store_true",
         help="no front-door cost on streaming generation (bench/stream_cost.py)",
+    )
+    parser.add_argument(
+        "--skip-api-cost",
+        action="store_true",
+        help="no HTTP API cost (bench/api_cost.py: /v1/completions beside the gRPC client)",
     )
     parser.add_argument(
         "--call-requests",
@@ -189,6 +196,12 @@ def main(argv: list[str] | None = None) -> dict:
 
                 print("front-door cost on streaming generation (straight and through the front door)", flush=True)
                 results["stream_cost"] = stream_cost.run(args.tiny, progress)
+    if not args.skip_served and not args.skip_api_cost and device.type == "cpu":
+        from . import api_cost
+
+        print("HTTP API cost (/v1/completions beside the gRPC client)", flush=True)
+        results["api_cost"] = api_cost.run(args.tiny, progress)
+        report.write_json(results, output)
     results["targets"] = report.verdicts(results["kernel"], served, served_call, step)
     if results.get("proxy_cost"):
         from .proxy_cost import verdicts as proxy_verdicts
@@ -198,15 +211,18 @@ def main(argv: list[str] | None = None) -> dict:
         from .stream_cost import verdicts as stream_verdicts
 
         results["targets"].update(stream_verdicts(results["stream_cost"]))
+    if results.get("api_cost"):
+        from .api_cost import verdicts as api_verdicts
+
+        results["targets"].update(api_verdicts(results["api_cost"]))
     results["machine"]["load_average_1m_after"] = machine_facts()["load_average_1m"]
     results["wall_s"] = time.perf_counter() - started
     results["complete"] = True
     report.print_tables(results)
     report.write_json(results, output)
     output.with_suffix(".md").write_text(report.markdown_summary(results))
-    if not args.no_plot:
-        report.plot(results, plot_path)
-    print(f"\nwrote {output}{'' if args.no_plot else ' and ' + str(plot_path)} in {results['wall_s']:.0f} s")
+    figures = [] if args.no_plot else report.plot(results, plot_path)
+    print(f"\nwrote {output}{''.join(', ' + str(figure) for figure in figures)} in {results['wall_s']:.0f} s")
     return results
 
 

@@ -27,6 +27,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
 
+from testbed.process_memory import cpu_seconds
 from triton_sampling_mask.client import unregister_shared_memory
 from triton_sampling_mask.client.wire import sampler_inputs
 from triton_sampling_mask.ops.server_process import TritonServer
@@ -170,22 +171,6 @@ def in_process_load(rows: np.ndarray, rows_per_call: int, width: int, duration_s
         "rows_per_call": rows_per_call,
         **_summary(latencies, n, time.perf_counter() - start),
     }
-
-
-def cpu_seconds(pid: int, descendants: bool = True) -> float:
-    """User + system CPU seconds of a process, with its descendants unless told not to (/proc)."""
-    ticks = os.sysconf("SC_CLK_TCK")
-    total, stack = 0.0, [pid]
-    while stack:
-        current = stack.pop()
-        try:
-            fields = Path(f"/proc/{current}/stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
-            children = Path(f"/proc/{current}/task/{current}/children").read_text().split()
-        except (OSError, IndexError):
-            continue
-        stack.extend(int(c) for c in children if descendants)
-    return total
 
 
 def perf_analyzer_load(

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import tempfile
 import time
@@ -26,12 +25,11 @@ from pathlib import Path
 
 import numpy as np
 
+from testbed.fronted import FrontedTritonServer
 from triton_sampling_mask.client import AsyncGenerateClient
 from triton_sampling_mask.client.sampling_params import SamplingParams
-from triton_sampling_mask.ops.proxy import FrontedTritonServer
 
 from . import report
-from .common import machine_facts
 from .load.generate import MODEL, build_repository
 
 PARAMS = SamplingParams(temperature=1.0, top_k=20, top_p=0.95, return_sampling_mask=True)
@@ -196,12 +194,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--output", type=Path, default=None, help="write the JSON here")
     args = parser.parse_args(argv)
     cost = run(args.quick, rounds=args.rounds)
-    cost["targets"] = verdicts(cost)
-    cost["load_average_1m"] = machine_facts()["load_average_1m"]
-    report.print_verdicts(cost["targets"])
-    if args.output:
-        args.output.write_text(json.dumps(cost, indent=2) + "\n")
-    return cost
+    return report.publish(cost, verdicts(cost), args.output)
 
 
 if __name__ == "__main__":

@@ -23,14 +23,19 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 import torch
 
 from bench.common import RESULTS_DIR
+from testbed.checkpoints import random_model
+from testbed.process_memory import process_name
+from testbed.server import copy_model
 from triton_sampling_mask.client import GenerateClient, GenerateError
 from triton_sampling_mask.client.sampler_client import admin_headers
 from triton_sampling_mask.client.sampling_params import SamplingParams
 from triton_sampling_mask.generation.lm import build_default_model
-from triton_sampling_mask.ops.server_process import TritonServer, group_members
+from triton_sampling_mask.ops.child import group_members
+from triton_sampling_mask.ops.server_process import TritonServer
 
 MODEL = "generate"
 ADMIN_KEY = "bench-weights-key"
@@ -53,19 +58,13 @@ PARAMS = SamplingParams(temperature=0.8, top_k=20, seed=1)
 TRICKLE_TOKENS = 8
 
 
-def random_llama(seed: int):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return AutoModelForCausalLM.from_config(AutoConfig.for_model(**LARGE_CONFIG))
-
-
 def checkpoints(root: Path, size: str) -> tuple[str, str, int]:
     """Two checkpoints of one architecture under `root`: (served first, pushed, bytes of one)."""
+    from transformers import AutoConfig
+
     names = (f"{size}-a", f"{size}-b")
     for seed, name in enumerate(names):
-        model = build_default_model() if size == "tiny" else random_llama(seed)
+        model = build_default_model() if size == "tiny" else random_model(AutoConfig.for_model(**LARGE_CONFIG), seed)
         if size == "tiny" and seed:
             with torch.no_grad():
                 for parameter in model.parameters():
@@ -78,19 +77,9 @@ def checkpoints(root: Path, size: str) -> tuple[str, str, int]:
 
 def repository(dest: Path, first: str, root: Path) -> Path:
     """The shipped generate model serving checkpoint `first`, its weights root `root`."""
-    import re
-    import shutil
-
-    from bench.common import MODEL_REPOSITORY
-
-    shutil.copytree(MODEL_REPOSITORY / MODEL, dest / MODEL, ignore=shutil.ignore_patterns("__pycache__"))
-    config = dest / MODEL / "config.pbtxt"
-    text = config.read_text()
-    for key, value in (("model_path", str(root / first)), ("weights_root", str(root)), ("weight_version", first)):
-        pattern = re.compile(rf'(key:\s*"{key}",\s*value:\s*\{{\s*string_value:\s*)"[^"]*"')
-        text, count = pattern.subn(lambda m, v=value: f'{m.group(1)}"{v}"', text)
-        assert count == 1, f"parameter {key} not in the shipped config"
-    config.write_text(text)
+    copy_model(
+        dest, MODEL, parameters={"model_path": str(root / first), "weights_root": str(root), "weight_version": first}
+    )
     return dest
 
 
@@ -105,12 +94,10 @@ class StubMemory:
         total = 0
         for pid in group_members(self.pgid):
             try:
-                if b"triton_python_backend_stub" not in Path(f"/proc/{pid}/cmdline").read_bytes():
-                    continue
-                for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                    if line.startswith("VmRSS:"):
-                        total += int(line.split()[1]) * 1024
-            except OSError:
+                process = psutil.Process(pid)
+                if process_name(process).startswith("stub"):
+                    total += process.memory_info().rss
+            except psutil.Error:
                 continue
         return total
 

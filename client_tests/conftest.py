@@ -1,7 +1,7 @@
 """A real tritonserver on free ports for the whole session, with HTTP and gRPC clients.
 
 The session's server is what `make serve` runs: tritonserver on loopback behind its front door
-(HAProxy and the gRPC stream gate, `ops.proxy.FrontedTritonServer`), its admin APIs open as with
+(HAProxy and the gRPC stream gate, `testbed.fronted.FrontedTritonServer`), its admin APIs open as with
 `--open-admin-apis`; the tests reach it only through the proxy's ports, as users do. A test of
 tritonserver's own answers starts a server of its own and says why. Without HAProxy (a host where
 `make setup` could not install it) the session falls back to the bare server, with a warning.
@@ -20,11 +20,11 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
-from triton_sampling_mask.ops.proxy import FrontedTritonServer, find_haproxy
+from testbed.api_server import ApiProcess
+from testbed.fronted import FrontedTritonServer
+from testbed.server import ExternalTritonServer, build_test_repository
+from triton_sampling_mask.ops.proxy import find_haproxy
 from triton_sampling_mask.ops.server_process import TritonServer
-
-from .api_server import ApiProcess
-from .server import ExternalTritonServer, build_test_repository
 
 # Tests that start a tritonserver of their own on this host (nodeid -> why that cannot be the
 # external server). Against an external server they are skipped with that reason.
@@ -63,6 +63,7 @@ def _place(item, external: ExternalTritonServer | None) -> str:
             "client_tests/test_speculative.py",
             "client_tests/test_checkpoints.py",
             "client_tests/test_weight_updates.py",
+            "client_tests/test_tracing.py",
         )
     ):
         return "a local CPU server of its own"

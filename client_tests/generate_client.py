@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import queue
-import re
-import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -159,22 +157,3 @@ def assert_matches_reference(result, logits: np.ndarray, **rules) -> None:
         assert token in row, f"step {i}: token {token} outside its mask"
         assert result.output_logprobs[i] == pytest.approx(ref.logprobs[token], abs=1e-3)
         assert result.sampling_logprobs[i] == pytest.approx(ref.renormalised_logprob(token, len(row)), abs=1e-3)
-
-
-def counter(metrics_url: str, name: str, model: str = "generate") -> float:
-    """The value of a custom counter or gauge on the metrics endpoint (0 before its first update)."""
-    with urllib.request.urlopen(metrics_url, timeout=10) as response:
-        text = response.read().decode()
-    match = re.search(rf'^{re.escape(name)}\{{model="{re.escape(model)}"\}} (\S+)$', text, re.MULTILINE)
-    return float(match.group(1)) if match else 0.0
-
-
-def wait_for_counter(
-    metrics_url: str, name: str, until, why: str, timeout_s: float = 30.0, model: str = "generate"
-) -> None:
-    """Poll a counter or gauge until `until(value)` holds; fail with `why` after `timeout_s` (a wait
-    for the server's state, not a timing assertion)."""
-    deadline = time.monotonic() + timeout_s
-    while not until(counter(metrics_url, name, model)):
-        assert time.monotonic() < deadline, why
-        time.sleep(0.02)

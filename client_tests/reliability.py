@@ -10,9 +10,8 @@ import numpy as np
 import pytest
 from tritonclient.utils import InferenceServerException
 
+from testbed.server import infer
 from tests.reference import reference_row
-
-from .server import infer
 
 INVALID_ARGUMENT = {"400", "StatusCode.INVALID_ARGUMENT"}  # HTTP, gRPC
 INTERNAL = {"500", "StatusCode.INTERNAL"}

@@ -15,10 +15,10 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
+from testbed.server import infer
 from triton_sampling_mask.client.wire import infer_input as tensor
 
 from .reliability import INVALID_ARGUMENT, expect_error, valid_request_succeeds
-from .server import infer
 
 ROWS, VOCAB = 2, 16
 MAX_VOCAB_SIZE = 262144  # model_repository/sampler/config.pbtxt, parameter max_vocab_size

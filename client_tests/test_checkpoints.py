@@ -7,19 +7,18 @@ the same checkpoint (full forward passes, no cache) fed to the float64 numpy ref
 
 from __future__ import annotations
 
-import shutil
-
 import numpy as np
 import pytest
 import torch
 
+from testbed.checkpoints import random_model
+from testbed.server import ExternalTritonServer, copy_model
 from tests.lm_reference import step_logits
 from triton_sampling_mask.client import GenerateClient, GenerateError
 from triton_sampling_mask.client.sampling_params import SamplingParams
 from triton_sampling_mask.ops.server_process import TritonServer
 
 from .generate_client import assert_matches_reference
-from .server import MODEL_REPOSITORY, ExternalTritonServer, set_parameter
 
 # Tiny sizes; a large initializer_range makes the next-token distributions peaked enough for
 # top-p and min-p to matter.
@@ -46,11 +45,7 @@ def write_checkpoint(kind: str, dest) -> None:
     import transformers
 
     config_class, settings, seed = ARCHITECTURES[kind]
-    config = getattr(transformers, config_class)(**settings)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = transformers.AutoModelForCausalLM.from_config(config)
-    model.save_pretrained(dest)
+    random_model(getattr(transformers, config_class)(**settings), seed).save_pretrained(dest)
 
 
 @pytest.fixture(scope="module")
@@ -67,12 +62,8 @@ def checkpoint_server(tmp_path_factory, checkpoints):
     if ExternalTritonServer.from_environment() is not None:
         pytest.skip("starts a local CPU tritonserver serving checkpoints written by the test")
     repository = tmp_path_factory.mktemp("checkpoint_models")
-    base = (MODEL_REPOSITORY / "generate" / "config.pbtxt").read_text()
     for kind, path in checkpoints.items():
-        name = f"generate_{kind}"
-        shutil.copytree(MODEL_REPOSITORY / "generate", repository / name, ignore=shutil.ignore_patterns("__pycache__"))
-        text = set_parameter(base.replace('name: "generate"', f'name: "{name}"'), "model_path", str(path))
-        (repository / name / "config.pbtxt").write_text(text)
+        copy_model(repository, "generate", f"generate_{kind}", {"model_path": str(path)})
     with TritonServer(repository, log_path=tmp_path_factory.mktemp("checkpoint_logs") / "tritonserver.log") as server:
         yield server
 

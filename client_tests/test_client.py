@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from testbed.server import MODEL_REPOSITORY
 from tests.reference import reference_row
 from triton_sampling_mask.client import AsyncSamplerClient, SamplerClient, SamplerError
 from triton_sampling_mask.client.replay import replay_logprobs, replay_support_logprobs
@@ -20,8 +21,6 @@ from triton_sampling_mask.sampling.validation import (
     SamplingRequestError,
     backend_mask_message,
 )
-
-from .server import MODEL_REPOSITORY
 
 VOCAB = 300
 ROWS = [

@@ -20,11 +20,12 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
+from testbed.fronted import FrontedTritonServer
 from tests.reference import reference_row
 from triton_sampling_mask.client import AsyncGenerateClient, AsyncSamplerClient, GenerateClient, SamplerClient
 from triton_sampling_mask.client.sampling_params import SamplingParams
 from triton_sampling_mask.client.wire import sampler_inputs
-from triton_sampling_mask.ops.proxy import FrontedTritonServer, find_haproxy
+from triton_sampling_mask.ops.proxy import find_haproxy
 from triton_sampling_mask.sampling.outputs import WIRE_NEG_INF
 
 VOCAB = 257

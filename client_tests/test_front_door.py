@@ -1,5 +1,5 @@
 """The front door of `make serve`, attacked through the real launcher (supervisor, HAProxy, stream
-gate, tritonserver on loopback): the non-destructive attacks of bench/hostile.py, the admin
+gate, tritonserver on loopback): the non-destructive attacks of testbed/hostile.py, the admin
 surface, the request checks the proxy makes before any byte reaches the server, and the proxy's
 own supervision.
 
@@ -24,6 +24,7 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+import psutil
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
@@ -31,13 +32,13 @@ import tritonclient.utils.shared_memory as shm
 from tritonclient.grpc import service_pb2
 from tritonclient.utils import InferenceServerException
 
-from bench import hostile
+from testbed import hostile
+from testbed import stack as full_stack
+from testbed.server import ExternalTritonServer
 from triton_sampling_mask.client import SamplerClient
 from triton_sampling_mask.client.sampling_params import SamplingParams
-from triton_sampling_mask.ops.proxy_config import WRONG_KEYS_PER_MINUTE
-from triton_sampling_mask.ops.server_process import ADMIN_HEADER
-
-from .server import ExternalTritonServer
+from triton_sampling_mask.ops.proxy_config import WRONG_KEYS_PER_MINUTE, ProxyLimits
+from triton_sampling_mask.ops.server_process import ADMIN_HEADER, GRPC_ADMIN_HEADER
 
 LEGACY = os.environ.get("HOSTILE_LAUNCHER_LEGACY") == "1"
 
@@ -50,8 +51,8 @@ def stack(tmp_path_factory):
     work = tmp_path_factory.mktemp("front-door")
     launcher = shlex.split(os.environ.get("HOSTILE_LAUNCHER", "")) or None
     cwd = Path(os.environ["HOSTILE_LAUNCHER_CWD"]) if os.environ.get("HOSTILE_LAUNCHER_CWD") else None
-    running = hostile.launch(
-        hostile.shipped_repository(work / "model_repository"),
+    running = full_stack.launch(
+        full_stack.shipped_repository(work / "model_repository"),
         work / "launcher.log",
         launcher=launcher,
         cwd=cwd,
@@ -62,7 +63,7 @@ def stack(tmp_path_factory):
     running.stop()
 
 
-def assert_held(outcome: hostile.Outcome, stack: hostile.Stack) -> None:
+def assert_held(outcome: hostile.Outcome, stack: full_stack.Stack) -> None:
     print(f"\n{outcome.row()}")
     assert outcome.held, f"{outcome.attack}: {outcome.detail}\n{stack.log_tail()}"
 
@@ -90,7 +91,7 @@ def test_an_unread_stream_of_tiny_requests_pins_no_memory_and_sheds_no_one(stack
 
 
 def post(port: int, path: str, body: bytes, headers: dict | None = None) -> tuple[int | None, str]:
-    return hostile.request(port, "POST", path, body, {"Content-Type": "application/json", **(headers or {})})
+    return full_stack.request(port, "POST", path, body, {"Content-Type": "application/json", **(headers or {})})
 
 
 @pytest.mark.parametrize(
@@ -159,28 +160,24 @@ def test_chunked_and_oversized_bodies_are_refused_before_they_are_read(stack):
 def test_metrics_and_probe_ports_answer_reads_only(stack):
     if not stack.proxied:
         pytest.skip("the proxy's own routes")
-    assert hostile.request(stack.ports["metrics"], "GET", "/metrics")[0] == 200
-    assert hostile.request(stack.ports["metrics"], "POST", "/metrics", b"x")[0] == 405
-    assert hostile.request(stack.ports["metrics"], "GET", "/elsewhere")[0] == 404
-    assert hostile.request(stack.ports["probe"], "GET", "/ready")[0] == 200
-    assert hostile.request(stack.ports["probe"], "DELETE", "/ready")[0] == 405
+    assert full_stack.request(stack.ports["metrics"], "GET", "/metrics")[0] == 200
+    assert full_stack.request(stack.ports["metrics"], "POST", "/metrics", b"x")[0] == 405
+    assert full_stack.request(stack.ports["metrics"], "GET", "/elsewhere")[0] == 404
+    assert full_stack.request(stack.ports["probe"], "GET", "/ready")[0] == 200
+    assert full_stack.request(stack.ports["probe"], "DELETE", "/ready")[0] == 405
+    # the front door's own refusals, read from HAProxy's exporter by the supervisor (ops.proxy_metrics)
+    status, text = full_stack.request(stack.ports["probe"], "GET", "/metrics")
+    assert status == 200 and 'proxy_requests_refused_total{frontend="http",reason="queue_full"}' in text, text
 
 
 def listening_addresses(port: int) -> set[str]:
     """The local IPv4 addresses (dotted) that listen on `port`, IPv4-mapped IPv6 ones included."""
     found = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            local, state = line.split()[1], line.split()[3]
-            address, hex_port = local.split(":")
-            if state != "0A" or int(hex_port, 16) != port:
-                continue
-            if len(address) == 32 and address.startswith("0000000000000000FFFF0000"):
-                address = address[24:]  # ::ffff:a.b.c.d
-            if len(address) == 8:
-                found.add(".".join(str(b) for b in reversed(bytes.fromhex(address))))
-            else:
-                found.add(f"ipv6 {address}")
+    for connection in psutil.net_connections(kind="tcp"):
+        if connection.status != psutil.CONN_LISTEN or connection.laddr.port != port:
+            continue
+        address = connection.laddr.ip.removeprefix("::ffff:")
+        found.add(address if "." in address else f"ipv6 {address}")
     return found
 
 
@@ -189,13 +186,13 @@ def test_tritonserver_listens_on_loopback_only_and_checks_its_own_internal_key(s
         pytest.skip("behind the proxy only")
     for port in (stack.server_http_port, stack.server_http_port + 1, stack.server_http_port + 2):  # HTTP, gRPC, metrics
         assert listening_addresses(port) == {"127.0.0.1"}, port
-    [pid] = hostile.pids_with_argument(f"--http-port={stack.server_http_port}")
-    argv = (Path(f"/proc/{pid}/cmdline").read_bytes()).decode().split("\0")
+    [pid] = full_stack.pids_with_argument(f"--http-port={stack.server_http_port}")
+    argv = psutil.Process(pid).cmdline()
     restricted = [arg for arg in argv if arg.startswith("--http-restricted-api=")]
     assert len(restricted) == 1 and "shared-memory,model-repository,logging,trace:" in restricted[0]
-    assert hostile.ADMIN_KEY not in restricted[0]
+    assert full_stack.ADMIN_KEY not in restricted[0]
     # the user's key does not open tritonserver's own port: only the proxy's internal key does
-    status, _ = post(stack.server_http_port, "/v2/logging", b"{}", {hostile.ADMIN_HEADER: hostile.ADMIN_KEY})
+    status, _ = post(stack.server_http_port, "/v2/logging", b"{}", {ADMIN_HEADER: full_stack.ADMIN_KEY})
     assert status == 403
 
 
@@ -205,15 +202,15 @@ def test_system_shared_memory_works_through_the_proxy_with_the_key(stack):
     for protocol, url in (("http", stack.http_url), ("grpc", stack.grpc_url)):
         with SamplerClient(url, protocol=protocol) as plain:
             expected = plain.sample(logits, params).output_ids
-        with SamplerClient(url, protocol=protocol, admin_key=hostile.ADMIN_KEY) as keyed:
+        with SamplerClient(url, protocol=protocol, admin_key=full_stack.ADMIN_KEY) as keyed:
             np.testing.assert_array_equal(keyed.sample(logits, params, use_shared_memory=True).output_ids, expected)
     # a region of the client's own, registered and unregistered by hand with the key
     name, key = f"front-door-{os.getpid()}", f"/front-door-{os.getpid()}"
     region = shm.create_shared_memory_region(name, key, 64)
     client = httpclient.InferenceServerClient(stack.http_url)
     try:
-        client.register_system_shared_memory(name, key, 64, headers={hostile.ADMIN_HEADER: hostile.ADMIN_KEY})
-        client.unregister_system_shared_memory(name, headers={hostile.ADMIN_HEADER: hostile.ADMIN_KEY})
+        client.register_system_shared_memory(name, key, 64, headers={ADMIN_HEADER: full_stack.ADMIN_KEY})
+        client.unregister_system_shared_memory(name, headers={ADMIN_HEADER: full_stack.ADMIN_KEY})
         with pytest.raises(InferenceServerException) as refusal:
             client.register_system_shared_memory(name, key, 64)
         assert refusal.value.status() == "403"
@@ -228,20 +225,20 @@ def test_grpc_admin_methods_need_the_key(stack):
         with pytest.raises(InferenceServerException) as refusal:
             client.get_model_repository_index()
         assert refusal.value.status() in ("StatusCode.PERMISSION_DENIED", "StatusCode.UNAVAILABLE")
-        index = client.get_model_repository_index(headers={hostile.GRPC_ADMIN_HEADER: hostile.ADMIN_KEY})
+        index = client.get_model_repository_index(headers={GRPC_ADMIN_HEADER: full_stack.ADMIN_KEY})
         assert {model.name for model in index.models} == {"sampler", "generate"}
     finally:
         client.close()
 
 
-def proxy_pid(stack: hostile.Stack) -> int | None:
+def proxy_pid(stack: full_stack.Stack) -> int | None:
     """The pid of the stack's HAProxy (the one whose config names this stack's ports)."""
-    for pid in hostile.pids_with_argument("-db"):
+    for pid in full_stack.pids_with_argument("-db"):
         try:
-            config = Path(Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")[-2])
+            config = Path(psutil.Process(pid).cmdline()[-1])
             if f":{stack.ports['http']}\n" in config.read_text():
                 return pid
-        except (OSError, IndexError):
+        except (OSError, IndexError, psutil.Error):
             continue
     return None
 
@@ -285,7 +282,7 @@ def connect_from(source: str, port: int) -> socket.socket:
 def served_meanwhile(stack, attempts: int = 5) -> int:
     """How many of `attempts` health calls from 127.0.0.1 are answered 200 within 5 s each."""
     return sum(
-        hostile.request(stack.ports["http"], "GET", "/v2/health/ready", timeout_s=5.0)[0] == 200
+        full_stack.request(stack.ports["http"], "GET", "/v2/health/ready", timeout_s=5.0)[0] == 200
         for _ in range(attempts)
     )
 
@@ -320,6 +317,52 @@ def test_bodies_trickled_from_one_address_leave_the_route_to_others(stack):
         trickler.join()
     finally:
         for sock in slow:
+            sock.close()
+
+
+def _stalled_large_body(source: str, port: int, vocab: int = 151936) -> socket.socket:
+    """A sampler request from `source` whose binary body is larger than the proxy's buffer: its
+    first 400 KiB are sent (the proxy forwards it to a tritonserver slot once its buffer is
+    full), the rest never is, so the request holds its slot for as long as the client waits."""
+    logits = httpclient.InferInput("logits", [1, vocab], "FP32")
+    logits.set_data_from_numpy(np.zeros((1, vocab), np.float32), binary_data=True)
+    body, json_size = httpclient.InferenceServerClient.generate_request_body([logits])
+    head = (
+        f"POST /v2/models/sampler/infer HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n"
+        f"Inference-Header-Content-Length: {json_size}\r\nContent-Type: application/octet-stream\r\n\r\n"
+    ).encode()
+    sock = connect_from(source, port)
+    sock.sendall(head + body[: 400 * 1024])
+    return sock
+
+
+def _answered_status(sock: socket.socket) -> int | None:
+    """The status the proxy already answered on `sock`, or None (still waiting)."""
+    sock.settimeout(0.0)
+    try:
+        data = sock.recv(4096)
+    except (BlockingIOError, OSError):
+        return None
+    return int(data.split(b" ", 2)[1]) if data.startswith(b"HTTP/") else None
+
+
+def test_one_address_holds_at_most_its_share_of_a_routes_slots(stack):
+    """One address opens as many stalled large-body sampler requests as the route has slots: past
+    its share (PROXY_REQUESTS_PER_IP) they are refused with 429 at once, and another client's
+    sampler calls are answered meanwhile (without the share they would all wait for a slot)."""
+    skip_unless_proxied(stack)
+    share = ProxyLimits().requests_per_ip
+    slots = ProxyLimits().max_in_flight
+    held = []
+    try:
+        for _ in range(slots):
+            held.append(_stalled_large_body("127.0.0.9", stack.ports["http"]))
+        time.sleep(1.5)
+        refused = [status for status in map(_answered_status, held) if status is not None]
+        assert refused.count(429) == slots - share, refused
+        assert all(stack.sampler_answers() for _ in range(3))
+    finally:
+        for sock in held:
             sock.close()
 
 
@@ -380,7 +423,7 @@ def test_unfinished_requests_on_the_probe_port_leave_ready_answered(stack):
                 except OSError:
                     pass  # refused at the address's cap
         for _ in range(5):
-            assert hostile.request(stack.ports["probe"], "GET", "/ready", timeout_s=3.0)[0] == 200
+            assert full_stack.request(stack.ports["probe"], "GET", "/ready", timeout_s=3.0)[0] == 200
     finally:
         for sock in held:
             sock.close()
@@ -394,7 +437,7 @@ def _raw_status(source: str, port: int, request: bytes) -> int:
 
 def test_a_key_with_a_nul_or_a_suffix_is_not_the_key(stack):
     skip_unless_proxied(stack)
-    for key in (hostile.ADMIN_KEY.encode() + b"\0anything", hostile.ADMIN_KEY.encode() + b"x"):
+    for key in (full_stack.ADMIN_KEY.encode() + b"\0anything", full_stack.ADMIN_KEY.encode() + b"x"):
         request = (
             b"POST /v2/logging HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n"
             + ADMIN_HEADER.encode()
@@ -416,7 +459,8 @@ def test_wrong_keys_are_rate_limited_per_address(stack):
 
     wrong = [logging_status("w" * 40) for _ in range(WRONG_KEYS_PER_MINUTE + 3)]
     assert wrong[0] == 403 and wrong[-1] == 429, wrong
-    assert logging_status(hostile.ADMIN_KEY) == 429  # the right key too, from that address, for a minute
+    assert logging_status(full_stack.ADMIN_KEY) == 429  # the right key too, from that address, for a minute
     assert (
-        hostile.request(stack.ports["http"], "GET", "/v2/logging", headers={ADMIN_HEADER: hostile.ADMIN_KEY})[0] == 200
+        full_stack.request(stack.ports["http"], "GET", "/v2/logging", headers={ADMIN_HEADER: full_stack.ADMIN_KEY})[0]
+        == 200
     )

@@ -15,7 +15,8 @@ import socket
 
 import pytest
 
-from triton_sampling_mask.ops.proxy import FrontedTritonServer, find_haproxy
+from testbed.fronted import FrontedTritonServer
+from triton_sampling_mask.ops.proxy import find_haproxy
 
 SAMPLER = "/v2/models/sampler/infer"
 GENERATE = "/v2/models/generate/generate"

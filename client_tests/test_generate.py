@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 from tritonclient.utils import InferenceServerException
 
+from testbed.metrics import counter
 from tests.lm_reference import greedy_continuations, step_logits
 from tests.reference import reference_row
 from triton_sampling_mask.sampling.validation import UNBOUNDED_MASK_MESSAGE
 
-from .generate_client import GenerateStream, collect, counter, grpc_generate, http_generate
+from .generate_client import GenerateStream, collect, grpc_generate, http_generate
 
 PROMPT = [5, 6, 7]
 SAMPLED = dict(temperature=0.7, top_k=10, top_p=0.9, min_p=0.03, seed=11, return_sampling_mask=True)

@@ -13,6 +13,7 @@ import asyncio
 import numpy as np
 import pytest
 
+from testbed.metrics import counter, wait_for_counter
 from tests.lm_reference import step_logits
 from triton_sampling_mask.client import (
     AsyncGenerateClient,
@@ -27,7 +28,7 @@ from triton_sampling_mask.client.sampling_params import SamplingParams
 from triton_sampling_mask.ops.server_process import free_port
 from triton_sampling_mask.sampling.validation import UNBOUNDED_MASK_MESSAGE, SamplingRequestError
 
-from .generate_client import assert_matches_reference, counter, grpc_generate, wait_for_counter
+from .generate_client import assert_matches_reference, grpc_generate
 
 RULES = dict(temperature=0.7, top_k=10, top_p=0.9, min_p=0.03)
 SAMPLED = SamplingParams(**RULES, seed=11, return_sampling_mask=True)

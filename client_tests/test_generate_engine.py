@@ -8,19 +8,19 @@ cancellation, refusals, queue bounds, the client's retries of busy refusals, one
 
 from __future__ import annotations
 
-import shutil
 import time
 
 import numpy as np
 import pytest
 from tritonclient.utils import InferenceServerException
 
+from testbed.metrics import counter, wait_for_counter
+from testbed.server import ExternalTritonServer, copy_model
 from triton_sampling_mask.client import GenerateClient
 from triton_sampling_mask.client.sampling_params import SamplingParams
 from triton_sampling_mask.ops.server_process import TritonServer
 
-from .generate_client import GenerateStream, collect, counter, grpc_generate, http_generate, wait_for_counter
-from .server import MODEL_REPOSITORY, ExternalTritonServer, set_parameter
+from .generate_client import GenerateStream, collect, grpc_generate, http_generate
 
 SAMPLED = dict(temperature=0.7, top_k=10, top_p=0.9, min_p=0.03, return_sampling_mask=True, ignore_eos=True)
 VARIANTS = {
@@ -33,14 +33,21 @@ QUEUE = "generate_queue"
 
 def build_engine_repository(dest, variants: dict[str, dict[str, str]]):
     """A repository with one copy of the shipped generate model per variant (config overrides)."""
-    base = (MODEL_REPOSITORY / "generate" / "config.pbtxt").read_text()
     for name, overrides in variants.items():
-        shutil.copytree(MODEL_REPOSITORY / "generate", dest / name, ignore=shutil.ignore_patterns("__pycache__"))
-        text = base.replace('name: "generate"', f'name: "{name}"')
-        for key, value in overrides.items():
-            text = set_parameter(text, key, value)
-        (dest / name / "config.pbtxt").write_text(text)
+        copy_model(dest, "generate", name, overrides)
     return dest
+
+
+def wait_until_no_request_runs(server, model: str) -> None:
+    """Wait until `model` runs no request: cancelled ones have left its slot."""
+    wait_for_counter(
+        server.metrics_url,
+        "generate_num_requests_running",
+        lambda v: v == 0,
+        "the cancelled requests kept the slot",
+        timeout_s=60,
+        model=model,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -166,14 +173,7 @@ def test_beyond_the_bounds_requests_are_refused_unavailable_and_each_ends_once(e
     finally:
         stream.close(cancel=True)
     # A fresh request is served once the cancelled ones have left (waiting one cancelled too).
-    wait_for_counter(
-        engine_server.metrics_url,
-        "generate_num_requests_running",
-        lambda v: v == 0,
-        "the cancelled requests kept the slot",
-        timeout_s=60,
-        model=model,
-    )
+    wait_until_no_request_runs(engine_server, model)
     assert len(grpc_generate(engine_server.grpc_url, [5], 3, model=model, ignore_eos=True).output_ids) == 3
 
 
@@ -241,14 +241,7 @@ def test_huge_prompts_beyond_the_waiting_token_budget_are_refused_naming_it(engi
         )
     finally:
         stream.close(cancel=True)
-    wait_for_counter(
-        engine_server.metrics_url,
-        "generate_num_requests_running",
-        lambda v: v == 0,
-        "the cancelled requests kept the slot",
-        timeout_s=60,
-        model=QUEUE,
-    )
+    wait_until_no_request_runs(engine_server, QUEUE)
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])

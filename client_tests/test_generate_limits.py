@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 from tritonclient.utils import InferenceServerException
 
+from testbed.metrics import counter
 from triton_sampling_mask.generation.request import MAX_STOP_TOKEN_IDS
 
-from .generate_client import counter, grpc_generate, http_generate
+from .generate_client import grpc_generate, http_generate
 
 PROMPT = [5, 6, 7]
 

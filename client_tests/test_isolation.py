@@ -16,8 +16,9 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
+from testbed.server import infer
+
 from .reliability import INVALID_ARGUMENT, check_against_reference, expect_error, model_stats
-from .server import infer
 
 VALID_PER_BURST = 16  # 1-row requests
 INVALID_ROWS = 32  # rows of each invalid request: more than VALID_PER_BURST

@@ -10,7 +10,6 @@ import json
 import shutil
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,14 +17,14 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+from testbed.fronted import FrontedTritonServer
+from testbed.server import MODEL_REPOSITORY, copy_model, set_parameter
 from triton_sampling_mask.client import GenerateClient, SamplerClient
 from triton_sampling_mask.client.sampling_params import SamplingParams
 from triton_sampling_mask.client.wire import sampler_inputs
 from triton_sampling_mask.ops import settings
-from triton_sampling_mask.ops.proxy import FrontedTritonServer, find_haproxy
+from triton_sampling_mask.ops.proxy import find_haproxy
 from triton_sampling_mask.ops.proxy_config import QUEUE_FULL, QUEUE_TIMEOUT, ProxyLimits
-
-from .server import MODEL_REPOSITORY, set_parameter
 
 MODEL = "sampler_slow"
 # Small numbers, so a burst of a few dozen requests covers every case: two requests at the server
@@ -47,11 +46,7 @@ def slow_server(tmp_path_factory):
     if find_haproxy() is None:
         pytest.skip("haproxy is not installed (make setup installs it where it can)")
     repository = tmp_path_factory.mktemp("shedding")
-    model_dir = repository / MODEL
-    shutil.copytree(MODEL_REPOSITORY / "sampler", model_dir, ignore=shutil.ignore_patterns("__pycache__"))
-    text = (model_dir / "config.pbtxt").read_text().replace('name: "sampler"', f'name: "{MODEL}"')
-    (model_dir / "config.pbtxt").write_text(set_parameter(text, "sampling_backend", "slow_backend:SlowBackend"))
-    shutil.copy(Path(__file__).parent / "slow_backend.py", model_dir / "1")
+    copy_model(repository, "sampler", MODEL, backend="slow_backend:SlowBackend")
     with FrontedTritonServer(repository, limits=LIMITS) as server:
         yield server
 

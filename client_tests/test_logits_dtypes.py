@@ -11,9 +11,8 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+from testbed.server import OUTPUTS, sampler_inputs
 from tests.reference import reference_row
-
-from .server import OUTPUTS, sampler_inputs
 
 
 def bf16_inputs(module, logits_bf16: np.ndarray, **params) -> list:

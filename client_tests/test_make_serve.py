@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import time
 import urllib.request
 
+from testbed.server import REPO_ROOT
+from testbed.stack import shipped_repository
 from triton_sampling_mask.ops.server_process import free_port
-
-from .server import MODEL_REPOSITORY, REPO_ROOT
 
 
 def api_completion(port: int, deadline: float) -> dict:
@@ -37,9 +36,7 @@ def api_completion(port: int, deadline: float) -> dict:
 
 
 def test_make_serve_honours_the_environment_and_stops_on_sigterm(tmp_path):
-    repository = tmp_path / "repo"
-    for model in ("sampler", "generate"):
-        shutil.copytree(MODEL_REPOSITORY / model, repository / model, ignore=shutil.ignore_patterns("__pycache__"))
+    repository = shipped_repository(tmp_path / "repo")
     ports = {
         "TRITON_HTTP_PORT": free_port(),
         "TRITON_GRPC_PORT": free_port(),

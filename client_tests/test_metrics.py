@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 
+from testbed.server import infer
 from tests.reference import reference_row
 from triton_sampling_mask.client.wire import infer_input as tensor
 from triton_sampling_mask.serving.metrics import mask_length_buckets
 
 from .generate_client import GenerateStream
 from .reliability import INVALID_ARGUMENT, expect_error, scrape
-from .server import infer
 
 MASK_WIDTH = 512  # dims of output sampling_mask in model_repository/sampler/config.pbtxt
 LABELS = {"model": "sampler", "version": "1"}

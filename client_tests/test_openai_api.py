@@ -121,24 +121,10 @@ def test_async_chat_with_masks_matches_the_generate_model(api_server, direct, te
 
     async def run():
         async with openai.AsyncOpenAI(base_url=f"{api_server.url}/v1", api_key="unused", max_retries=0) as client:
-            whole = await client.chat.completions.create(
-                model="generate",
-                messages=messages,
-                max_tokens=8,
-                seed=5,
-                logprobs=True,
-                **SAMPLING,
-                extra_body={**MASKS, "ignore_eos": True},
-            )
+            request = dict(model="generate", messages=messages, max_tokens=8, seed=5, logprobs=True, **SAMPLING)
+            whole = await client.chat.completions.create(**request, extra_body={**MASKS, "ignore_eos": True})
             stream = await client.chat.completions.create(
-                model="generate",
-                messages=messages,
-                max_tokens=8,
-                seed=5,
-                logprobs=True,
-                stream=True,
-                **SAMPLING,
-                extra_body={**MASKS, "ignore_eos": True},
+                **request, stream=True, extra_body={**MASKS, "ignore_eos": True}
             )
             return whole, [chunk async for chunk in stream]
 
@@ -291,3 +277,69 @@ def test_bad_input_is_a_4xx_naming_the_problem(api_server, name):
 def test_the_server_serves_on_after_bad_input(sdk):
     answer = sdk.completions.create(model="generate", prompt=PROMPT, max_tokens=3, extra_body={"ignore_eos": True})
     assert answer.usage.completion_tokens == 3
+
+
+# float32 seconds from the engine: sums of two are compared within this much.
+TIMING_SLACK_S = 1e-5
+
+
+def assert_consistent_timings(timings: dict, completion_tokens: int, client_seconds: float) -> None:
+    """queue <= TTFT <= queue + generation = end to end <= what the client measured around the
+    request; the derived figures are what the issue defines (mean ITL, tokens / generation)."""
+    queue, ttft, generation = timings["queue_time_s"], timings["time_to_first_token_s"], timings["generation_time_s"]
+    assert 0 <= queue <= ttft + TIMING_SLACK_S
+    assert timings["e2e_latency_s"] == pytest.approx(queue + generation, abs=TIMING_SLACK_S)
+    assert ttft <= timings["e2e_latency_s"] + TIMING_SLACK_S
+    assert 0 < generation <= timings["e2e_latency_s"] <= client_seconds
+    assert timings["tokens_per_s"] == pytest.approx(completion_tokens / generation, rel=1e-9)
+    expected_itl = (timings["e2e_latency_s"] - ttft) / (completion_tokens - 1)
+    assert timings["mean_inter_token_latency_s"] == pytest.approx(expected_itl, rel=1e-9)
+
+
+def test_timings_on_request_are_consistent_with_the_clients_clock(sdk):
+    import time
+
+    request = dict(model="generate", prompt=PROMPT, max_tokens=8, seed=3, n=2)
+    plain = sdk.completions.create(**request, extra_body={"ignore_eos": True})
+    assert all("timings" not in c.model_extra for c in plain.choices)  # off by default
+
+    started = time.perf_counter()
+    answer = sdk.completions.create(**request, extra_body={"ignore_eos": True, "return_timings": True})
+    seconds = time.perf_counter() - started
+    for choice in answer.choices:
+        assert_consistent_timings(choice.model_extra["timings"], 8, seconds)
+
+    started = time.perf_counter()
+    chunks = list(
+        sdk.completions.create(**request, stream=True, extra_body={"ignore_eos": True, "return_timings": True})
+    )
+    seconds = time.perf_counter() - started
+    last = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            timings = choice.model_extra.get("timings")
+            assert (timings is not None) == (choice.finish_reason is not None)  # on each choice's last chunk only
+            if timings is not None:
+                last[choice.index] = timings
+    assert sorted(last) == [0, 1]
+    for timings in last.values():
+        assert_consistent_timings(timings, 8, seconds)
+
+
+def test_a_stop_string_leaves_no_engine_timings(sdk, text_tokenizer):
+    """A sequence a stop string ends is cancelled before the generate model's last response."""
+    whole = sdk.completions.create(
+        model="generate", prompt=PROMPT, max_tokens=8, seed=5, extra_body={"ignore_eos": True}
+    )
+    stop = whole.choices[0].text[1:3]
+    if not stop.strip():
+        pytest.skip("the seeded text has no usable stop string")
+    answer = sdk.completions.create(
+        model="generate",
+        prompt=PROMPT,
+        max_tokens=8,
+        seed=5,
+        stop=[stop],
+        extra_body={"ignore_eos": True, "return_timings": True},
+    )
+    assert answer.choices[0].finish_reason == "stop" and answer.choices[0].model_extra["timings"] is None

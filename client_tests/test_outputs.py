@@ -9,11 +9,11 @@ import json
 import numpy as np
 import tritonclient.http as httpclient
 
+from testbed.server import infer, sampler_inputs
 from tests.reference import reference_row
 from triton_sampling_mask.sampling.outputs import WIRE_NEG_INF
 
 from .generate_client import grpc_generate
-from .server import infer, sampler_inputs
 
 VOCAB, WIDTH = 3000, 512  # WIDTH: the dims of sampling_mask in model_repository/sampler/config.pbtxt
 
@@ -21,29 +21,10 @@ VOCAB, WIDTH = 3000, 512  # WIDTH: the dims of sampling_mask in model_repository
 def test_per_support_logprobs_are_renormalised_over_the_mask(protocol):
     client, module = protocol
     logits = (np.random.default_rng(3).standard_normal((4, VOCAB)) * 2).astype(np.float32)
-    out = infer(
-        client,
-        module,
-        "sampler",
-        logits,
-        temperature=0.7,
-        top_k=[1, 20, 300, 64],
-        top_p=0.9,
-        seed=[1, 2, 3, 4],
-        return_sampling_mask=[True, True, True, False],
-    )
-    result = client.infer(
-        "sampler",
-        sampler_inputs(
-            module,
-            logits,
-            temperature=0.7,
-            top_k=[1, 20, 300, 64],
-            top_p=0.9,
-            seed=[1, 2, 3, 4],
-            return_sampling_mask=[True, True, True, False],
-        ),
-    )
+    params = dict(temperature=0.7, top_k=[1, 20, 300, 64], top_p=0.9, seed=[1, 2, 3, 4])
+    params["return_sampling_mask"] = [True, True, True, False]
+    out = infer(client, module, "sampler", logits, **params)
+    result = client.infer("sampler", sampler_inputs(module, logits, **params))
     support = result.as_numpy("sampling_mask_logprobs")
     assert support.shape == (4, WIDTH) and support.dtype == np.float32
     for row, top_k in enumerate([1, 20, 300, 64]):
@@ -109,6 +90,7 @@ def test_only_the_outputs_asked_for_are_sent(triton_server):
         "sampling_mask_len",
         "sampling_logprobs",
         "sampling_mask_logprobs",
+        "sampling_seed",
     }
     status, header, ids_only = raw_binary_infer(triton_server.http_url, logits, ["output_ids"])
     assert status == 200 and [o["name"] for o in header["outputs"]] == ["output_ids"]

@@ -16,7 +16,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
-from .server import REPO_ROOT
+from testbed.server import REPO_ROOT
 
 README = REPO_ROOT / "README.md"
 EXAMPLE_FILES = [README, *sorted((REPO_ROOT / "docs").glob("*.md"))]

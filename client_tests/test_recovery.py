@@ -21,31 +21,18 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import stat
-import subprocess
-import sys
 import threading
-from pathlib import Path
 
+import psutil
 import pytest
 
-from bench.hostile import pids_with_argument
-from triton_sampling_mask.ops.server_process import free_port, group_members
+from testbed.backends.hanging_backend import HANG_SECONDS, HANG_VOCAB
+from testbed.server import ExternalTritonServer, copy_model
+from testbed.stack import Stack, launch, pids_with_argument, recover, request, shipped_repository
+from triton_sampling_mask.ops.child import group_members
 from triton_sampling_mask.ops.shm_cleanup import SHM_DIR, mapped_regions, server_shm_prefix, stub_process
-
-from .hanging_backend import HANG_SECONDS, HANG_VOCAB
-from .server import MODEL_REPOSITORY, REPO_ROOT, ExternalTritonServer, set_parameter
-from .test_survival import (
-    Supervised,
-    copy_models,
-    generate_answers,
-    launcher_env,
-    recover,
-    request,
-    sampler_answers,
-)
 
 ADMIN_KEY = "recovery-test-admin-key-0123456789abcdef"
 HANGING = "sampler_hanging"
@@ -63,57 +50,42 @@ def served(tmp_path_factory):
     """The three models under the launcher, on free ports, started with umask 022."""
     if ExternalTritonServer.from_environment() is not None:
         pytest.skip("kills, hangs and stops the server's stubs: needs a local launcher of its own")
-    repository = tmp_path_factory.mktemp("recovery") / "model_repository"
-    copy_models(repository)
-    shutil.copytree(MODEL_REPOSITORY / "sampler", repository / HANGING, ignore=shutil.ignore_patterns("__pycache__"))
-    config = (
-        (MODEL_REPOSITORY / "sampler" / "config.pbtxt").read_text().replace('name: "sampler"', f'name: "{HANGING}"')
+    repository = shipped_repository(tmp_path_factory.mktemp("recovery") / "model_repository")
+    copy_model(repository, "sampler", HANGING, backend="hanging_backend:HangingBackend")
+    server = launch(
+        repository,
+        tmp_path_factory.mktemp("recovery-logs") / "launcher.log",
+        # The supervisor's own behaviour is under test: tritonserver faces the tests directly.
+        proxied=False,
+        args=["--probe-timeout", str(PROBE_TIMEOUT_S)],
+        env={
+            "TRITON_ADMIN_KEY": ADMIN_KEY,
+            "TRITON_WATCHDOG_INTERVAL_S": WATCHDOG_INTERVAL_S,
+            "SHM_DEFAULT_BYTES": REGION_BYTES,
+            "SHM_GROWTH_BYTES": REGION_BYTES,
+            "TRITON_SHM_LEAK_LIMIT_BYTES": LEAK_LIMIT_BYTES,
+        },
+        umask=0o022,
+        stack_memory_bytes=None,
+        api=False,
     )
-    (repository / HANGING / "config.pbtxt").write_text(
-        set_parameter(config, "sampling_backend", "hanging_backend:HangingBackend")
-    )
-    shutil.copy(Path(__file__).parent / "hanging_backend.py", repository / HANGING / "1")
-    ports = {"http": free_port(), "grpc": free_port(), "metrics": free_port(), "probe": free_port()}
-    env = launcher_env(
-        ports,
-        ADMIN_KEY,
-        TRITON_WATCHDOG_INTERVAL_S=WATCHDOG_INTERVAL_S,
-        SHM_DEFAULT_BYTES=REGION_BYTES,
-        SHM_GROWTH_BYTES=REGION_BYTES,
-        TRITON_SHM_LEAK_LIMIT_BYTES=LEAK_LIMIT_BYTES,
-    )
-    log_path = tmp_path_factory.mktemp("recovery-logs") / "launcher.log"
-    command = [sys.executable, "-m", "triton_sampling_mask.ops.launcher", "--model-repository", str(repository)]
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(
-            # The supervisor's own behaviour is under test: tritonserver faces the tests directly.
-            [*command, "--probe-timeout", str(PROBE_TIMEOUT_S), "--no-proxy"],
-            cwd=REPO_ROOT,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            umask=0o022,
-        )
-    server = Supervised(process, ports, log_path, ports["http"])
     try:
-        assert_ready(server, 180.0)
         yield server
     finally:
         server.stop()
 
 
-def ready_status(server: Supervised) -> tuple[int | None, dict]:
+def ready_status(server: Stack) -> tuple[int | None, dict]:
     status, text = request(server.ports["probe"], "GET", "/ready")
     return status, json.loads(text) if status in (200, 503) else {}
 
 
-def assert_ready(server: Supervised, limit_s: float = LIMIT_S) -> None:
+def assert_ready(server: Stack, limit_s: float = LIMIT_S) -> None:
     seconds, _ = recover(lambda: (ready_status(server)[0] == 200, "not ready"), limit_s)
     assert seconds is not None, f"/ready not 200 within {limit_s:g} s\n{server.log_tail()}"
 
 
-def not_ready_for(server: Supervised, model: str, limit_s: float) -> dict | None:
+def not_ready_for(server: Stack, model: str, limit_s: float) -> dict | None:
     """The first /ready report within `limit_s` that is 503 because `model` failed, or None. (On a
     loaded host another idle model's probe may outlast an interval too: such reports are skipped.)"""
     answers = []
@@ -126,7 +98,7 @@ def not_ready_for(server: Supervised, model: str, limit_s: float) -> dict | None
     return None if seconds is None else answers[-1][1]
 
 
-def tritonserver_pid(server: Supervised) -> int:
+def tritonserver_pid(server: Stack) -> int:
     pids = pids_with_argument(f"--http-port={server.ports['http']}")
     assert len(pids) == 1, pids
     return pids[0]
@@ -138,19 +110,19 @@ def stubs(server_pid: int, model: str = "") -> dict[int, str]:
     return {stub.pid: stub.region for stub in found if not model or stub.instance == f"{model}_0_0"}
 
 
-def the_stub(server: Supervised, model: str) -> tuple[int, str]:
+def the_stub(server: Stack, model: str) -> tuple[int, str]:
     """(pid, region) of the one stub of `model`."""
     found = stubs(tritonserver_pid(server), model)
     assert len(found) == 1, found
     return next(iter(found.items()))
 
 
-def regions(server: Supervised) -> dict[str, os.stat_result]:
+def regions(server: Stack) -> dict[str, os.stat_result]:
     prefix = server_shm_prefix(server.ports["http"])
     return {path.name: path.stat() for path in SHM_DIR.glob(prefix + "*")}
 
 
-def leaked(server: Supervised, server_pid: int) -> list[tuple[str, int]]:
+def leaked(server: Stack, server_pid: int) -> list[tuple[str, int]]:
     """(name, size) of the unlinked regions tritonserver still maps."""
     mapped = mapped_regions(server_pid, server_shm_prefix(server.ports["http"])).values()
     return sorted((region.name, region.size) for region in mapped if region.deleted)
@@ -162,7 +134,7 @@ def test_stub_regions_are_private_and_no_server_process_holds_the_admin_key(serv
     modes = {name: oct(stat.S_IMODE(info.st_mode)) for name, info in regions(served).items()}
     assert len(live) == 3 and modes == {region: "0o600" for region in live.values()}
     for pid in (server_pid, *live):
-        assert b"TRITON_ADMIN_KEY=" not in Path(f"/proc/{pid}/environ").read_bytes(), pid
+        assert "TRITON_ADMIN_KEY" not in psutil.Process(pid).environ(), pid
 
 
 def test_dead_stub_regions_are_removed_and_tritonserver_restarts_past_the_bound(served):
@@ -176,7 +148,7 @@ def test_dead_stub_regions_are_removed_and_tritonserver_restarts_past_the_bound(
         dead_regions.append(region)
         if kill < KILLS_WITHIN_LIMIT:  # within the bound: the same tritonserver, the dead regions unlinked but mapped
             seconds, _ = recover(
-                lambda: (region not in regions(served) and sampler_answers(served)[0], "not yet"), LIMIT_S
+                lambda: (region not in regions(served) and served.sampler_check()[0], "not yet"), LIMIT_S
             )
             assert seconds is not None, f"the dead stub's region is still there\n{served.log_tail()}"
             assert tritonserver_pid(served) == first_server
@@ -191,7 +163,7 @@ def test_dead_stub_regions_are_removed_and_tritonserver_restarts_past_the_bound(
     )
     assert seconds is not None, f"tritonserver was not restarted\n{served.log_tail()}"
     assert_ready(served, RESTART_LIMIT_S)
-    assert sampler_answers(served) == (True, "ok")
+    assert served.sampler_check() == (True, "ok")
     report = json.loads(request(served.ports["probe"], "GET", "/status")[1])
     assert (report["drain_restarts"], report["restarts"]) == (1, 0), report
     assert "draining and restarting it" in served.log_tail(20_000)
@@ -238,9 +210,9 @@ def test_a_stopped_stub_makes_ready_503_and_its_region_goes_once_replaced(served
     finally:
         os.kill(stub_pid, signal.SIGCONT)
     assert_ready(served, RESTART_LIMIT_S)
-    assert generate_answers(served) == (True, "ok")
+    assert served.generate_check() == (True, "ok")
     seconds, _ = recover(lambda: (region not in regions(served), "still there"), LIMIT_S)
     assert seconds is not None, f"the replaced stub's region is still there\n{served.log_tail()}"
     assert the_stub(served, "generate")[0] != stub_pid  # reloaded: a new stub serves it
-    if os.path.exists(f"/proc/{stub_pid}") and tritonserver_pid(served) == server_pid:
+    if psutil.pid_exists(stub_pid) and tritonserver_pid(served) == server_pid:
         assert (region, REGION_BYTES) in leaked(served, server_pid)  # the replaced stub lingers: counted

@@ -11,14 +11,13 @@ import numpy as np
 import pytest
 from tritonclient.utils import InferenceServerException
 
+from testbed.server import MODEL_REPOSITORY, OUTPUTS, infer, sampler_inputs, set_parameter
 from triton_sampling_mask.ops.server_process import TritonServer
 from triton_sampling_mask.sampling.validation import (
     SPECULATIVE_MASK_MESSAGE,
     UNBOUNDED_MASK_MESSAGE,
     SamplingRequestError,
 )
-
-from .server import MODEL_REPOSITORY, OUTPUTS, infer, sampler_inputs, set_parameter
 
 LOGITS = np.random.default_rng(0).standard_normal((1, 1000)).astype(np.float32)
 

@@ -7,9 +7,8 @@ import math
 import numpy as np
 import pytest
 
+from testbed.server import infer
 from tests.reference import reference_row
-
-from .server import infer
 
 MASK_WIDTH = 512  # what model_repository/sampler/config.pbtxt declares
 

@@ -10,7 +10,6 @@ per replica count is `python -m bench.load.replicas`).
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import threading
 import time
@@ -20,12 +19,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from testbed.server import copy_model
 from triton_sampling_mask.client import SamplerClient
 from triton_sampling_mask.client.sampling_params import SamplingParams
 from triton_sampling_mask.ops.server_process import TritonServer
 from triton_sampling_mask.ops.shm_cleanup import SHM_DIR
-
-from .server import MODEL_REPOSITORY
 
 RUN_SECONDS = float(os.environ.get("SCALE_OUT_SECONDS", "20"))
 THREADS = 16
@@ -37,7 +35,7 @@ CASES = 24
 
 def sampler_only_repository(dest: Path) -> Path:
     """A model repository holding only the shipped sampler (less memory and a faster start)."""
-    shutil.copytree(MODEL_REPOSITORY / "sampler", dest / "sampler", ignore=shutil.ignore_patterns("__pycache__"))
+    copy_model(dest, "sampler")
     return dest
 
 

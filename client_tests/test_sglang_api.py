@@ -251,3 +251,27 @@ def test_sglangs_weight_endpoints_answer_and_need_the_admin_key(api_server):
     status, answer, _ = post(api_server.url + "/update_weights_from_disk", {"model_path": "x", "extra": 1})
     assert status == 400, answer
     assert api_server.get("/get_weight_version")[0] == 200  # and the API serves on
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_timings_in_meta_info_on_request(api_server, stream):
+    """SGLang's own keys where the meanings match (queue_time, inference_time), consistent with
+    e2e_latency (the API's clock, around the engine's) and with the client's clock."""
+    import time
+
+    status, plain, _ = generate(api_server, {"sampling_seed": 2, "top_k": TOP_K})
+    assert status == 200 and "queue_time" not in plain["meta_info"]
+    started = time.perf_counter()
+    status, body, _ = generate(api_server, {"sampling_seed": 2, "top_k": TOP_K}, return_timings=True, stream=stream)
+    seconds = time.perf_counter() - started
+    assert status == 200, body
+    meta = (sse_events(body)[-1] if stream else body)["meta_info"]
+    n = meta["completion_tokens"]
+    assert n == MAX_NEW_TOKENS
+    slack = 1e-5  # float32 seconds from the engine
+    assert 0 <= meta["queue_time"] <= meta["time_to_first_token"] + slack
+    assert meta["time_to_first_token"] <= meta["queue_time"] + meta["inference_time"] + slack
+    assert meta["queue_time"] + meta["inference_time"] <= meta["e2e_latency"] + slack <= seconds + slack
+    assert meta["tokens_per_second"] == pytest.approx(n / meta["inference_time"], rel=1e-9)
+    itl = (meta["queue_time"] + meta["inference_time"] - meta["time_to_first_token"]) / (n - 1)
+    assert meta["mean_inter_token_latency"] == pytest.approx(itl, rel=1e-9)

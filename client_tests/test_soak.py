@@ -4,7 +4,7 @@ the long version)."""
 
 from __future__ import annotations
 
-from bench.load.soak import KINDS, run_soak
+from testbed.soak import KINDS, run_soak
 
 
 def test_short_soak_loses_nothing(triton_server):

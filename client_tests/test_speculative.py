@@ -11,18 +11,18 @@ from __future__ import annotations
 
 import re
 import runpy
-import shutil
 
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+from testbed.metrics import counter, wait_for_counter
+from testbed.server import REPO_ROOT, ExternalTritonServer, copy_model, infer
 from triton_sampling_mask.ops.server_process import TritonServer
 from triton_sampling_mask.sampling.validation import SPECULATIVE_MASK_MESSAGE
 
-from .generate_client import GenerateStream, collect, counter, http_generate, wait_for_counter
-from .server import MODEL_REPOSITORY, REPO_ROOT, ExternalTritonServer, infer, set_parameter
+from .generate_client import GenerateStream, collect, http_generate
 from .test_generate_engine import build_engine_repository, read_to_final
 
 PLAIN, NGRAM, EAGLE, SAMPLER_NGRAM = "generate_plain", "generate_ngram", "generate_eagle", "sampler_ngram"
@@ -49,10 +49,7 @@ def speculative_server(tmp_path_factory):
     if ExternalTritonServer.from_environment() is not None:
         pytest.skip("starts a local CPU tritonserver with generate variants of its own")
     repository = build_engine_repository(tmp_path_factory.mktemp("speculative_models"), VARIANTS)
-    sampler = repository / SAMPLER_NGRAM
-    shutil.copytree(MODEL_REPOSITORY / "sampler", sampler, ignore=shutil.ignore_patterns("__pycache__"))
-    text = (MODEL_REPOSITORY / "sampler" / "config.pbtxt").read_text().replace('"sampler"', f'"{SAMPLER_NGRAM}"', 1)
-    (sampler / "config.pbtxt").write_text(set_parameter(text, "speculative_algorithm", "ngram"))
+    copy_model(repository, "sampler", SAMPLER_NGRAM, {"speculative_algorithm": "ngram"})
     with TritonServer(repository, log_path=tmp_path_factory.mktemp("speculative_logs") / "tritonserver.log") as server:
         yield server
 

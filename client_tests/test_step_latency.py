@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.step_latency import closed_loop, latency_summary, make_step_logits
+from testbed.step_calls import closed_loop, latency_summary, make_step_logits
 
 CALLS = 2000
 VOCAB = 151936

@@ -27,15 +27,11 @@ import json
 import mmap
 import os
 import queue
-import shutil
-import signal
 import struct
 import subprocess
 import sys
 import threading
 import time
-from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -47,116 +43,30 @@ import tritonclient.utils.shared_memory as shm
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
-from bench.hostile import free_port_block, pids_with_argument, request
+from testbed.server import MODEL_REPOSITORY, ExternalTritonServer
+from testbed.stack import Stack, launch, pids_with_argument, recover, request, shipped_repository
 from triton_sampling_mask.client import SamplerClient, SamplerError
 from triton_sampling_mask.client.sampler_client import ADMIN_HEADER as CLIENT_ADMIN_HEADER
 from triton_sampling_mask.client.sampling_params import SamplingParams
 from triton_sampling_mask.ops import server_process
 from triton_sampling_mask.ops.proxy_config import RESTRICTED
-from triton_sampling_mask.ops.server_process import LoopbackUrls, TritonServer, free_port
+from triton_sampling_mask.ops.server_process import TritonServer
 from triton_sampling_mask.ops.shm_cleanup import remove_unused_regions, server_shm_prefix
 
 from .generate_client import generate_inputs
-from .server import MODEL_REPOSITORY, REPO_ROOT, ExternalTritonServer
 
 ADMIN_KEY = "survival-test-admin-key-0123456789abcdef"
 RECOVERY_LIMIT_S = 20.0
 MEMORY_LIMIT_BYTES = 3 * 2**30
 SHUTDOWN_LIMIT_S = 10.0
-START_LIMIT_S = 120.0
 WRAPPED = 2**62 + 3  # FP32: 4 * WRAPPED bytes = 2**64 + 12, i.e. 12 after the wrap
-GREEDY_LOGITS = [0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 6.0]  # greedy: id 7
 # The proxy's refusals (tritonserver's own say "This API is restricted, expecting header ...").
 RESTRICTED_HTTP = f"{RESTRICTED} '{server_process.ADMIN_HEADER}'"
 RESTRICTED_GRPC = f"{RESTRICTED} '{server_process.GRPC_ADMIN_HEADER}'"
 
 
-@dataclass
-class Supervised(LoopbackUrls):
-    """The launcher's process (the supervisor) and where its server listens."""
-
-    process: subprocess.Popen
-    ports: dict[str, int]
-    log_path: Path
-    server_http_port: int  # tritonserver's own, on loopback behind the proxy
-
-    def log_tail(self, chars: int = 3000) -> str:
-        return self.log_path.read_text(errors="replace")[-chars:]
-
-    def stop(self) -> float:
-        """SIGTERM the launcher; seconds until it exited (SIGKILL for its group after 30 s)."""
-        started = time.monotonic()
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
-        return time.monotonic() - started
-
-
-def launcher_env(ports: dict[str, int], admin_key: str, **settings) -> dict[str, str]:
-    """os.environ with the launcher's public ports (`ports`: http, grpc, metrics, probe), the
-    admin key and further `settings` (TRITON_... = value)."""
-    return {
-        **os.environ,
-        "TRITON_API_PORT": "0",  # no HTTP API unless `ports` names one: 9000 may be taken
-        **{f"TRITON_{name.upper()}_PORT": str(port) for name, port in ports.items()},
-        "TRITON_ADMIN_KEY": admin_key,
-        **{name: str(value) for name, value in settings.items()},
-    }
-
-
-def copy_models(repository: Path, models: tuple[str, ...] = ("sampler", "generate")) -> None:
-    """The shipped `models` copied into `repository` (created)."""
-    for model in models:
-        shutil.copytree(MODEL_REPOSITORY / model, repository / model, ignore=shutil.ignore_patterns("__pycache__"))
-
-
-def sampler_answers(server: Supervised) -> tuple[bool, str]:
-    """Whether the sampler samples a greedy row correctly; else why not (a short key)."""
-    body = json.dumps(
-        {
-            "inputs": [
-                {"name": "logits", "shape": [1, 8], "datatype": "FP32", "data": GREEDY_LOGITS},
-                {"name": "temperature", "shape": [1, 1], "datatype": "FP32", "data": [0.0]},
-            ],
-            "outputs": [{"name": "output_ids"}],
-        }
-    ).encode()
-    status, text = request(server.ports["http"], "POST", "/v2/models/sampler/infer", body)
-    if status == 200:
-        ids = json.loads(text)["outputs"][0]["data"]
-        return (True, "ok") if ids == [7] else (False, f"wrong answer {ids}")
-    return False, f"{status}: {text[:70]}"
-
-
-def generate_answers(server: Supervised) -> tuple[bool, str]:
-    """Whether `generate` generates one token; else why not."""
-    body = json.dumps({"input_ids": [5, 6, 7], "max_new_tokens": 1, "ignore_eos": True, "temperature": 0.0}).encode()
-    status, text = request(server.ports["http"], "POST", "/v2/models/generate/generate", body)
-    if status == 200:
-        ids = json.loads(text).get("output_ids")
-        return (True, "ok") if len(ids if isinstance(ids, list) else [ids]) == 1 else (False, f"wrong answer {ids}")
-    return False, f"{status}: {text[:70]}"
-
-
-def recover(check, limit_s: float = RECOVERY_LIMIT_S) -> tuple[float | None, Counter]:
-    """Poll `check` until it passes: (seconds it took or None, failures by reason meanwhile)."""
-    started = time.monotonic()
-    failures: Counter = Counter()
-    while time.monotonic() - started < limit_s:
-        ok, why = check()
-        if ok:
-            return time.monotonic() - started, failures
-        failures[why] += 1
-        time.sleep(0.2)
-    return None, failures
-
-
-def assert_recovers(server: Supervised, check, attack: str) -> None:
-    seconds, failures = recover(check)
+def assert_recovers(server: Stack, check, attack: str) -> None:
+    seconds, failures = recover(check, RECOVERY_LIMIT_S)
     assert seconds is not None, (
         f"{attack}: still failing {RECOVERY_LIMIT_S:g} s later ({dict(failures)})\n{server.log_tail()}"
     )
@@ -168,35 +78,20 @@ def served(tmp_path_factory):
     """`sampler` and `generate` under the launcher, on free ports, with the admin key set."""
     if ExternalTritonServer.from_environment() is not None:
         pytest.skip("attacks crash the server and SIGTERM it: they need a local launcher of their own")
-    repository = tmp_path_factory.mktemp("survival") / "model_repository"
-    copy_models(repository)
-    ports = {"http": free_port(), "grpc": free_port(), "metrics": free_port(), "probe": free_port()}
-    internal_base = free_port_block(5)
-    env = launcher_env(
-        ports,
-        ADMIN_KEY,
-        TRITON_INTERNAL_PORT_BASE=internal_base,
-        # the JSON shape sent straight to tritonserver grows it until this limit kills it
-        TRITON_MEMORY_LIMIT_BYTES=MEMORY_LIMIT_BYTES,
-    )
+    repository = shipped_repository(tmp_path_factory.mktemp("survival") / "model_repository")
     script = os.environ.get("SURVIVAL_LAUNCHER")
-    command = [sys.executable, script] if script else [sys.executable, "-m", "triton_sampling_mask.ops.launcher"]
-    log_path = tmp_path_factory.mktemp("survival-logs") / "launcher.log"
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(
-            [*command, "--model-repository", str(repository)],
-            cwd=REPO_ROOT,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    server = Supervised(process, ports, log_path, ports["http"] if script else internal_base)
+    server = launch(
+        repository,
+        tmp_path_factory.mktemp("survival-logs") / "launcher.log",
+        # the JSON shape sent straight to tritonserver grows it until this limit kills it
+        env={"TRITON_ADMIN_KEY": ADMIN_KEY, "TRITON_MEMORY_LIMIT_BYTES": MEMORY_LIMIT_BYTES},
+        launcher=[sys.executable, script] if script else None,
+        legacy=bool(script),
+        stack_memory_bytes=None,
+        api=False,
+        wait_ready=not script,
+    )
     try:
-        deadline = time.monotonic() + START_LIMIT_S
-        while not (sampler_answers(server)[0] and generate_answers(server)[0]):
-            assert process.poll() is None and time.monotonic() < deadline, f"not serving:\n{server.log_tail()}"
-            time.sleep(0.5)
         yield server
     finally:
         server.stop()
@@ -286,7 +181,7 @@ def test_admin_apis_need_the_key_and_inference_does_not(served):
             with pytest.raises(InferenceServerException) as refusal:
                 call()
             assert (refusal.value.status(), refusal.value.message()) == (status, message)
-        assert sampler_answers(served) == (True, "ok")  # still loaded
+        assert served.sampler_check() == (True, "ok")  # still loaded
 
         http.register_system_shared_memory(name, key, 64, headers=http_key)
         assert name in json.dumps(http.get_system_shared_memory_status(headers=http_key))
@@ -325,11 +220,11 @@ def test_wrapped_shape_over_http_binary_kills_the_stub_and_the_model_comes_back(
     status, text = request(served.ports["http"], "POST", "/v2/models/sampler/infer", body, headers)
     if served.server_http_port != served.ports["http"]:  # the proxy refuses a shape larger than the body
         assert status == 400 and "shape declares" in text, (status, text)
-        assert sampler_answers(served) == (True, "ok")
+        assert served.sampler_check() == (True, "ok")
         status, text = request(served.server_http_port, "POST", "/v2/models/sampler/infer", body, headers)
     # What Triton 2.51 answers the attack itself; anything else means upstream changed: revisit.
     assert status == 500 and "Stub process 'sampler_0_0' is not healthy" in text, (status, text)
-    assert_recovers(served, lambda: sampler_answers(served), "wrapped shape, HTTP binary")
+    assert_recovers(served, lambda: served.sampler_check(), "wrapped shape, HTTP binary")
 
 
 def test_wrapped_shape_over_grpc_kills_the_stub_and_the_model_comes_back(served):
@@ -343,7 +238,7 @@ def test_wrapped_shape_over_grpc_kills_the_stub_and_the_model_comes_back(served)
         assert "Stub process 'sampler_0_0' is not healthy" in answer.value.message()
     finally:
         client.close()
-    assert_recovers(served, lambda: sampler_answers(served), "wrapped shape, gRPC")
+    assert_recovers(served, lambda: served.sampler_check(), "wrapped shape, gRPC")
 
 
 def test_wrapped_input_ids_shape_kills_the_generate_stub_and_it_comes_back(served):
@@ -359,23 +254,23 @@ def test_wrapped_input_ids_shape_kills_the_generate_stub_and_it_comes_back(serve
         client.stop_stream()
     finally:
         client.close()
-    assert_recovers(served, lambda: generate_answers(served), "wrapped input_ids shape, gRPC stream to generate")
+    assert_recovers(served, lambda: served.generate_check(), "wrapped input_ids shape, gRPC stream to generate")
 
 
-def _kill_with_json(served: Supervised, body: bytes, attack: str, refusal: tuple[int, str]) -> None:
+def _kill_with_json(served: Stack, body: bytes, attack: str, refusal: tuple[int, str]) -> None:
     headers = {"Content-Type": "application/json"}
     status, text = request(served.ports["http"], "POST", "/v2/models/sampler/infer", body, headers)
     if served.server_http_port != served.ports["http"]:  # the proxy refuses it before tritonserver sees it
         assert status == refusal[0] and refusal[1] in text, (status, text[:200])
-        assert sampler_answers(served) == (True, "ok")
+        assert served.sampler_check() == (True, "ok")
         status, text = request(served.server_http_port, "POST", "/v2/models/sampler/infer", body, headers)
     # Triton 2.51 dies without answering, and the supervisor restarts it; newer servers refuse the
     # body with a clean 400 (shape checks since 2.68, iterative JSON parsing since 2.69) and keep
     # running. Any other answer means upstream changed: revisit the test.
     assert status is None or (status == 400 and '"error"' in text), (status, text[:200])
-    assert_recovers(served, lambda: sampler_answers(served), attack)
+    assert_recovers(served, lambda: served.sampler_check(), attack)
     assert served.process.poll() is None, "the launcher itself died"
-    assert generate_answers(served)[0], "generate did not come back with the restarted server"
+    assert served.generate_check()[0], "generate did not come back with the restarted server"
     if served.server_http_port != served.ports["http"]:
         # a server that had served was killed by a request: restarted at once, the backoff not escalated
         deaths = [line for line in served.log_tail(200_000).splitlines() if "tritonserver died" in line]

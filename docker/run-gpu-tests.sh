@@ -39,7 +39,7 @@ trap cleanup EXIT
 # The repository the local tests serve (the sampler and its variants, plus the faulty sampler
 # test_reload loads on request), rewritten for GPUs, and the flags that serve it as the tests
 # expect: explicit model control, every model loaded but the faulty one.
-flags="$(.venv/bin/python -m client_tests.server "$workdir/models" --gpu)"
+flags="$(.venv/bin/python -m testbed.server "$workdir/models" --gpu)"
 mapfile -t server_flags <<<"$flags"
 
 # --ipc=host: the client's system shared-memory regions must be visible to the server (and the

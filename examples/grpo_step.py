@@ -8,8 +8,8 @@
 4. diagnostics: exact-support ratios (1 up to rounding), the kept mass the truncation left (the
    trainer's and the server's `output_logprobs - sampling_logprobs`) and the full-vocabulary ratio
    a trainer ignoring the masks would use, KL(q || p_S) over the supports;
-5. receipts: every token re-derived from the trainer's logits and the request's (seed, step);
-   logits perturbed on purpose are flagged;
+5. receipts: the server's (`return_receipts=True`: each token's seed and step), every token
+   re-derived from the trainer's logits with them; logits perturbed on purpose are flagged;
 6. the loss: PPO-clipped policy gradient with the exact-support centred score plus a KL(q || p_S)
    penalty, backpropagated into the policy.
 
@@ -57,7 +57,7 @@ def rollout(url: str, protocol: str, model: str):
         for i in range(len(requests))
     ]
     with GenerateClient(url, protocol=protocol, model_name=model) as client:
-        results = client.generate(requests, params, MAX_NEW_TOKENS, ignore_eos=True)
+        results = client.generate(requests, params, MAX_NEW_TOKENS, ignore_eos=True, return_receipts=True)
     return requests, params, results
 
 
@@ -105,7 +105,8 @@ def main(argv: list[str] | None = None) -> None:
     assert worst_kl < tolerance, f"KL(q || p_S) is {worst_kl} with the same weights"
 
     # 5. Receipts: the trainer's logits re-draw every token; perturbed ones do not.
-    receipts = SamplingReceipts.for_generation(params, lengths)
+    receipts = tokens.receipts  # the server's; for seeded requests, what the requests alone give
+    assert (receipts.seed == SamplingReceipts.for_generation(params, lengths).seed).all()
     rederived = rederive_tokens(logits.detach(), receipts, tokens.output_ids)
     assert not rederived.flagged.any(), f"train-inference mismatch: {rederived.summary()}"
     noise = torch.randn(logits.shape, generator=torch.Generator().manual_seed(0), dtype=logits.dtype)

@@ -10,7 +10,7 @@ import torch
 
 from triton_sampling_mask.sampling.backends import TorchSamplingBackend
 from triton_sampling_mask.sampling.batching import BatchSampler
-from triton_sampling_mask.sampling.outputs import TOKEN_OUTPUT_NAMES
+from triton_sampling_mask.sampling.outputs import SAMPLED_OUTPUT_NAMES
 from triton_sampling_mask.sampling.params import RowParams
 
 WIDTH = 16
@@ -58,8 +58,11 @@ def check_batch(batch_sampler, requests, refused: set[int]):
             assert outcome.error == alone.error and outcome.reason == alone.reason
             continue
         assert outcome.error is None, (position, outcome.error)
-        assert set(outcome.outputs) == set(TOKEN_OUTPUT_NAMES)
-        for name in TOKEN_OUTPUT_NAMES:
+        assert set(outcome.outputs) == set(SAMPLED_OUTPUT_NAMES)
+        # The receipt is each row's own seed, as it sent it (uint64, all 64 bits).
+        np.testing.assert_array_equal(outcome.outputs["sampling_seed"].reshape(-1), params.seed)
+        assert outcome.outputs["sampling_seed"].dtype == np.uint64
+        for name in SAMPLED_OUTPUT_NAMES:
             value = outcome.outputs[name]
             assert value.shape[0] == logits.shape[0], (position, name, value.shape)
             np.testing.assert_array_equal(value, alone.outputs[name], err_msg=f"request {position}, {name}")
@@ -105,3 +108,19 @@ def test_a_refused_request_names_its_first_bad_row(batch_sampler):
     outcome = batch_sampler.run([request(1, 300, seed=1), (logits, params)])[1]
     assert outcome.error.startswith("top_p must be in (0, 1]") and outcome.error.endswith("(row 2)")
     assert outcome.reason == "top_p"
+
+
+def test_an_unseeded_row_receives_the_seed_its_draw_used(batch_sampler):
+    """Rows without a seed draw one on the server; the answer carries it, and sampling the same
+    logits with that seed draws the same token (the receipt is what the noise used)."""
+    logits, params = request(6, 400, seed=12)
+    params.has_seed[::2] = False  # rows 0, 2, 4 unseeded
+    outcome = batch_sampler.run([(logits, params)])[0]
+    seeds = outcome.outputs["sampling_seed"].reshape(-1)
+    np.testing.assert_array_equal(seeds[1::2], params.seed[1::2])
+    assert len(set(seeds[::2].tolist()) - set(params.seed.tolist())) == 3  # fresh 64-bit draws
+    replayed = params.with_seeds(seeds)
+    replayed.has_seed[:] = True
+    again = batch_sampler.run([(logits, replayed)])[0]
+    for name in SAMPLED_OUTPUT_NAMES:
+        np.testing.assert_array_equal(outcome.outputs[name], again.outputs[name], err_msg=name)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from bench import baseline, kernel, report, run, stream_cost
+from bench import api_cost, baseline, kernel, report, run, stream_cost
 from tests.reference import reference_row
 
 
@@ -124,7 +124,7 @@ def _check_targets_and_top_p(results: dict) -> None:
     assert all(_positive_finite(v) for v in [*top_p["ms"].values(), *top_p["over_ours"].values()])
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)  # one tritonserver per served table, the API process too: minutes on 2 loaded cores
 def test_tiny_benchmark_writes_results(tmp_path):
     """`make bench` on tiny sizes, served part included (it starts its own tritonserver)."""
     output, plot = tmp_path / "latest.json", tmp_path / "ratios.png"
@@ -171,6 +171,11 @@ def test_tiny_benchmark_writes_results(tmp_path):
         figures = ("ttft_p50_ms", "ttft_p99_ms", "tokens_per_s")
         assert all(_positive_finite(stream[side][name]) for side in ("direct", "proxy") for name in figures)
         assert all(_positive_finite(results["targets"][key]["value"]) for key in stream_cost.TARGETS)
+    # The HTTP API's cost: both paths streamed every token at each stream count, the target reported.
+    for point in results["api_cost"]["points"].values():
+        assert point["grpc"]["tokens"] == point["http"]["tokens"] > 0
+        assert _positive_finite(point["api_cpu_us_per_token"]) and _positive_finite(point["http"]["ttft_p50_ms"])
+    assert set(api_cost.TARGETS) <= set(results["targets"])
     assert plot_args == ["--no-plot"] or plot.stat().st_size > 0
 
 
@@ -186,3 +191,74 @@ def test_tiny_gpu_grid_runs_on_cpu(tmp_path):
     for case in results["kernel"]:
         assert {"ours_plain_mask", "vllm_nomask", "baseline_nomask"} <= set(case["rival_over_ours"])
         assert all(_positive_finite(v) for v in case["rival_over_ours"].values())
+
+
+# A small results table as `make bench` writes it (only the fields bench/plots.py reads).
+PLOT_FIXTURE = {
+    "timestamp": "2026-12-03T00:00:00+00:00",
+    "device": "cpu",
+    "machine": {"cpu": "fixture"},
+    "served": {
+        "vocab": 2000,
+        "in_process": [{"rows_per_call": 1, "rows_per_s": 800.0}, {"rows_per_call": 4, "rows_per_s": 1300.0}],
+        "served": [
+            {
+                "protocol": protocol,
+                "concurrency": c,
+                "rows_per_s": 100.0 * c,
+                "p50_ms": 2.0 * c,
+                "p90_ms": 3.0 * c,
+                "p99_ms": 5.0 * c,
+                "requests": 500,
+            }
+            for protocol in ("http", "grpc")
+            for c in (1, 4)
+        ],
+    },
+    "step_latency": {
+        "vocab": 2000,
+        "points": [
+            {
+                "rows": rows,
+                "path": "grpc",
+                "concurrency": c,
+                "calls": 1000,
+                "p50_ms": 1.0,
+                "p99_ms": 2.0,
+                "p999_ms": 3.0,
+                "max_ms": 4.0,
+                "rows_per_s": 50.0 * rows * c,
+            }
+            for rows in (1, 8)
+            for c in (1, 2)
+        ],
+    },
+}
+SPECULATIVE_FIXTURE = {
+    "points": [
+        {"workload": w, "streams": s, "algorithm": a, "tokens_per_s": 100.0 * s * (2 if a == "ngram" else 1)}
+        for w in ("repetitive", "non-repetitive")
+        for s in (1, 8)
+        for a in ("none", "ngram")
+    ]
+}
+
+
+def test_quantile_points_put_each_kept_figure_at_its_quantile():
+    from bench import plots
+
+    point = {"p99_ms": 9.0, "p50_ms": 2.0, "p999_ms": 20.0, "max_ms": 31.0, "calls": 1000}
+    assert plots.quantile_points(point) == ([2.0, 9.0, 20.0, 31.0], [0.5, 0.99, 0.999, 1 - 1 / 2000])
+    assert plots.quantile_points({"p50_ms": 1.0, "p90_ms": 2.0, "requests": 10}) == ([1.0, 2.0], [0.5, 0.9])
+
+
+def test_the_figures_render_from_a_results_table(tmp_path):
+    pytest.importorskip("matplotlib", reason="matplotlib comes with `make bench` (the bench extra)")
+    from bench import plots
+
+    written = plots.render(PLOT_FIXTURE, tmp_path, "gpu_", SPECULATIVE_FIXTURE)
+    assert [path.name for path in written] == [f"gpu_{name}" for name in plots.FIGURES]
+    for path in written:
+        assert path.read_bytes().startswith(b"\x89PNG\r\n\x1a\n") and path.stat().st_size > 10_000
+    # without served tables or speculative results there is nothing to draw, and nothing is written
+    assert plots.render({"kernel": []}, tmp_path / "none") == [] and not (tmp_path / "none").exists()

@@ -400,3 +400,104 @@ def test_the_image_runs_the_front_door():
     assert any("--no-install-recommends haproxy" in command for command in commands), commands
     assert any("-m triton_sampling_mask.ops.proxy --model-repository /models" in command for command in commands)
     assert "--no-proxy" not in (REPO_ROOT / "docker" / "serve.sh").read_text()
+
+
+def _package_module_path(module: str) -> Path | None:
+    """plugin/... of a `triton_sampling_mask.` module (a module file or a package's __init__)."""
+    relative = module.removeprefix("triton_sampling_mask").lstrip(".").replace(".", "/")
+    for path in (REPO_ROOT / "plugin" / f"{relative}.py", REPO_ROOT / "plugin" / relative / "__init__.py"):
+        if path.is_file():
+            return path
+    return None
+
+
+def imported_distributions(modules: list[str]) -> dict[str, str]:
+    """{top-level module: importer} of every third-party module `modules` import, following the
+    package's own imports (relative and absolute) to the modules they reach; lazy imports count."""
+    third_party, seen, todo = {}, set(), list(modules)
+    while todo:
+        module = todo.pop()
+        if module in seen:
+            continue
+        seen.add(module)
+        path = _package_module_path(module)
+        assert path is not None, f"no file for {module}"
+        package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level:
+                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{base}.{node.module}" if node.module else base
+                names = [base] + [f"{base}.{alias.name}" for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                if name.startswith("triton_sampling_mask"):
+                    if _package_module_path(name) is not None:
+                        todo.append(name)
+                elif name.split(".")[0] not in sys.stdlib_module_names and name != "__future__":
+                    third_party.setdefault(name.split(".")[0], module)
+    return third_party
+
+
+def image_requirements(line) -> set[str]:
+    """The distributions the image's pip line names: its pins, the project's dependencies and
+    those of the extras it installs (canonical names)."""
+    import tomllib
+
+    project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
+    names = set()
+    for target in pip_install_targets(DOCKERFILE.read_text(), line):
+        if target.startswith(str(REPO_ROOT)):
+            extras = re.findall(r"[\w-]+", target[len(str(REPO_ROOT)) :])
+            requirements = project["dependencies"] + [
+                r for extra in extras for r in project["optional-dependencies"][extra]
+            ]
+            names |= {canonicalize_name(Requirement(requirement).name) for requirement in requirements}
+            names.add("triton-sampling-mask")
+        else:
+            names.add(canonicalize_name(Requirement(target).name))
+    return names
+
+
+def test_the_image_installs_what_the_defences_on_its_plan_import():
+    """Every defence the launcher runs in the image (the default line's server, in a container)
+    has its imports declared in the image's pip line: a defence whose library is missing would
+    fail only when it first runs."""
+    from importlib.metadata import packages_distributions
+
+    from triton_sampling_mask.ops import capabilities, workarounds
+
+    line = LINES[DEFAULT_LINE]
+    version = ".".join(line.triton.split(".")[:2])
+    help_text = (REPO_ROOT / "tests" / "fixtures" / f"tritonserver-help-{version}.txt").read_text()
+    caps = capabilities.ServerCapabilities(
+        line.triton, capabilities.help_flags(help_text), container=True, private_ipc=True, private_cgroup=True
+    )
+    on = [workaround for workaround in workarounds.WORKAROUNDS if workaround.runs(caps)]
+    assert {"stream_gate", "json_checks"} <= {workaround.name for workaround in on}
+    modules = [module for workaround in on for module in workaround.modules]
+    installed = image_requirements(line)
+    distributions = packages_distributions()
+    for top_level, importer in imported_distributions(modules).items():
+        providers = {canonicalize_name(name) for name in distributions.get(top_level, [top_level])}
+        assert providers & installed, (
+            f"{importer} imports {top_level} ({', '.join(sorted(providers))}), which docker/Dockerfile's pip line "
+            f"does not install: add it to an extra the image installs"
+        )
+    # files a defence runs that are not Python ship as package data
+    package_data = tomllib_package_data()
+    for workaround in on:
+        for file in workaround.files:
+            relative = PurePosixPath(file).relative_to("plugin/ops")
+            assert any(relative.match(pattern) for pattern in package_data["triton_sampling_mask.ops"]), file
+
+
+def tomllib_package_data() -> dict[str, list[str]]:
+    """pyproject's [tool.setuptools.package-data]."""
+    import tomllib
+
+    return tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]

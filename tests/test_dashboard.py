@@ -8,6 +8,7 @@ from pathlib import Path
 
 import yaml
 
+from triton_sampling_mask.ops import proxy_metrics
 from triton_sampling_mask.serving.metrics import GenerateMetrics, SamplerMetrics
 
 from .metrics_stub import MetricStub
@@ -19,13 +20,14 @@ KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "boo
 
 
 def exported_names() -> set[str]:
-    """The families both models register (through a stand-in pb_utils), and Triton's own series
-    that docs/metrics.md lists (the client tests check those against a real server)."""
+    """The families both models register (through a stand-in pb_utils), the front door's series
+    (ops.proxy_metrics) and Triton's own series that docs/metrics.md lists (the client tests check
+    those against a real server)."""
     stub = MetricStub.reset()
     SamplerMetrics(stub, "sampler", "1", 512)
     GenerateMetrics(stub, "generate")
     triton = set(re.findall(r"`(nv_\w+)`", (REPO_ROOT / "docs" / "metrics.md").read_text()))
-    return set(stub.families) | triton
+    return set(stub.families) | set(proxy_metrics.TYPES) | triton
 
 
 def metric_names(expr: str) -> set[str]:
@@ -83,6 +85,7 @@ def test_every_dashboard_query_names_an_exported_series():
         "generate_inter_token_latency_seconds_bucket",
         "generate_requests_rejected_total",
         "generate_neg_log_kept_mass_bucket",
+        "proxy_requests_refused_total",
     ):
         assert name in used, name
 

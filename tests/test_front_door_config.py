@@ -16,7 +16,7 @@ import pytest
 from tritonclient.grpc import service_pb2
 
 from triton_sampling_mask.model_config import dims, read_config_file
-from triton_sampling_mask.ops import memory_limit, proxy, proxy_config
+from triton_sampling_mask.ops import memory_limit, proxy, proxy_config, proxy_metrics
 from triton_sampling_mask.ops.proxy import FrontDoor, ProxyError
 from triton_sampling_mask.ops.proxy_config import ProxyLimits, ProxyPlan
 from triton_sampling_mask.ops.stream_gate import is_final
@@ -68,8 +68,8 @@ def plan(tmp_path: Path, **limits) -> ProxyPlan:
     key_file = tmp_path / "admin.key"
     key_file.write_text("user-key\n")
     return ProxyPlan(
-        public={"http": 18000, "grpc": 18001, "metrics": 18002, "probe": 18003},
-        internal={"http": 19000, "grpc": 19001, "metrics": 19002, "probe": 19003, "stream_gate": 19004},
+        public={"http": 18000, "grpc": 18001, "metrics": 18002, "probe": 18003, "api": 18004},
+        internal={"http": 19000, "grpc": 19001, "metrics": 19002, "probe": 19003, "stream_gate": 19004, "api": 19005},
         admin_key_file=key_file,
         internal_key="internal-key",
         routes=proxy_config.model_routes(REPOSITORY, 12288),
@@ -83,6 +83,9 @@ def test_the_generated_config_passes_haproxy_check_without_a_warning(tmp_path, o
     config = plan(tmp_path)
     if open_admin:
         config = dataclasses.replace(config, admin_key_file=None)
+    exporter = proxy_metrics.exporter_available(proxy.find_haproxy())
+    if exporter:  # the counters' unix socket (ops.proxy_metrics), where this haproxy has the exporter
+        config = dataclasses.replace(config, stats_socket=tmp_path / "stats.sock")
     path = tmp_path / "haproxy.cfg"
     path.write_text(proxy_config.render(config))
     done = subprocess.run([proxy.find_haproxy(), "-c", "-f", str(path)], capture_output=True, text=True, timeout=60)
@@ -91,12 +94,19 @@ def test_the_generated_config_passes_haproxy_check_without_a_warning(tmp_path, o
     assert "stats socket" not in text.replace("# no stats socket", "")  # 'show acl' would print the key
     assert ("admin_ok always_true" in text) == open_admin
     assert "user-key" not in text  # the user's key stays in its own file
+    assert (f"bind unix@{tmp_path / 'stats.sock'} mode 600" in text) == exporter
 
 
 def test_the_config_holds_the_limits_it_is_given(tmp_path):
-    text = proxy_config.render(plan(tmp_path, max_connections=900, max_in_flight=7, max_queue=5, queue_timeout_s=1.5))
+    text = proxy_config.render(
+        plan(tmp_path, max_connections=900, max_in_flight=7, max_queue=5, queue_timeout_s=1.5, requests_per_ip=3)
+    )
     assert "maxconn 450\n" in text  # half for each of the HTTP and gRPC ports
-    assert text.count("maxconn 7\n") == 6  # every model route's server, HTTP and gRPC
+    assert text.count("maxconn 7\n") == 7  # every model route's server, HTTP and gRPC, and the API's
+    # each model route counts every address's requests in a table of its own, refused past 3
+    for backend in proxy_config.SHARED_BACKENDS:
+        assert f"track-sc2 src table st_share_{backend} if " in text and f"backend st_share_{backend}\n" in text
+    assert text.count("{ sc2_trackers gt 3 }") == 3  # HTTP, gRPC and the API's frontends
     assert "queue(be_http_sampler) ge 5" in text and "queue(be_grpc_infer) ge 5" in text
     assert "timeout queue 1500ms" in text
     assert "bind 0.0.0.0:18000\n" in text and "127.0.0.1:19004 proto h2" in text
@@ -180,3 +190,9 @@ def test_a_cgroup_cage_kills_only_what_runs_in_it_and_counts_it():
     finally:
         cage.remove()
     assert not cage.path.exists()
+
+
+def test_the_side_ports_bind_where_the_deployment_says(tmp_path):
+    text = proxy_config.render(dataclasses.replace(plan(tmp_path), side_bind_address="127.0.0.1"))
+    assert "bind 127.0.0.1:18002\n" in text and "bind 127.0.0.1:18003\n" in text  # metrics, probe
+    assert "bind 0.0.0.0:18000\n" in text and "bind 0.0.0.0:18001 proto h2\n" in text  # the public ones

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from client_tests.server import MODEL_REPOSITORY
+from testbed.server import MODEL_REPOSITORY
 from triton_sampling_mask.model_config import parse_config_text, read_config_file
 from triton_sampling_mask.ops.gpu_repository import build_gpu_repository, gpu_config_text
 from triton_sampling_mask.serving.deployment import instance_device

@@ -25,7 +25,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 CHART = REPO_ROOT / "docker" / "helm" / "triton-sampling-mask"
 RELEASE, NAMESPACE = "rl", "sampling"
 FULLNAME = f"{RELEASE}-triton-sampling-mask"
-PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002, "probe": 8003}
+PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002, "probe": 8003, "api": 9000}
 PENDING_METRIC = "nv_inference_pending_request_count"
 # The launcher's charset for TRITON_ADMIN_KEY (server_process.admin_args).
 ADMIN_KEY_CHARSET = r"[A-Za-z0-9._~+/-]+"
@@ -35,7 +35,10 @@ HARDENED = {
     "image": {"digest": "sha256:" + "0" * 64, "pullPolicy": "Always"},
     "podSecurityContext": {"runAsUser": 10001, "runAsGroup": 10001, "fsGroup": 10001},
 }
-EVERYTHING_ON = {"autoscaling": {"enabled": True}, "metrics": {"serviceMonitor": {"enabled": True}}}
+EVERYTHING_ON = {
+    "autoscaling": {"enabled": True},
+    "metrics": {"serviceMonitor": {"enabled": True}, "grafanaDashboard": {"enabled": True}},
+}
 CHECKOV_TIMEOUT_S = 120
 
 
@@ -145,6 +148,7 @@ def test_default_objects_all_in_the_release_namespace():
         "ServiceAccount",
     ]
     assert sorted(m["kind"] for m in render(EVERYTHING_ON)) == [
+        "ConfigMap",
         "Deployment",
         "HorizontalPodAutoscaler",
         "NetworkPolicy",
@@ -226,6 +230,30 @@ def test_service_exposes_every_port_by_name():
     assert sorted(port["port"] for port in policy["spec"]["ingress"][0]["ports"]) == sorted(PORTS.values())
 
 
+def test_http_api_port_and_key_reach_the_launcher():
+    """The API's port is the launcher's TRITON_API_PORT, served by the container, the Service and
+    the NetworkPolicy; 0 runs no API and leaves it out; its key comes from a Secret only."""
+    from triton_sampling_mask.ops import settings
+
+    manifests = render()
+    assert PORTS["api"] == settings.TRITON_API_PORT.default
+    assert env(manifests)["TRITON_API_PORT"]["value"] == str(PORTS["api"])
+    assert "TRITON_API_KEY" not in env(manifests)
+
+    manifests = render({"ports": {"api": 0}, "apiKey": {"existingSecret": "sampler-api"}})
+    assert env(manifests)["TRITON_API_PORT"]["value"] == "0"
+    assert "api" not in {port["name"] for port in container(manifests)["ports"]}
+    assert "api" not in {port["name"] for port in one(manifests, "Service")["spec"]["ports"]}
+    policy_ports = {port["port"] for port in one(manifests, "NetworkPolicy")["spec"]["ingress"][0]["ports"]}
+    assert policy_ports == {port for name, port in PORTS.items() if name != "api"}
+    assert env(manifests)["TRITON_API_KEY"] == {
+        "name": "TRITON_API_KEY",
+        "valueFrom": {"secretKeyRef": {"name": "sampler-api", "key": "api-key"}},
+    }
+    with pytest.raises(Exception, match="api"):
+        render({"ports": {"api": 70000}})
+
+
 def test_metrics_scrape_annotations_and_service_monitor():
     template = one(render(), "Deployment")["spec"]["template"]
     assert template["metadata"]["annotations"] == {
@@ -244,7 +272,22 @@ def test_metrics_scrape_annotations_and_service_monitor():
     assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
     assert monitor["spec"]["selector"]["matchLabels"].items() <= one(manifests, "Service")["metadata"]["labels"].items()
     assert monitor["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
-    assert [(e["port"], e["path"]) for e in monitor["spec"]["endpoints"]] == [("metrics", "/metrics")]
+    assert [(e["port"], e["path"]) for e in monitor["spec"]["endpoints"]] == [
+        ("metrics", "/metrics"),
+        ("probe", "/metrics"),
+    ]
+
+
+def test_grafana_dashboard_configmap_holds_the_dashboard_behind_its_flag():
+    """Off by default; on, a ConfigMap with the sidecar's label holding docker/grafana/dashboard.json as it is."""
+    assert not [m for m in render() if m["kind"] == "ConfigMap"]
+    values = {"metrics": {"grafanaDashboard": {"enabled": True, "annotations": {"grafana_folder": "Inference"}}}}
+    config_map = one(render(values), "ConfigMap")
+    assert config_map["metadata"]["namespace"] == NAMESPACE
+    assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert config_map["metadata"]["annotations"] == {"grafana_folder": "Inference"}
+    (text,) = config_map["data"].values()
+    assert json.loads(text) == json.loads((REPO_ROOT / "docker" / "grafana" / "dashboard.json").read_text())
 
 
 def test_autoscaler_scales_the_deployment_on_pending_requests_per_pod():

@@ -1,6 +1,7 @@
 """The package's dependencies point one way: each subpackage imports with the others' heavy
-dependencies (and the layers above it) made unimportable, in a fresh interpreter; and the import
-graph of the package, bench/ and the tests, read from the source, has no circle."""
+dependencies (and the layers above it) made unimportable, in a fresh interpreter; the import
+graph of the package, bench/, testbed/ and the tests, read from the source, has no circle; and
+each of those trees imports only the trees below it (the package none of them)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,16 @@ TREES = {
     "bench": REPO_ROOT / "bench",
     "tests": REPO_ROOT / "tests",
     "client_tests": REPO_ROOT / "client_tests",
+    "testbed": REPO_ROOT / "testbed",
+}
+# Tree -> the other trees it may import. The package imports none of them; the harnesses both the
+# client tests and the benchmarks run (testbed) import neither, and those two never each other.
+TREE_IMPORTS = {
+    "triton_sampling_mask": set(),
+    "testbed": {"triton_sampling_mask"},
+    "bench": {"triton_sampling_mask", "testbed"},
+    "client_tests": {"triton_sampling_mask", "testbed", "tests"},
+    "tests": {"triton_sampling_mask", "testbed", "bench"},
 }
 # The package's layers, lowest first (plugin/__init__.py): each may import only those before it.
 # model_config is shared by client, serving and ops (torch-free).
@@ -199,3 +210,24 @@ def test_a_planted_circle_is_found_even_through_a_function_local_import(tmp_path
     assert set(find_circle(graph)) == {"planted.first", "planted.sub.second"}
     (package / "sub" / "second.py").write_text("import os\n")
     assert find_circle(import_graph({"planted": package})) is None
+
+
+def cross_tree_imports(graph: dict[str, set[str]]) -> list[str]:
+    """The imports of `graph` from one tree into another that TREE_IMPORTS does not allow."""
+    return sorted(
+        f"{module} imports {target}"
+        for module, targets in graph.items()
+        for target in targets
+        if (tree := module.split(".")[0]) != (other := target.split(".")[0]) and other not in TREE_IMPORTS[tree]
+    )
+
+
+def test_each_tree_imports_only_the_trees_below_it():
+    assert set(TREE_IMPORTS) == set(TREES)
+    wrong = cross_tree_imports(import_graph(TREES))
+    assert not wrong, "\n".join(wrong)
+
+
+def test_a_planted_cross_tree_import_is_found():
+    graph = {"bench.load": {"client_tests.server", "testbed.stack"}, "testbed.stack": {"bench.common"}}
+    assert cross_tree_imports(graph) == ["bench.load imports client_tests.server", "testbed.stack imports bench.common"]

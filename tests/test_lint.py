@@ -69,4 +69,5 @@ def test_compose_reserves_gpus_and_shared_memory():
     devices = service["deploy"]["resources"]["reservations"]["devices"]
     assert any(d["driver"] == "nvidia" and "gpu" in d["capabilities"] for d in devices)
     assert service["shm_size"]
-    assert {p.split(":")[1] for p in service["ports"]} == {"8000", "8001", "8002"}
+    # HTTP, gRPC, metrics, and the probe port (its /metrics: the front door's refusals)
+    assert {p.split(":")[1] for p in service["ports"]} == {"8000", "8001", "8002", "8003"}

@@ -17,8 +17,8 @@ from triton_sampling_mask.sampling.sampler import SamplingResult
 
 REPOSITORY = Path(__file__).resolve().parent.parent / "model_repository"
 # Written out here, not derived from the tables' own helpers, so a wrong mapping there fails.
-TRITON_TYPES = {np.int32: "TYPE_INT32", np.float32: "TYPE_FP32", np.object_: "TYPE_STRING"}
-INPUT_TYPES = {**TRITON_TYPES, np.uint64: "TYPE_UINT64", np.bool_: "TYPE_BOOL"}
+TRITON_TYPES = {np.int32: "TYPE_INT32", np.uint64: "TYPE_UINT64", np.float32: "TYPE_FP32", np.object_: "TYPE_STRING"}
+INPUT_TYPES = {**TRITON_TYPES, np.bool_: "TYPE_BOOL"}
 
 
 def declared(model: str, kind: str = "output") -> dict:
@@ -70,7 +70,9 @@ def test_the_reader_gives_the_json_triton_gives_the_model():
 
 def test_result_types_carry_the_wire_names():
     assert SamplingResult.FIELDS[: len(outputs.TOKEN_OUTPUT_NAMES)] == outputs.TOKEN_OUTPUT_NAMES
-    assert tuple(f.name for f in dataclasses.fields(SampleResult)) == outputs.TOKEN_OUTPUT_NAMES
+    # The client's result: every output both models send, by name, then the receipts built from them.
+    names = tuple(f.name for f in dataclasses.fields(SampleResult))
+    assert names == (*outputs.SAMPLED_OUTPUT_NAMES, "receipts")
 
 
 def test_to_wire_casts_and_orders_by_the_table_and_padding_uses_the_fill():

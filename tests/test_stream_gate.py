@@ -5,6 +5,7 @@ offsets computed from the requests' sizes (the reference), for any split of the 
 
 from __future__ import annotations
 
+import asyncio
 import struct
 
 import hpack
@@ -26,6 +27,9 @@ class Transport:
 
     def write(self, data: bytes) -> None:
         self.written += data
+
+    def resume_reading(self) -> None:
+        pass
 
     def frames(self) -> list[tuple[int, int, int, bytes]]:
         out, pos = [], 0
@@ -130,3 +134,49 @@ def test_a_release_waits_for_the_end_of_a_header_block_the_proxy_has_begun():
     assert forwarded(gate)[0] == first + second
     kinds = [(f[0], f[2]) for f in gate.server.transport.frames()]
     assert kinds[-3:] == [(HEADERS, 3), (stream_gate.CONTINUATION, 3), (DATA, STREAM)]
+
+
+def _server_frames(gate: stream_gate.Relay) -> list[tuple[int, int, int, bytes]]:
+    frames = gate.server.transport.frames()
+    gate.server.transport.written.clear()
+    return frames
+
+
+def test_an_abandoned_stream_with_open_requests_is_drained_not_reset():
+    """The client resets a stream with two requests open: tritonserver gets END_STREAM and an open
+    window (no RST_STREAM, which would leave its queued responses behind for good); the stream's
+    remaining responses are read and credited back, never passed to the client."""
+    gate = relay(max_open=4)
+    gate.client_data(frame(DATA, 0, STREAM, grpc_message(b"a") + grpc_message(b"b")))
+    _server_frames(gate)
+    gate.client_data(frame(RST_STREAM, 0, STREAM, struct.pack(">I", 8)))
+    sent = _server_frames(gate)
+    assert not [f for f in sent if f[0] == RST_STREAM]
+    assert (DATA, END_STREAM, STREAM, b"") in sent
+    opened = {f[2] for f in sent if f[0] == WINDOW_UPDATE}
+    assert opened == {0, STREAM}
+    gate.client.transport.written.clear()
+    body = response(final=False) + response(final=True)
+    gate.server_data(frame(DATA, 0, STREAM, body))
+    credits = [(f[2], struct.unpack(">I", f[3])[0]) for f in _server_frames(gate) if f[0] == WINDOW_UPDATE]
+    assert sorted(credits) == [(0, len(body)), (STREAM, len(body))]
+    gate.server_data(frame(HEADERS, END_STREAM | 0x4, STREAM, hpack.Encoder().encode([("grpc-status", "0")])))
+    assert not gate.client.transport.written and STREAM not in gate.streams
+
+
+def test_a_lost_client_connection_drains_its_open_streams_then_closes():
+    gate = relay(max_open=4)
+    gate.client_data(frame(DATA, 0, STREAM, grpc_message(b"a")))
+    _server_frames(gate)
+    closed = []
+    gate.server.transport.close = lambda: closed.append(True)
+    gate.client.transport.close = lambda: None
+
+    async def lose():
+        gate.client_lost()
+
+    asyncio.run(lose())
+    sent = _server_frames(gate)
+    assert (DATA, END_STREAM, STREAM, b"") in sent and not closed
+    gate.server_data(frame(HEADERS, END_STREAM | 0x4, STREAM, hpack.Encoder().encode([("grpc-status", "0")])))
+    assert closed and gate.closed

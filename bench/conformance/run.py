@@ -16,7 +16,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.hostile import ADMIN_HEADER, ADMIN_KEY, launch, shipped_repository
+from testbed.stack import ADMIN_KEY, launch, shipped_repository
+from triton_sampling_mask.ops.server_process import ADMIN_HEADER
 
 from .probes import run_probes
 from .request_line import run_request_fuzz

@@ -24,11 +24,10 @@ from pathlib import Path
 
 import numpy as np
 
+from testbed.server import copy_model
 from triton_sampling_mask.client.sampler_client import SamplerClient
 from triton_sampling_mask.client.sampling_params import SamplingParams
 from triton_sampling_mask.ops.server_process import TritonServer
-
-MODEL_REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
 
 
 def drive(urls: list[str], protocol: str, threads: int, seconds: float, rows: int, vocab: int) -> dict:
@@ -89,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     repository = Path(tempfile.mkdtemp(prefix="replicas-bench-"))
-    shutil.copytree(MODEL_REPOSITORY / "sampler", repository / "sampler", ignore=shutil.ignore_patterns("__pycache__"))
+    copy_model(repository, "sampler")
     servers = [TritonServer(repository) for _ in range(args.replicas)]
     try:
         with ThreadPoolExecutor(args.replicas) as pool:

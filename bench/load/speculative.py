@@ -2,7 +2,7 @@
 (default tiny Llama) on a real tritonserver.
 
     .venv/bin/python -m bench.load.speculative [--streams 1 8 32] [--requests-per-stream 4]
-                                               [--max-new-tokens 128] [--rounds 3] [--tiny]
+                                               [--max-new-tokens 128] [--rounds 3] [--tiny] [--output JSON]
 
 Starts one server holding each workload's LM twice, as the shipped `generate` model with
 speculative_algorithm "none" and with "ngram" (the shipped drafting parameters). For each
@@ -22,25 +22,23 @@ p50 falls under speculation while the mean tracks tokens/s), the speed-up (the m
 rounds' ratios), and the acceptance rate
 and accepted tokens per drafted step from the server's counters. The outputs of both models are
 the same token for token (client_tests/test_speculative.py checks it), so only speed differs.
-`--tiny` is a smoke run (streams 1 and 2, one short request each), not a measurement.
+`--tiny` is a smoke run (streams 1 and 2, one short request each), not a measurement. `--output
+JSON` also writes the tokens/s per point, which bench/plots.py draws as speculative.png.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
-import tempfile
+import json
 import time
 from pathlib import Path
 
 import numpy as np
 
-from client_tests.generate_client import counter, wait_for_counter
-from client_tests.server import MODEL_REPOSITORY, set_parameter
-from triton_sampling_mask.ops.server_process import TritonServer
+from testbed.metrics import counter, wait_for_counter
+from testbed.server import copy_model
 
-from .generate import LoadStats, closed_loop
+from .generate import LoadStats, closed_loop, serving
 
 ALGORITHMS = ("none", "ngram")  # speculative_algorithm of the two models of each workload
 SPEC_COUNTERS = ("drafts", "drafted_tokens", "accepted_tokens")
@@ -74,16 +72,10 @@ def model_name(workload: str, algorithm: str) -> str:
 
 def build_repository(dest: Path) -> Path:
     """Per workload, the shipped generate model on its LM, with speculative_algorithm "none" and "ngram"."""
-    base = (MODEL_REPOSITORY / "generate" / "config.pbtxt").read_text()
     for workload, (lm, _) in WORKLOADS.items():
         for algorithm in ALGORITHMS:
-            name = model_name(workload, algorithm)
-            shutil.copytree(MODEL_REPOSITORY / "generate", dest / name, ignore=shutil.ignore_patterns("__pycache__"))
-            shutil.copy(LOOPING_LM, dest / name / "1")
-            text = set_parameter(
-                base.replace('name: "generate"', f'name: "{name}"'), "speculative_algorithm", algorithm
-            )
-            (dest / name / "config.pbtxt").write_text(set_parameter(text, "lm", lm))
+            parameters = {"speculative_algorithm": algorithm, "lm": lm}
+            copy_model(dest, "generate", model_name(workload, algorithm), parameters, files=(LOOPING_LM,))
     return dest
 
 
@@ -137,46 +129,47 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per point (order swapped each)")
     parser.add_argument("--tiny", action="store_true", help="a smoke run: streams 1 2, one 48-token request each")
+    parser.add_argument("--output", type=Path, help="also write the tokens/s as JSON (bench/plots.py draws it)")
     args = parser.parse_args()
+    points = []
     if args.tiny:
         args.streams, args.requests_per_stream, args.max_new_tokens, args.rounds = [1, 2], 1, 48, 2
-    workdir = Path(tempfile.mkdtemp())
-    started = time.perf_counter()
-    try:
-        with TritonServer(build_repository(workdir / "model_repository")) as server:
-            print(
-                f"server ready in {time.perf_counter() - started:.1f}s; streaming clients x "
-                f"{args.requests_per_stream} requests of {args.max_new_tokens} tokens; "
-                f"load average before: {os.getloadavg()}"
-            )
-            for workload_name, (_, workload) in WORKLOADS.items():  # warm-up
+    with serving(
+        build_repository, f"streaming clients x {args.requests_per_stream} requests of {args.max_new_tokens} tokens"
+    ) as server:
+        for workload_name, (_, workload) in WORKLOADS.items():  # warm-up
+            for algorithm in ALGORITHMS:
+                closed_loop(server.grpc_url, model_name(workload_name, algorithm), np.full((2, 1), 8), True, **workload)
+        header = f"{'workload / streams / algorithm':<34} {'tokens/s':>9} {'ITL p50':>8} {'ITL p99':>8} {'ITL mean':>8}"
+        print(header + "  (ms)")
+        for workload_name, (_, workload) in WORKLOADS.items():
+            for streams in args.streams:
+                budgets = np.full((streams, args.requests_per_stream), args.max_new_tokens)
+                runs = {algorithm: [] for algorithm in ALGORITHMS}
+                for round_ in range(args.rounds):  # interleaved, the order swapped every round
+                    for algorithm in ALGORITHMS[:: 1 if round_ % 2 == 0 else -1]:
+                        runs[algorithm].append(measure(server, model_name(workload_name, algorithm), budgets, workload))
                 for algorithm in ALGORITHMS:
-                    closed_loop(
-                        server.grpc_url, model_name(workload_name, algorithm), np.full((2, 1), 8), True, **workload
+                    print(row(f"{workload_name} / {streams} / {algorithm}", runs[algorithm]), flush=True)
+                    rates = [rate(stats) for stats, _ in runs[algorithm]]
+                    points.append(
+                        {
+                            "workload": workload_name,
+                            "streams": streams,
+                            "algorithm": algorithm,
+                            "tokens_per_s": float(np.median(rates)),
+                            "round_tokens_per_s": rates,
+                        }
                     )
-            header = (
-                f"{'workload / streams / algorithm':<34} {'tokens/s':>9} {'ITL p50':>8} {'ITL p99':>8} {'ITL mean':>8}"
-            )
-            print(header + "  (ms)")
-            for workload_name, (_, workload) in WORKLOADS.items():
-                for streams in args.streams:
-                    budgets = np.full((streams, args.requests_per_stream), args.max_new_tokens)
-                    runs = {algorithm: [] for algorithm in ALGORITHMS}
-                    for round_ in range(args.rounds):  # interleaved, the order swapped every round
-                        for algorithm in ALGORITHMS[:: 1 if round_ % 2 == 0 else -1]:
-                            runs[algorithm].append(
-                                measure(server, model_name(workload_name, algorithm), budgets, workload)
-                            )
-                    for algorithm in ALGORITHMS:
-                        print(row(f"{workload_name} / {streams} / {algorithm}", runs[algorithm]), flush=True)
-                    ratios = [rate(ngram[0]) / rate(none[0]) for none, ngram in zip(runs["none"], runs["ngram"])]
-                    print(
-                        f"{workload_name} / {streams}: ngram/none tokens/s x{np.median(ratios):.2f} "
-                        f"(median of {len(ratios)} interleaved rounds: {', '.join(f'{r:.2f}' for r in ratios)})"
-                    )
-            print(f"load average after: {os.getloadavg()} ({os.cpu_count()} CPUs; the clients run on them too)")
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+                ratios = [rate(ngram[0]) / rate(none[0]) for none, ngram in zip(runs["none"], runs["ngram"])]
+                print(
+                    f"{workload_name} / {streams}: ngram/none tokens/s x{np.median(ratios):.2f} "
+                    f"(median of {len(ratios)} interleaved rounds: {', '.join(f'{r:.2f}' for r in ratios)})"
+                )
+    if args.output:
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime())
+        args.output.write_text(json.dumps({"timestamp": stamp, "points": points}, indent=2) + "\n")
+        print(f"wrote {args.output}")
 
 
 if __name__ == "__main__":

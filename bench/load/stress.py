@@ -21,7 +21,7 @@ spent their time (client upload; Triton's queue and compute from its metrics por
 share of the clients and the server. It fails (exit 1) on any failure or lost request, on p99 of
 admitted requests >= 5 s, or on RSS after the last round more than 15% above RSS after the first.
 RSS counts the stubs' shared pools once per process and once per mapping (see
-`procfs.process_tree_rss`); PSS counts every page once, which is why both are shown.
+`testbed.process_memory.process_tree_rss`); PSS counts every page once, which is why both are shown.
 """
 
 from __future__ import annotations
@@ -42,14 +42,14 @@ from pathlib import Path
 
 import numpy as np
 
+from testbed.fronted import FrontedTritonServer
+from testbed.process_memory import ProcessMemory, cpu_seconds, mapped_shm_regions, process_tree_memory
+from testbed.soak import run_threads_for
 from triton_sampling_mask.client.replicas import DEFAULT_EJECT_BACKOFF_S, DEFAULT_MAX_EJECT_BACKOFF_S
 from triton_sampling_mask.ops import settings
-from triton_sampling_mask.ops.proxy import FrontedTritonServer
 from triton_sampling_mask.ops.proxy_config import QUEUE_TIMEOUT
 from triton_sampling_mask.ops.server_process import TritonServer
 from triton_sampling_mask.sampling.outputs import SAMPLING_MASK_LOGPROBS, TOKEN_OUTPUT_NAMES
-
-from .procfs import ProcessMemory, mapped_shm_regions, process_tree_memory
 
 MODEL = "sampler"
 # Every output but the [rows, W] per-support log-probs.
@@ -217,10 +217,6 @@ def tree_memory_mb(pid: int) -> tuple[list[ProcessMemory], float, float]:
     return memories, sum(m.rss for m in memories) / 2**20, sum(m.pss for m in memories) / 2**20
 
 
-def _server_cpu_s(pid: int) -> float:
-    return sum(memory.cpu_s for memory in process_tree_memory(pid))
-
-
 def _client_cpu_s() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
@@ -247,17 +243,12 @@ def run_round(
         for i in range(clients)
     ]
     counters_before, started = triton_counters(metrics_url), time.perf_counter()
-    client_cpu_before, server_cpu_before = _client_cpu_s(), _server_cpu_s(pid)
-    for thread in threads:
-        thread.start()
-    stop.wait(duration_s)
-    stop.set()
-    for thread in threads:
-        thread.join(timeout_s + 5)
+    client_cpu_before, server_cpu_before = _client_cpu_s(), cpu_seconds(pid)
+    run_threads_for(threads, stop, duration_s, timeout_s + 5)
     wall_s, cores = time.perf_counter() - started, len(os.sched_getaffinity(0))
     report = RoundReport(round=number)
     report.client_cpu = (_client_cpu_s() - client_cpu_before) / (wall_s * cores)
-    report.server_cpu = (_server_cpu_s(pid) - server_cpu_before) / (wall_s * cores)
+    report.server_cpu = (cpu_seconds(pid) - server_cpu_before) / (wall_s * cores)
     counters = triton_counters(metrics_url)
     admitted = np.array([s for t in threads for s in t.admitted])
     admitted_send = np.array([s for t in threads for s in t.admitted_send])

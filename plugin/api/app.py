@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import signal
 import sys
@@ -19,12 +18,13 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..client.generate_transport import GrpcConnection
 from .config import ApiConfig, build_parser, config_from_args
+from .encoding import JsonBody, sse_event
 from .errors import ApiError, from_validation_error
 from .openai_routes import OPENAI_NAMES, CompletionStream, OpenAIHandlers
 from .schemas import ChatCompletionRequest, CompletionRequest, GenerateRequest
@@ -34,12 +34,11 @@ from .weight_routes import add_weight_routes
 
 logger = logging.getLogger("triton_sampling_mask.api")
 _HEALTH_TIMEOUT_S = 2.0
+# How long an idle client connection is kept (uvicorn's default is 5 s): a client whose pooled
+# connection the server closed just as it sent a request on it sees a connection error, which a
+# trainer pausing between rollout batches (or the gRPC half of bench/api_cost.py) meets at 5 s.
+_KEEP_ALIVE_S = 75
 _OPEN_PATHS = ("/health",)
-
-
-def _sse(payload: dict | str) -> bytes:
-    text = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"), allow_nan=False)
-    return f"data: {text}\n\n".encode()
 
 
 async def _body(request: Request, model: type[BaseModel], limit: int) -> BaseModel:
@@ -146,7 +145,7 @@ def create_app(config: ApiConfig, service: ApiService | None = None) -> FastAPI:
         try:
             if not request.stream:
                 results = await service.runner.generate(sequences)
-                return JSONResponse(render(request, prompts, results))
+                return JsonBody(render(request, prompts, results))
             stream = CompletionStream(openai, request, prompts, sequences)
             return await _streamed(service.runner.stream(sequences), stream.opening(), stream.chunk, stream.closing)
         except ApiError:
@@ -175,7 +174,7 @@ def create_app(config: ApiConfig, service: ApiService | None = None) -> FastAPI:
             if not request.stream:
                 results = await service.runner.generate(sequences)
                 items = [sglang.item(request, r, rid, started) for r, rid in zip(results, rids)]
-                return JSONResponse(items if batch else items[0])
+                return JsonBody(items if batch else items[0])
             so_far = [SequenceSoFar(s) for s in sequences]
 
             def event(delta):
@@ -206,17 +205,17 @@ async def _streamed(deltas, opening: list[dict], render, closing) -> StreamingRe
     async def events():
         try:
             for chunk in opening:
-                yield _sse(chunk)
+                yield sse_event(chunk)
             if first is not None:
-                yield _sse(render(first))
+                yield sse_event(render(first))
                 async for delta in iterator:
-                    yield _sse(render(delta))
+                    yield sse_event(render(delta))
             for chunk in closing():
-                yield _sse(chunk)
-            yield _sse("[DONE]")
+                yield sse_event(chunk)
+            yield sse_event("[DONE]")
         except Exception as error:  # after the status line: the error travels in the stream
-            yield _sse(_stream_error(error).body())
-            yield _sse("[DONE]")
+            yield sse_event(_stream_error(error).body())
+            yield sse_event("[DONE]")
         finally:
             await iterator.aclose()
 
@@ -252,4 +251,12 @@ def main(argv: list[str] | None = None) -> None:
     # uvicorn stops accepting on SIGTERM / SIGINT and lets requests in flight finish, up to the grace
     # period; then it raises the signal again under the handler found before it: exit 0 on SIGTERM.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=10)
+    # uvicorn takes uvloop and httptools (the api extra) when they are installed.
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=10,
+        timeout_keep_alive=_KEEP_ALIVE_S,
+    )

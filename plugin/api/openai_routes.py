@@ -17,6 +17,7 @@ from .sequences import Delta, SequenceRequest, SequenceResult
 from .service import ApiService, Knobs
 from .sglang_routes import meta_info
 from .text import ChatTemplateError, render_chat
+from .timings import openai_timings
 from .token_fields import finite, mask_fields, token_ids
 
 # Completions' default budget when max_tokens is absent, as OpenAI's; chat's is the context's room.
@@ -80,6 +81,7 @@ def _sequences(
             request.ignore_eos,
             stops,
             request.skip_special_tokens,
+            request.return_timings,
         )
         for ids in prompts
         for j in range(request.n)
@@ -228,6 +230,8 @@ class OpenAIHandlers:
                 "stop_reason": result.stop_reason,
             }
             choice.update(_extensions(request, result.tokens, result.prompt_ids, True))
+            if request.return_timings:
+                choice["timings"] = openai_timings(result.timings, len(result.tokens.output_ids))
             choices.append(choice)
         return {
             "id": f"cmpl-{uuid.uuid4().hex}",
@@ -249,6 +253,8 @@ class OpenAIHandlers:
                 "stop_reason": result.stop_reason,
             }
             choice.update(_extensions(request, result.tokens, result.prompt_ids, False))
+            if request.return_timings:
+                choice["timings"] = openai_timings(result.timings, len(result.tokens.output_ids))
             if request.return_meta_info:
                 choice["meta_info"] = _meta_info(request, result)
                 choice["response_token_ids"] = token_ids(result.tokens)
@@ -287,6 +293,7 @@ class CompletionStream:
         self.started = [False] * len(sequences)
         self.offsets = [0] * len(sequences)
         self.completion_tokens = 0
+        self.choice_tokens = [0] * len(sequences)
         options = request.stream_options
         self.include_usage = bool(options and options.include_usage)
         self.continuous_usage = bool(options and options.continuous_usage_stats)
@@ -311,6 +318,7 @@ class CompletionStream:
         first = not self.started[index]
         self.started[index] = True
         self.completion_tokens += len(delta.tokens.output_ids)
+        self.choice_tokens[index] += len(delta.tokens.output_ids)
         if self.chat:
             choice = {
                 "index": index,
@@ -329,6 +337,8 @@ class CompletionStream:
         choice["finish_reason"] = delta.finish_reason
         choice["stop_reason"] = delta.stop_reason
         choice.update(_extensions(request, delta.tokens, self.sequences[index].prompt_ids, first and not self.chat))
+        if request.return_timings and delta.finish_reason:
+            choice["timings"] = openai_timings(delta.timings, self.choice_tokens[index])
         chunk = {**self.base, "choices": [choice]}
         if self.continuous_usage:
             chunk["usage"] = _usage(self.completion_tokens, self.prompts)

@@ -6,7 +6,7 @@ client that sends its defaults is served and one that relies on them is told.
 Extensions (documented in docs/api.md) follow the engines that introduced them: vLLM's `top_k`,
 `min_p`, `stop_token_ids`, `ignore_eos`, `skip_special_tokens`, `return_token_ids`,
 `add_generation_prompt`, `chat_template_kwargs`; SGLang's `return_sampling_mask`,
-`sampling_logprobs_mode`, `return_meta_info`; this API's `sampling_mask_format`.
+`sampling_logprobs_mode`, `return_meta_info`; this API's `sampling_mask_format` and `return_timings`.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ class SamplingFields(BaseModel):
     return_token_ids: bool = False
     return_sampling_mask: bool = False
     sampling_mask_format: Literal["lists", "compact"] = "lists"
+    return_timings: bool = False  # this API's: each choice's `timings` (plugin/api/timings.py)
     # OpenAI's fields the generate model does not use: their neutral values only (routes check).
     user: str | None = None
     presence_penalty: float | None = None
@@ -125,4 +126,5 @@ class GenerateRequest(BaseModel):
     return_text_in_logprobs: bool = False
     return_sampling_mask: bool = False
     sampling_logprobs_mode: Literal["selected", "support"] = "selected"
+    return_timings: bool = False  # this API's: the generate model's timings in meta_info
     stream: bool = False

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from ..client import AsyncGenerateClient, GenerateResult, SampleResult, concatenate_tokens
+from ..client.generate_client import RequestTimings
 from ..client.sampling_params import SamplingParams
 from ..sampling.outputs import (
     OUTPUT_IDS,
@@ -23,13 +24,16 @@ from ..sampling.outputs import (
     SAMPLING_MASK,
     SAMPLING_MASK_LEN,
     SAMPLING_MASK_LOGPROBS,
+    TIMING_OUTPUTS,
 )
-from .text import IncrementalDetokenizer, StopStrings
+from .text import IncrementalDetokenizer, StopStrings, ids_decoder
 
 FINISH_STOP, FINISH_LENGTH = "stop", "length"
 # The outputs every sequence receives, and those a mask request adds.
 PLAIN_OUTPUTS = (OUTPUT_IDS.name, OUTPUT_LOGPROBS.name)
 MASK_OUTPUTS = (SAMPLING_MASK.name, SAMPLING_MASK_LEN.name, SAMPLING_LOGPROBS.name, SAMPLING_MASK_LOGPROBS.name)
+# The per-request timings a request with `return_timings` adds (sent on its last response).
+TIMING_NAMES = tuple(spec.name for spec in TIMING_OUTPUTS)
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,7 @@ class SequenceRequest:
     ignore_eos: bool = False
     stop_strings: tuple[str, ...] = ()
     skip_special_tokens: bool = True
+    return_timings: bool = False  # ask the generate model for the request's timings
 
 
 @dataclass
@@ -55,6 +60,9 @@ class Delta:
     token_texts: list[str]  # each token's own piece of the text (what it completed)
     finish_reason: str | None = None  # "stop" or "length" on the sequence's last delta
     stop_reason: int | str | None = None  # the stop string or stop id that ended it (None for EOS)
+    # On the last delta of a sequence the engine ended, when asked: the generate model's timings
+    # (queue_time_s, time_to_first_token_s, generation_time_s); None for one a stop string ended.
+    timings: RequestTimings | None = None
 
 
 @dataclass
@@ -68,10 +76,13 @@ class SequenceResult:
     finish_reason: str
     stop_reason: int | str | None
     prompt_ids: tuple[int, ...] = ()
+    timings: RequestTimings | None = None  # as Delta.timings
 
 
 def _slice(result: SampleResult, stop: int) -> SampleResult:
-    """The first `stop` tokens of a result."""
+    """The first `stop` tokens of a result (the result itself when it holds no more)."""
+    if stop >= len(result.output_ids):
+        return result
     fields = SampleResult.__dataclass_fields__
     return SampleResult(**{n: (None if getattr(result, n) is None else getattr(result, n)[:stop]) for n in fields})
 
@@ -102,7 +113,7 @@ class _SequenceState:
             if match is not None:
                 kept = position + 1
                 break
-        finish, reason = None, None
+        finish, reason, timings = None, None, None
         if match is not None:
             self.text = self.text[: match.position]
             finish, reason = FINISH_STOP, match.string
@@ -114,16 +125,18 @@ class _SequenceState:
             finish = chunk.finish_reason
             last = int(ids[-1]) if len(ids) else None
             reason = last if finish == FINISH_STOP and last in self.request.stop_token_ids else None
+            timings = chunk.timings
         self.finished = finish is not None
         end = len(self.text) if self.finished else max(self.released, len(self.text) - self.stops.hold_back)
         released, self.released = self.text[self.released : end], end
         self.token_texts.extend(pieces)
-        return Delta(index, _slice(chunk, kept), released, pieces, finish, reason)
+        return Delta(index, _slice(chunk, kept), released, pieces, finish, reason, timings)
 
 
 def _outputs(requests: list[SequenceRequest]) -> tuple[str, ...]:
     masks = any(r.params.return_sampling_mask for r in requests)
-    return PLAIN_OUTPUTS + (MASK_OUTPUTS if masks else ())
+    timings = any(r.return_timings for r in requests)
+    return PLAIN_OUTPUTS + (MASK_OUTPUTS if masks else ()) + (TIMING_NAMES if timings else ())
 
 
 class SequenceRunner:
@@ -131,11 +144,13 @@ class SequenceRunner:
 
     def __init__(self, client: AsyncGenerateClient, tokenizer):
         self.client, self.tokenizer = client, tokenizer
+        self._decoders = {skip: ids_decoder(tokenizer, skip) for skip in (False, True)}
 
     def _state(self, request: SequenceRequest) -> _SequenceState:
+        skip = request.skip_special_tokens
         return _SequenceState(
             request,
-            IncrementalDetokenizer(self.tokenizer, request.skip_special_tokens),
+            IncrementalDetokenizer(self.tokenizer, skip, self._decoders[skip]),
             StopStrings(request.stop_strings),
         )
 
@@ -200,6 +215,7 @@ class SequenceRunner:
                     delta.finish_reason,
                     delta.stop_reason,
                     request.prompt_ids,
+                    delta.timings,
                 )
 
         await _gather_or_cancel([run(indices) for indices in groups.values()])
@@ -223,6 +239,7 @@ async def collect(deltas: AsyncIterator[Delta], requests: list[SequenceRequest])
                 last.finish_reason,
                 last.stop_reason,
                 request.prompt_ids,
+                last.timings,
             )
         )
     return results

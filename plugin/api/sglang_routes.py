@@ -23,6 +23,7 @@ from .errors import bad_request, from_validation_error
 from .schemas import GenerateRequest, SGLangSamplingParams
 from .sequences import FINISH_LENGTH, SequenceRequest, SequenceResult
 from .service import ApiService, Knobs
+from .timings import sglang_timings
 from .token_fields import finite, sglang_mask_fields, token_ids
 
 # SGLang's default budget when max_new_tokens is absent.
@@ -42,8 +43,18 @@ def _finish_reason(result) -> dict | None:
     return {"type": "stop", "matched": matched}
 
 
-def meta_info(result, rid: str, masks: bool, logprobs_mode: str, logprobs: bool, texts: bool = False, started=None):
-    """SGLang's meta_info of a sequence (whole, or so far while streaming)."""
+def meta_info(
+    result,
+    rid: str,
+    masks: bool,
+    logprobs_mode: str,
+    logprobs: bool,
+    texts: bool = False,
+    started=None,
+    timings: bool = False,
+):
+    """SGLang's meta_info of a sequence (whole, or so far while streaming); `timings` adds the
+    generate model's timings once the sequence has them (plugin/api/timings.py)."""
     tokens: SampleResult = result.tokens
     info = {
         "id": rid,
@@ -54,6 +65,8 @@ def meta_info(result, rid: str, masks: bool, logprobs_mode: str, logprobs: bool,
     }
     if started is not None:
         info["e2e_latency"] = time.monotonic() - started
+    if timings:
+        info.update(sglang_timings(result.timings, len(tokens.output_ids)))
     if logprobs:
         values = finite(tokens.output_logprobs)
         pieces = result.token_texts if texts else [None] * len(values)
@@ -158,6 +171,7 @@ class GenerateHandler:
                         p.ignore_eos,
                         stops,
                         p.skip_special_tokens,
+                        request.return_timings,
                     )
                 )
         rids = _rids(request.rid, len(sequences))
@@ -175,6 +189,7 @@ class GenerateHandler:
                 request.return_logprob,
                 request.return_text_in_logprobs,
                 started,
+                request.return_timings,
             ),
         }
 
@@ -200,12 +215,14 @@ class SequenceSoFar:
         self.token_texts: list[str] = []
         self.finish_reason: str | None = None
         self.stop_reason = None
+        self.timings = None
 
     def add(self, delta) -> SequenceSoFar:
         self.parts.append(delta.tokens)
         self.text += delta.text
         self.token_texts += delta.token_texts
         self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
+        self.timings = delta.timings
         self.tokens = concatenate_tokens(self.parts)
         self.parts = [self.tokens]
         return self

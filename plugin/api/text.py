@@ -67,19 +67,40 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool, te
     return tokenizer.encode(text, add_special_tokens=False)
 
 
+def ids_decoder(tokenizer, skip_special_tokens: bool):
+    """`ids -> text` as `tokenizer.decode(ids, skip_special_tokens=...)` answers it: the tokenizers
+    library's own decode where transformers' wrapper adds nothing to it (a fast tokenizer whose
+    classes keep the base decode and that cleans up no spaces), which spares the wrapper's argument
+    conversions on every streamed token; the wrapper itself otherwise."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    try:
+        from transformers import PreTrainedTokenizerFast
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+    except ImportError:  # pragma: no cover - transformers comes with the api extra
+        backend = None
+    plain = (
+        backend is not None
+        and isinstance(tokenizer, PreTrainedTokenizerFast)
+        and type(tokenizer).decode is PreTrainedTokenizerBase.decode
+        and type(tokenizer)._decode is PreTrainedTokenizerFast._decode
+        and not getattr(tokenizer, "clean_up_tokenization_spaces", False)
+    )
+    if plain:
+        return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
 class IncrementalDetokenizer:
     """Text of a growing token sequence, one token at a time, each UTF-8 character released whole.
 
     Only a short window of ids is decoded per token (the ids since the last released text, plus
     those before them for context), so a step costs the same at token 10 and token 10,000."""
 
-    def __init__(self, tokenizer, skip_special_tokens: bool = True):
-        self._tokenizer, self._skip = tokenizer, skip_special_tokens
+    def __init__(self, tokenizer, skip_special_tokens: bool = True, decode=None):
+        """`decode` (ids -> text, as `ids_decoder` makes it) may be passed to share one."""
+        self._decode = decode or ids_decoder(tokenizer, skip_special_tokens)
         self._ids: list[int] = []
         self._prefix_offset = self._read_offset = 0
-
-    def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=self._skip)
 
     def push(self, token_id: int) -> str:
         """Add one token; the text it completes ("" while a character is still incomplete)."""

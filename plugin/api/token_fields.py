@@ -19,13 +19,18 @@ from ..client import SampleResult
 from ..client.converters import to_prime_rl
 
 LOGPROB_FLOOR = -9999.0
+_INF = float("inf")
 MASK_FORMATS = ("lists", "compact")
 
 
 def finite(values: np.ndarray) -> list[float]:
     """Log-probs as JSON numbers (-inf and NaN as LOGPROB_FLOOR)."""
-    array = np.asarray(values, np.float64)
-    return np.where(np.isfinite(array), array, LOGPROB_FLOOR).tolist()
+    return _finite_list(np.asarray(values).tolist())
+
+
+def _finite_list(values: list[float]) -> list[float]:
+    # Python floats of a float32 array equal its float64 values; NaN fails both comparisons.
+    return [v if -_INF < v < _INF else LOGPROB_FLOOR for v in values]
 
 
 def token_ids(tokens: SampleResult) -> list[int]:
@@ -59,22 +64,18 @@ def mask_fields(tokens: SampleResult, mask_format: str) -> dict:
     }
 
 
-def _rows(values: np.ndarray, lengths: list[int]) -> list[list]:
-    """Each row's first `lengths[i]` entries as a list (the mask ids, or their log-probs)."""
-    return [row[:n].tolist() for row, n in zip(values, lengths)]
-
-
 def sglang_mask_fields(tokens: SampleResult) -> dict:
     """SGLang's mask lists of `tokens`, as `client.converters.to_sglang` shapes them
     (`output_token_sampling_mask`, `output_token_sampling_logprobs`,
-    `output_token_sampling_support_logprobs`), log-probs made finite. Sliced row by row: a
-    streamed chunk holds one token, where the converter's whole-array bookkeeping costs more than
-    the slicing it saves."""
+    `output_token_sampling_support_logprobs`), log-probs made finite. Sliced row by row in plain
+    Python: a streamed chunk holds one token, where whole-array numpy calls cost more than the
+    few values they convert."""
     lengths = tokens.sampling_mask_len.tolist()
-    support = np.asarray(tokens.sampling_mask_logprobs, np.float64)
-    support = np.where(np.isfinite(support), support, LOGPROB_FLOOR)
+    masks, support = tokens.sampling_mask, tokens.sampling_mask_logprobs
     return {
-        "output_token_sampling_mask": _rows(tokens.sampling_mask, lengths),
+        "output_token_sampling_mask": [masks[i, :n].tolist() for i, n in enumerate(lengths)],
         "output_token_sampling_logprobs": finite(tokens.sampling_logprobs),
-        "output_token_sampling_support_logprobs": _rows(support, lengths),
+        "output_token_sampling_support_logprobs": [
+            _finite_list(support[i, :n].tolist()) for i, n in enumerate(lengths)
+        ],
     }

@@ -36,12 +36,25 @@ import numpy as np
 
 from ..model_config import output_width, string_parameter
 from ..sampling.inputs import IGNORE_EOS, INPUT_IDS, MAX_NEW_TOKENS, STOP_TOKEN_IDS, STREAM, generate_wire_inputs
-from ..sampling.outputs import BY_NAME, CONTROL_RESULT, FINISH_REASON, SAMPLING_MASK, TOKEN_OUTPUTS, WEIGHT_VERSION
+from ..sampling.outputs import (
+    BY_NAME,
+    CONTROL_RESULT,
+    FINISH_REASON,
+    GENERATION_TIME,
+    QUEUE_TIME,
+    SAMPLED_OUTPUTS,
+    SAMPLING_MASK,
+    SAMPLING_SEED,
+    TIME_TO_FIRST_TOKEN,
+    TIMING_OUTPUTS,
+    WEIGHT_VERSION,
+)
 from ..sampling.params import PARAM_SPECS, RowParams
 from ..sampling.refusals import DEFAULT_ROUTE_CAPACITY
 from ..sampling.validation import SPECULATIVE_ALGORITHMS, MaskPolicy, SamplingRequestError
 from .generate_transport import GenerateError, GrpcConnection, HttpConnection, WireRequest
 from .loop_thread import LoopClient, LoopThread
+from .receipts import SamplingReceipts
 from .replicas import (
     DEFAULT_EJECT_BACKOFF_S,
     DEFAULT_MAX_EJECT_BACKOFF_S,
@@ -60,6 +73,7 @@ __all__ = [
     "GenerateError",
     "GenerateResult",
     "GenerateStream",
+    "RequestTimings",
     "concatenate_tokens",
 ]
 
@@ -85,11 +99,57 @@ class GenerateResult(SampleResult):
     before the last); `index` is the request's position in the call's prompts. The mask fields
     are what the converters take: `to_vllm_csr(r.sampling_mask, r.sampling_mask_len)`.
     `weight_version` [n] (str) names the weights that sampled each token: a request that straddles
-    a weight update has the old version on its first tokens and the new one after."""
+    a weight update has the old version on its first tokens and the new one after. `sampling_seed`
+    [n] is the request's noise seed; with `return_receipts=True`, `receipts` holds each token's
+    receipt (seed, step, parameters) for `receipts.rederive_tokens`. With `return_timings=True`,
+    `timings` holds the request's timings on its whole result (streamed: on its last chunk)."""
 
     finish_reason: str = ""
     index: int = 0
     weight_version: np.ndarray | None = None
+    timings: RequestTimings | None = None
+
+
+@dataclass(frozen=True)
+class RequestTimings:
+    """One request's timings in seconds, from the engine's clock (vLLM's per-request metrics):
+    `queue_s` from submission to admission into the decode batch, `time_to_first_token_s` from
+    submission to the first token, `generation_s` from admission to the last token; `tokens`, how
+    many it generated."""
+
+    queue_s: float
+    time_to_first_token_s: float
+    generation_s: float
+    tokens: int
+
+    @classmethod
+    def from_outputs(cls, outputs: dict, tokens: int) -> RequestTimings | None:
+        """From a request's last response (None when it carries no timings)."""
+        if any(outputs.get(spec.name) is None for spec in TIMING_OUTPUTS):
+            return None
+        return cls(outputs[QUEUE_TIME.name], outputs[TIME_TO_FIRST_TOKEN.name], outputs[GENERATION_TIME.name], tokens)
+
+    @property
+    def e2e_s(self) -> float:
+        """From submission to the last token."""
+        return self.queue_s + self.generation_s
+
+    @property
+    def decode_s(self) -> float:
+        """From the first token to the last."""
+        return self.queue_s + self.generation_s - self.time_to_first_token_s
+
+    @property
+    def mean_inter_token_s(self) -> float | None:
+        """The mean time between two consecutive tokens, decode_s / (tokens - 1) (None for fewer
+        than two tokens)."""
+        return self.decode_s / (self.tokens - 1) if self.tokens > 1 else None
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """Tokens generated per second of generation (admission to last token; None when no time
+        passed or no token was generated)."""
+        return self.tokens / self.generation_s if self.tokens and self.generation_s > 0 else None
 
 
 def concatenate_tokens(results: Sequence[SampleResult]) -> SampleResult:
@@ -99,7 +159,9 @@ def concatenate_tokens(results: Sequence[SampleResult]) -> SampleResult:
 
     def joined(name: str):
         values = [getattr(r, name) for r in results]
-        return None if not values or any(v is None for v in values) else np.concatenate(values)
+        if not values or any(v is None for v in values):
+            return None
+        return SamplingReceipts.concatenate(values) if name == "receipts" else np.concatenate(values)
 
     return SampleResult(**{name: joined(name) for name in fields})
 
@@ -145,10 +207,21 @@ def _per_request(value, count: int, field: str) -> list:
 
 
 class _Job:
-    """One prompt's request in a call: its wire inputs, and the outputs received for it so far."""
+    """One prompt's request in a call: its wire inputs, and the outputs received for it so far.
+    `receipts` holds its parameters (one row) when the call asked for receipts, else None."""
 
-    def __init__(self, index: int, inputs: dict, stream: bool, seeded: bool, outputs: tuple[str, ...] | None):
+    def __init__(
+        self,
+        index: int,
+        inputs: dict,
+        stream: bool,
+        seeded: bool,
+        outputs: tuple[str, ...] | None,
+        receipts: RowParams | None = None,
+        timings: bool = False,
+    ):
         self.index, self.inputs, self.stream, self.seeded, self.outputs = index, inputs, stream, seeded, outputs
+        self.receipts, self.timings = receipts, timings
         self.parts: list[dict] = []
         self.yielded_ids: list[int] = []  # streamed tokens handed to the caller, over every try
         self.resume_at = 0  # on a retried stream: tokens of this try that were already yielded
@@ -192,21 +265,41 @@ class _Job:
         if not self.stream:
             self.parts.append(outputs)
             return None
+        first_step = len(self.yielded_ids)  # the tokens streamed before this chunk, over every try
         if outputs["output_ids"] is not None:
             self.yielded_ids.extend(outputs["output_ids"].tolist())
-        return _result(self.index, [outputs])
+        return self._result([outputs], first_step, len(self.yielded_ids))
 
     def result(self) -> GenerateResult | None:
         """The whole result (None for a streamed request: its chunks were handed out)."""
-        return None if self.stream else _result(self.index, self.parts)
+        if self.stream:
+            return None
+        return self._result(self.parts, 0, sum(len(p["output_ids"]) for p in self.parts if p["output_ids"] is not None))
+
+    def _result(self, parts: list[dict], first_step: int, tokens: int) -> GenerateResult:
+        """A result from responses in order, the first of its tokens drawn at `first_step` and
+        `tokens` generated by the request so far, with the receipts and timings the call asked for."""
+        result = _result(self.index, parts)
+        if self.receipts is not None and result.sampling_seed is not None:
+            rows = self.receipts.take(np.zeros(len(result.sampling_seed), np.int64))
+            result.receipts = SamplingReceipts.served(result.sampling_seed, rows, first_step)
+        named = self.outputs is not None and all(spec.name in self.outputs for spec in TIMING_OUTPUTS)
+        if parts and (self.timings or named):  # asked for by return_timings, or by naming the outputs
+            result.timings = RequestTimings.from_outputs(parts[-1], tokens)
+        return result
 
 
 def _result(index: int, parts: list[dict]) -> GenerateResult:
     """A result from one request's responses in order (own copies: the wire buffers are read-only)."""
     arrays = {}
-    for spec in TOKEN_OUTPUTS:
-        values = [p[spec.name] for p in parts]
-        arrays[spec.name] = None if any(v is None for v in values) else np.concatenate(values).astype(spec.dtype)
+    for spec in SAMPLED_OUTPUTS:
+        values = [p.get(spec.name) for p in parts]
+        if any(v is None for v in values):
+            arrays[spec.name] = None
+        elif len(values) == 1:  # a streamed chunk: one copy, no concatenation
+            arrays[spec.name] = np.array(values[0], dtype=spec.dtype)
+        else:
+            arrays[spec.name] = np.concatenate(values).astype(spec.dtype)
     versions = [p.get(WEIGHT_VERSION.name) for p in parts]
     version = None if not parts or any(v is None for v in versions) else np.concatenate(versions)
     finish = parts[-1][FINISH_REASON.name] if parts else ""
@@ -323,15 +416,30 @@ class AsyncGenerateClient(ReplicatedClient):
         stop_token_ids: Sequence[int] = (),
         ignore_eos: bool = False,
         outputs: Sequence[str] | None = None,
+        return_receipts: bool = False,
+        return_timings: bool = False,
         return_exceptions: bool = False,
     ) -> list:
         """Generate a continuation of every prompt (token ids; one SamplingParams for all or one
         per prompt, the same for `max_new_tokens`); one GenerateResult per prompt, in order.
         `stop_token_ids` end every request (the token is kept), `ignore_eos` skips the LM's EOS,
-        `outputs` names the outputs to receive (default every one). The first failed request
-        raises its GenerateError and cancels the others, unless `return_exceptions`, which puts
-        the error in its place instead."""
-        jobs = await self._jobs(prompts, params, max_new_tokens, stop_token_ids, ignore_eos, outputs, stream=False)
+        `outputs` names the outputs to receive (default every one). `return_receipts`: each result
+        carries its tokens' receipts (`result.receipts`, from the `sampling_seed` output);
+        `return_timings`: each request's timings (`result.timings`, a RequestTimings, from its
+        timing outputs); either adds its outputs to `outputs` when that is given. The first failed
+        request raises its GenerateError and cancels the others, unless `return_exceptions`, which
+        puts the error in its place instead."""
+        jobs = await self._jobs(
+            prompts,
+            params,
+            max_new_tokens,
+            stop_token_ids,
+            ignore_eos,
+            outputs,
+            return_receipts,
+            return_timings,
+            stream=False,
+        )
         return await self._tracked(self._call(jobs, None, return_exceptions))
 
     def stream(self, prompts: Sequence, *args, **kwargs) -> AsyncGenerateStream:
@@ -384,7 +492,18 @@ class AsyncGenerateClient(ReplicatedClient):
         finally:
             await call.close(cancel=not finished)
 
-    async def _jobs(self, prompts, params, max_new_tokens, stop_token_ids, ignore_eos, outputs, stream) -> list[_Job]:
+    async def _jobs(
+        self,
+        prompts,
+        params,
+        max_new_tokens,
+        stop_token_ids,
+        ignore_eos,
+        outputs,
+        return_receipts,
+        return_timings,
+        stream,
+    ) -> list[_Job]:
         """Every request of a call, checked with the server's rules before anything is sent."""
         prompts = list(prompts)
         if not prompts:
@@ -407,7 +526,9 @@ class AsyncGenerateClient(ReplicatedClient):
             unknown = [name for name in wanted if name not in BY_NAME or name == CONTROL_RESULT.name]
             if unknown:
                 raise ValueError(f"unknown outputs {unknown}; the generate model sends {sorted(BY_NAME)}")
-            wanted = tuple(dict.fromkeys((*wanted, FINISH_REASON.name, "output_ids")))
+            receipts = [SAMPLING_SEED.name] if return_receipts else []
+            timings = [spec.name for spec in TIMING_OUTPUTS] if return_timings else []
+            wanted = tuple(dict.fromkeys((*wanted, FINISH_REASON.name, "output_ids", *receipts, *timings)))
         limits = await self.server_limits()
         if rows.return_sampling_mask.any():
             check_rows_like_server(rows, None, limits.policy)
@@ -418,6 +539,8 @@ class AsyncGenerateClient(ReplicatedClient):
                 stream,
                 bool(rows.has_seed[i]),
                 wanted,
+                rows.take(np.array([i])) if return_receipts else None,
+                return_timings,
             )
             for i, (prompt, budget) in enumerate(zip(ids, budgets))
         ]

@@ -6,7 +6,7 @@ requests go out on that stream as they come and each response is routed to its r
 Cancelling the stream cancels every request on it on the server (Triton offers no per-request
 cancellation on a shared stream). tritonclient's own stream iterator drops the request id and the
 final flag of an error response, so the stream is driven through tritonclient's generated gRPC
-stubs and responses are read with its `InferResult`. Over HTTP each request is one POST to
+stubs and responses are read with its tensor decoders. Over HTTP each request is one POST to
 `/generate` (or `/generate_stream`, Server-Sent Events, when streamed).
 
 Every failure surfaces as `GenerateError`: `status` as tritonclient spells it ("400" over HTTP,
@@ -24,7 +24,15 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..sampling.inputs import INPUTS_BY_NAME, LIST
-from ..sampling.outputs import CONTROL_RESULT, FINISH_REASON, MASK, TOKEN_OUTPUTS, WEIGHT_VERSION, from_wire_values
+from ..sampling.outputs import (
+    CONTROL_RESULT,
+    FINISH_REASON,
+    MASK,
+    SAMPLED_OUTPUTS,
+    TIMING_OUTPUTS,
+    WEIGHT_VERSION,
+    from_wire_values,
+)
 from ..sampling.refusals import is_busy
 from .sampler_client import SamplerError
 
@@ -228,21 +236,56 @@ def _infer_request(request: WireRequest, model_name: str):
     return message
 
 
+_NP_DTYPES: dict[str, np.dtype] = {}  # Triton datatype -> numpy dtype, as tritonclient maps them
+
+
+def _np_dtype(datatype: str):
+    dtype = _NP_DTYPES.get(datatype)
+    if dtype is None:
+        from tritonclient.utils import triton_to_np_dtype
+
+        dtype = _NP_DTYPES[datatype] = triton_to_np_dtype(datatype)
+    return dtype
+
+
+def _grpc_tensors(infer_response) -> dict[str, np.ndarray]:
+    """Every tensor of a response by name, read in one pass the way tritonclient's
+    `InferResult.as_numpy` reads each (which scans the outputs once per name asked for)."""
+    raw = infer_response.raw_output_contents
+    tensors = {}
+    for index, output in enumerate(infer_response.outputs):
+        datatype = output.datatype
+        if index < len(raw):
+            if datatype == "BYTES":
+                from tritonclient.utils import deserialize_bytes_tensor
+
+                array = deserialize_bytes_tensor(raw[index])
+            else:
+                array = np.frombuffer(raw[index], dtype=_np_dtype(datatype))
+        elif len(output.contents.bytes_contents) != 0:
+            array = np.array(output.contents.bytes_contents)
+        else:
+            array = np.empty(0, dtype=_np_dtype(datatype))
+        tensors[output.name] = array.reshape(tuple(output.shape))
+    return tensors
+
+
 def _grpc_outputs(infer_response) -> dict:
     """A response's outputs without the batch dimension (None for those not sent)."""
-    from tritonclient.grpc import InferResult
-
-    result = InferResult(infer_response)
+    tensors = _grpc_tensors(infer_response)
     outputs = {}
-    for spec in TOKEN_OUTPUTS:
-        value = from_wire_values(spec.name, result.as_numpy(spec.name))
+    for spec in SAMPLED_OUTPUTS:
+        value = from_wire_values(spec.name, tensors.get(spec.name))
         outputs[spec.name] = None if value is None else value[0]
-    versions = result.as_numpy(WEIGHT_VERSION.name)
+    versions = tensors.get(WEIGHT_VERSION.name)
     outputs[WEIGHT_VERSION.name] = None if versions is None else _texts(versions[0])
-    finish = result.as_numpy(FINISH_REASON.name)
+    finish = tensors.get(FINISH_REASON.name)
     outputs[FINISH_REASON.name] = "" if finish is None else _text(finish.reshape(-1)[0])
-    control = result.as_numpy(CONTROL_RESULT.name)
+    control = tensors.get(CONTROL_RESULT.name)
     outputs[CONTROL_RESULT.name] = None if control is None else json.loads(_text(control.reshape(-1)[0]))
+    for spec in TIMING_OUTPUTS:
+        value = tensors.get(spec.name)
+        outputs[spec.name] = None if value is None else float(value.reshape(-1)[0])
     return outputs
 
 
@@ -357,13 +400,16 @@ def _json_outputs(reply: dict, mask_width: int) -> dict:
     """Outputs from a JSON reply (tensors flat, one-value ones possibly as scalars)."""
     outputs = {}
     tokens = np.array(reply.get("output_ids", []), np.int32).reshape(-1).size
-    for spec in TOKEN_OUTPUTS:
+    for spec in SAMPLED_OUTPUTS:
         if spec.name not in reply:
             outputs[spec.name] = None
             continue
         array = from_wire_values(spec.name, np.array(reply[spec.name], spec.dtype))
         width = -1 if tokens else mask_width  # the server's own W when there are rows to tell it
         outputs[spec.name] = array.reshape((tokens, width) if spec.per == MASK else (-1,))
+    for spec in TIMING_OUTPUTS:  # a request's last response only
+        value = reply.get(spec.name)
+        outputs[spec.name] = None if value is None else float(value[0] if isinstance(value, list) else value)
     versions = reply.get(WEIGHT_VERSION.name)
     outputs[WEIGHT_VERSION.name] = (
         None if versions is None else _texts(versions if isinstance(versions, list) else [versions])
@@ -374,4 +420,7 @@ def _json_outputs(reply: dict, mask_width: int) -> dict:
     if isinstance(control, list):
         control = control[0]
     outputs[CONTROL_RESULT.name] = None if control is None else json.loads(_text(control))
+    for spec in TIMING_OUTPUTS:
+        value = reply.get(spec.name)
+        outputs[spec.name] = None if value is None else float(np.asarray(value).reshape(-1)[0])
     return outputs

@@ -3,13 +3,15 @@ sampled token from the trainer's logits (the train-inference mismatch detector).
 
 The sampler's draw is a Gumbel-max over the support with noise hashed from (seed, token id)
 (`sampling.rng`), so a token is a deterministic function of its logits, its parameters and the
-seed its noise used: the request's seed for a `sampler` call, `rng.step_seeds(seed, s)` for step s
-of a `generate` request. A receipt holds that (seed, step) and the parameters, per token; it is
-derived here from the requests when they carry a seed (an unseeded request's seed is drawn by the
-server and not returned). `rederive_tokens` runs the engine's own sampler on the trainer's logits
-with each receipt and reports where it would have drawn another token: a mismatch within the
-documented near-tie band (`rng.NEAR_TIE`) is rounding between precisions; one outside it means
-the trainer's logits are not the ones the server sampled from.
+seed its noise used: the row's seed for a `sampler` call, `rng.step_seeds(seed, s)` for step s
+of a `generate` request. A receipt holds that (seed, step) and the parameters, per token. Both
+models return the row's seed on request (the `sampling_seed` output, the one the server drew for
+an unseeded request included), and the typed clients hand back each result's receipts
+(`result.receipts`, with `return_receipts=True`); for a seeded request they can also be derived
+from the request alone (`for_sampler`, `for_generation`). `rederive_tokens` runs the engine's own
+sampler on the trainer's logits with each receipt and reports where it would have drawn another
+token: a mismatch within the documented near-tie band (`rng.NEAR_TIE`) is rounding between
+precisions; one outside it means the trainer's logits are not the ones the server sampled from.
 """
 
 from __future__ import annotations
@@ -37,6 +39,14 @@ class SamplingReceipts:
     seed: np.ndarray
     step: np.ndarray
     params: RowParams
+
+    def __post_init__(self):
+        tokens = np.shape(self.seed)[0] if np.ndim(self.seed) == 1 else -1
+        if tokens < 0 or np.shape(self.step) != (tokens,) or self.params.rows != tokens:
+            raise ValueError(
+                f"a receipt needs one seed, step and parameter row per token, got seed {list(np.shape(self.seed))}, "
+                f"step {list(np.shape(self.step))} and {self.params.rows} parameter rows"
+            )
 
     @property
     def tokens(self) -> int:
@@ -69,6 +79,30 @@ class SamplingReceipts:
         starts = np.cumsum(lengths) - lengths
         steps = np.arange(owner.shape[0], dtype=np.int64) - starts[owner]
         return cls(_seeds(per_request)[owner], steps, per_request.take(owner))
+
+    @classmethod
+    def served(cls, sampling_seed, params: RowParams, first_step: int | None = None) -> SamplingReceipts:
+        """The receipts of one answer from the server's `sampling_seed` output (uint64, one per
+        token) and the parameters the tokens were drawn with (`params`, one row per token):
+        a `sampler` answer's (`first_step` None), or consecutive tokens of one `generate` request,
+        the first drawn at step `first_step` (0 for a whole result, the tokens before a chunk
+        for a streamed one)."""
+        seed = np.asarray(sampling_seed).astype(np.uint64, copy=False).reshape(-1)
+        if first_step is None:
+            step = np.full(seed.shape[0], SAMPLER_CALL, np.int64)
+        else:
+            step = np.arange(first_step, first_step + seed.shape[0], dtype=np.int64)
+        return cls(seed, step, params)
+
+    @classmethod
+    def concatenate(cls, parts: Sequence[SamplingReceipts]) -> SamplingReceipts:
+        """The tokens of several receipts, one after another (as `concatenate_tokens` lays out results)."""
+        parts = list(parts)
+        return cls(
+            np.concatenate([p.seed for p in parts]),
+            np.concatenate([p.step for p in parts]),
+            RowParams.concatenate([p.params for p in parts]),
+        )
 
 
 def _rows(params: SamplingParams | Sequence[SamplingParams], rows: int | None) -> RowParams:

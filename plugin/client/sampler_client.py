@@ -36,10 +36,11 @@ from tritonclient.utils import InferenceServerException
 from ..model_config import output_width, string_parameter
 from ..sampling.admin import ADMIN_HEADER, GRPC_RESTRICTED_PREFIX
 from ..sampling.inputs import triton_datatype
-from ..sampling.outputs import SAMPLING_MASK, TOKEN, TOKEN_OUTPUTS, from_wire_values
+from ..sampling.outputs import SAMPLED_OUTPUTS, SAMPLING_MASK, TOKEN, from_wire_values
 from ..sampling.params import LOGITS, PARAM_SPECS, SEED, RowParams
 from ..sampling.validation import MaskPolicy, SamplingRequestError
 from .loop_thread import LoopClient, LoopThread
+from .receipts import SamplingReceipts
 from .replicas import (
     DEFAULT_EJECT_BACKOFF_S,
     DEFAULT_MAX_EJECT_BACKOFF_S,
@@ -115,6 +116,9 @@ class SampleResult:
     # float32 [B, W]: each mask id's log-prob renormalised over the mask, -inf padded (None from a
     # server whose config declares no sampling_mask_logprobs output)
     sampling_mask_logprobs: np.ndarray | None = None
+    sampling_seed: np.ndarray | None = None  # uint64 [B]: the seed of each row's noise (the receipt)
+    # Each token's receipt (client.receipts), when the call asked for them (return_receipts=True)
+    receipts: SamplingReceipts | None = None
 
     def masks(self) -> list[np.ndarray]:
         """Each row's mask ids without padding."""
@@ -218,7 +222,7 @@ def _parse(result) -> SampleResult:
     """A response as a SampleResult; an output the server did not send (one its config does not
     declare) is None."""
     outputs = {}
-    for spec in TOKEN_OUTPUTS:
+    for spec in SAMPLED_OUTPUTS:
         value = from_wire_values(spec.name, result.as_numpy(spec.name))
         if value is not None:  # tritonclient may hand read-only views of its buffers: own copies
             value = np.array(value).reshape(-1) if spec.per == TOKEN else np.array(value)
@@ -262,6 +266,13 @@ def _concatenate(parts: list[SampleResult]) -> SampleResult:
         return None if any(v is None for v in values) else np.concatenate(values)
 
     return SampleResult(**{f: joined(f) for f in SampleResult.__dataclass_fields__})
+
+
+def _receipted(result: SampleResult, row_params: RowParams, wanted: bool) -> SampleResult:
+    """The result with its receipts when the call asked for them (and the server sent the seeds)."""
+    if wanted and result.sampling_seed is not None:
+        result.receipts = SamplingReceipts.served(result.sampling_seed, row_params)
+    return result
 
 
 # Triton may still hold a region for a moment after answering the last request that used it
@@ -424,10 +435,16 @@ class AsyncSamplerClient(ReplicatedClient):
         params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
         *,
         use_shared_memory: bool = False,
+        return_receipts: bool = False,
     ) -> SampleResult:
         """Sample one token per row of `logits` [B, V] with one SamplingParams for all rows or one
-        per row; more rows than max_batch_size go as several requests, answered in order."""
+        per row; more rows than max_batch_size go as several requests, answered in order.
+        `return_receipts`: the result carries each row's receipt (`result.receipts`, from the
+        server's `sampling_seed`) for `receipts.rederive_tokens`."""
         array, row_params = self._validated(logits, params)
+        return _receipted(await self._sample(array, row_params, use_shared_memory), row_params, return_receipts)
+
+    async def _sample(self, array: np.ndarray, row_params: RowParams, use_shared_memory: bool) -> SampleResult:
         prepared = self._prepare(array, row_params, await self.server_limits(), use_shared_memory)
         if prepared.region is None:
             return await self._gather_chunks(
@@ -524,6 +541,9 @@ class SamplerClient(LoopClient):
         params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
         *,
         use_shared_memory: bool = False,
+        return_receipts: bool = False,
     ) -> SampleResult:
         """As AsyncSamplerClient.sample, waited for."""
-        return self._loop.run(self._client.sample(logits, params, use_shared_memory=use_shared_memory))
+        return self._loop.run(
+            self._client.sample(logits, params, use_shared_memory=use_shared_memory, return_receipts=return_receipts)
+        )

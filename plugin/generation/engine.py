@@ -49,6 +49,7 @@ from ..sampling.outputs import (
     OUTPUT_IDS,
     OUTPUT_LOGPROBS,
     SAMPLING_LOGPROBS,
+    SAMPLING_SEED,
     TIMING_OUTPUTS,
     UNMASKED_OUTPUT_NAMES,
     WEIGHT_VERSION,
@@ -444,6 +445,8 @@ class ContinuousEngine:
         broken = ~np.equal(check_logit_rows(result.host()[ROW_MAX]), None).astype(bool)
         arrays = outputs_to_numpy(result)
         arrays[WEIGHT_VERSION.name] = np.broadcast_to(self._version_tag, (owner.size,))
+        # The receipt: each position's row seed (its step is its token's place in the request).
+        arrays[SAMPLING_SEED.name] = params.seed
         width = int(positions.max())
         sampled = np.full((rows, width), PAD, np.int64)
         sampled[owner, within] = arrays["output_ids"]
@@ -511,7 +514,7 @@ class ContinuousEngine:
             return
         if count:  # copies: a view would keep the whole step's arrays alive
             masked = sequence.request.params.return_sampling_mask[0]
-            kept = GENERATION_TOKEN_OUTPUT_NAMES if masked else (*UNMASKED_OUTPUT_NAMES, WEIGHT_VERSION.name)
+            kept = GENERATION_TOKEN_OUTPUT_NAMES if masked else UNMASKED_OUTPUT_NAMES
             sequence.parts.append({name: arrays[name][start : start + count].copy() for name in kept})
         if done:
             sequence.handle.send(_whole(sequence, finish_reason, self.width), final=True)

@@ -2,7 +2,8 @@
 
 Owns `launcher` (the command line of `make serve` and the image), `server_process` (the
 `tritonserver` of `nvidia-pytriton` or of a Triton image: its environment, flags and locked admin
-APIs, and `TritonServer`, a child server for tests and benchmarks), `supervisor` (restarts, a
+APIs, and `TritonServer`, a child server for tests and benchmarks), `child` (how every child process
+is started, stopped and restarted), `supervisor` (restarts, a
 model watchdog, the readiness endpoint), `proxy` and `proxy_config` (the front door: HAProxy on
 the public ports, its config generated from the settings and the model configs), `stream_gate`
 (bounds the requests a gRPC stream has open), `memory_limit` (a cgroup or address-space limit

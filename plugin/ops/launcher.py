@@ -6,7 +6,7 @@ PATH, so the server runs with this virtual environment's bin/ first on PATH.
 
     python -m triton_sampling_mask.ops.launcher [--model-repository DIR] [--no-supervise]
         [--no-proxy] [--probe-port N] [--watchdog-interval S] [--exit-timeout S]
-        [--open-admin-apis] [-- extra tritonserver flags]
+        [--open-admin-apis] [--show-defences] [-- extra tritonserver flags]
 
 By default tritonserver runs as the child of a supervisor (`ops.supervisor`): it is restarted
 with backoff when it dies, a watchdog sends every loaded model a tiny real inference every few
@@ -24,6 +24,10 @@ user's key is in no process's command line. Where haproxy is not installed the l
 to start unless `--no-proxy` (tritonserver then owns the public ports, and its command line
 carries the admin key); `make serve` installs it first where it can (root and apt).
 
+At start it reads the server's version and flags and whether it runs in a container
+(`ops.capabilities`), and runs the defences `ops.workarounds` plans for them; `--show-defences`
+prints that plan and exits.
+
 The environment variables it reads (ports, the admin key, timeouts, pool sizes) are declared,
 with their defaults, in `ops.settings` (docs/settings.md).
 """
@@ -36,8 +40,8 @@ import secrets
 import sys
 from pathlib import Path
 
-from . import settings
-from .memory_limit import make_cage
+from . import capabilities, settings
+from .memory_limit import MemoryCage, make_cage
 from .proxy import FrontDoor, ProxyError, find_haproxy, internal_ports
 from .secret_files import check_chosen_path, private_directory, write_secret_file
 from .server_process import (
@@ -48,10 +52,15 @@ from .server_process import (
     check_user_admin_key,
     hardening_args,
     redact,
+    server_binary,
     server_command,
     server_environment,
+    server_flags,
 )
 from .supervisor import Supervisor, SupervisorConfig
+from .trace_flags import trace_args
+from .workarounds import WorkaroundPlan
+from .workarounds import plan as workaround_plan
 
 
 def resolve_admin_key(http_port: int) -> tuple[str, str, Path | None]:
@@ -89,6 +98,19 @@ def ports_from_environment() -> dict[str, int]:
     }
 
 
+def defence_plan() -> WorkaroundPlan:
+    """The defences to run (`ops.workarounds`) for this host's tritonserver: its capabilities are
+    read once here (its --help stays cached in `server_flags` for the command line), and logged."""
+    try:
+        binary = server_binary()
+    except RuntimeError as error:
+        sys.exit(f"[launcher] {error}")
+    caps = capabilities.read(binary, server_environment(private_shm=False), flags=server_flags(binary))
+    defences = workaround_plan(caps)
+    print(f"[launcher] {caps.describe()}; {defences.describe()}", flush=True)
+    return defences
+
+
 # Command-line flags that override a setting: flag, setting, meaning.
 SETTING_FLAGS = (
     ("--probe-port", settings.TRITON_PROBE_PORT, "port of the supervisor's /ready and /live (0: none)"),
@@ -124,9 +146,19 @@ def main(argv: list[str] | None = None) -> None:
         default=settings.TRITON_PROXY.value() == "none",
         help="no HAProxy in front: tritonserver owns the public ports (TRITON_PROXY=none)",
     )
+    parser.add_argument(
+        "--show-defences",
+        action="store_true",
+        help="print the server's capabilities and the defences that would run here (ops.workarounds), and exit",
+    )
     parser.add_argument("extra", nargs=argparse.REMAINDER, help="flags passed to tritonserver after --")
     args = parser.parse_args(argv)
+    if args.show_defences:
+        defence_plan()
+        return
     extra = args.extra[1:] if args.extra[:1] == ["--"] else args.extra
+    # OpenTelemetry tracing when TRITON_TRACE_ENDPOINT is set; the caller's own --trace-config flags come after
+    extra = trace_args(settings.TRITON_TRACE_ENDPOINT.value(), settings.TRITON_TRACE_RATE.value()) + extra
     for arg in extra:  # tritonserver's own flag, if given, is the exit timeout the supervisor honours
         if arg.startswith("--exit-timeout-secs="):
             args.exit_timeout = int(arg.split("=", 1)[1])
@@ -151,7 +183,12 @@ def main(argv: list[str] | None = None) -> None:
             f"(gRPC: '{GRPC_ADMIN_HEADER}'); key {where}",
             flush=True,
         )
-    cage = make_cage(f"triton-server-{ports['http']}-{os.getpid()}")
+    defences = defence_plan()
+    runs_private_shm = defences.runs("private_shm")
+    if defences.runs("memory_limit"):
+        cage = make_cage(f"triton-server-{ports['http']}-{os.getpid()}")
+    else:
+        cage = MemoryCage("none", 0)  # a container's own limit bounds it
     if args.no_supervise:
         command = server_command(
             Path(args.model_repository),
@@ -162,12 +199,17 @@ def main(argv: list[str] | None = None) -> None:
         print("+ " + " ".join(redact(command, admin_key)), flush=True)
         os.umask(SERVER_UMASK)
         cage.enter()
-        os.execve(command[0], command, server_environment(admin_key))
+        os.execve(command[0], command, server_environment(admin_key, private_shm=runs_private_shm))
     front_door = None
     if proxied:
         public = {**ports, "probe": args.probe_port, "api": settings.TRITON_API_PORT.value()}
         front_door = FrontDoor(
-            Path(args.model_repository), public, admin_key, internal_ports(settings.TRITON_INTERNAL_PORT_BASE.value())
+            Path(args.model_repository),
+            public,
+            admin_key,
+            internal_ports(settings.TRITON_INTERNAL_PORT_BASE.value()),
+            stream_gate=defences.runs("stream_gate"),
+            json_checks=defences.runs("json_checks"),
         )
         try:
             front_door.prepare()
@@ -198,6 +240,8 @@ def main(argv: list[str] | None = None) -> None:
         admin_key_file=key_file,
         front_door=front_door,
         memory_cage=cage,
+        private_shm=runs_private_shm,
+        dead_stub_sweeps=defences.runs("dead_stub_sweeps"),
     )
     sys.exit(Supervisor(config).run())
 

@@ -19,6 +19,8 @@ import resource
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
 from . import settings
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -27,19 +29,20 @@ V1_UNLIMITED = 2**62  # v1 reports "no limit" as a huge page-rounded number
 
 def _mounts() -> list[tuple[str, str, set[str]]]:
     """(mount point, file system type, options) of every cgroup mount."""
-    found = []
     try:
-        for line in Path("/proc/self/mounts").read_text().splitlines():
-            parts = line.split()
-            if len(parts) >= 4 and parts[2] in ("cgroup", "cgroup2"):
-                found.append((parts[1], parts[2], set(parts[3].split(","))))
+        partitions = psutil.disk_partitions(all=True)
     except OSError:
-        pass
-    return found
+        return []
+    return [
+        (part.mountpoint, part.fstype, set(part.opts.split(",")))
+        for part in partitions
+        if part.fstype in ("cgroup", "cgroup2")
+    ]
 
 
 def _own_cgroups() -> dict[str, str]:
     """This process's cgroup per hierarchy: "" for v2, else each v1 controller name."""
+    # psutil names no cgroups: /proc/self/cgroup does.
     own = {}
     try:
         for line in Path("/proc/self/cgroup").read_text().splitlines():

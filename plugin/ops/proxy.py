@@ -21,21 +21,19 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import proxy_config
+from . import proxy_config, settings
+from .child import HARD_LIMIT, Child
 from .proxy_config import ProxyLimits, ProxyPlan
-from .server_process import PORT_NAMES, LoopbackUrls, TritonServer, free_port, loopback_args
+from .proxy_metrics import exporter_available
+from .server_process import free_port
 
 HAPROXY_PATHS = ("/usr/sbin/haproxy", "/usr/local/sbin/haproxy")
 GENERATE_MODEL = "generate"  # the model the HTTP API serves
 # The supervisor's children behind the proxy, in the order of their loopback ports.
 INTERNAL_PORTS = ("http", "grpc", "metrics", "stream_gate", "probe", "api")
-PR_SET_PDEATHSIG = 1
-RESTART_DELAYS_S = (0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0)  # since the last start, by quick deaths in a row
-STABLE_RUN_S = 60.0
 
 
 class ProxyError(RuntimeError):
@@ -61,12 +59,8 @@ def write_private(path: Path, text: str) -> None:
         handle.write(text)
 
 
-def raise_descriptor_limit() -> int:
-    """Raise this process's soft limit on open files to its hard limit; returns the new limit."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    return hard
+# The longest path a unix socket may have, less one (sun_path holds 108 bytes with its NUL).
+UNIX_PATH_MAX = 107
 
 
 @dataclass
@@ -80,6 +74,9 @@ class FrontDoor:
     limits: ProxyLimits = field(default_factory=ProxyLimits.from_settings)
     internal_key: str = field(default_factory=lambda: secrets.token_urlsafe(32))
     directory: Path | None = None
+    # The defences `ops.workarounds` may turn off for a server that does not need them.
+    stream_gate: bool = True
+    json_checks: bool = True
 
     def plan(self) -> ProxyPlan:
         """What the config is generated from."""
@@ -91,7 +88,20 @@ class FrontDoor:
             internal_key=self.internal_key,
             routes=routes,
             limits=self.limits,
+            stream_gate=self.stream_gate,
+            json_checks=self.json_checks,
+            side_bind_address=settings.TRITON_SIDE_PORTS_ADDRESS.value(),
+            stats_socket=self.stats_socket,
         )
+
+    @property
+    def stats_socket(self) -> Path | None:
+        """HAProxy's exporter socket (ops.proxy_metrics), where this haproxy has the exporter."""
+        binary = find_haproxy()
+        if not (self.directory and binary and exporter_available(binary)):
+            return None
+        path = self.directory / "stats.sock"
+        return path if len(str(path)) < UNIX_PATH_MAX else None  # a longer path cannot be bound
 
     @property
     def config_path(self) -> Path:
@@ -158,180 +168,31 @@ class FrontDoor:
         return wanted and importlib.util.find_spec("fastapi") is not None
 
     def children(self, log_path: Path | None = None) -> list[Child]:
-        """The proxy, the gate and the HTTP API, ready to start (their output to `log_path`, or inherited)."""
-        children = [
-            Child("haproxy", self.proxy_command(), soft_stop=signal.SIGUSR1, log_path=log_path),
-            Child("stream gate", self.gate_command(), log_path=log_path),
-        ]
+        """The proxy, the gate and the HTTP API, ready to start (their output to `log_path`, or
+        inherited): each dies with its parent and may hold as many descriptors as the hard limit
+        allows (HAProxy needs about two per connection)."""
+        commands = [("haproxy", self.proxy_command())]
+        if self.stream_gate:
+            commands.append(("stream gate", self.gate_command()))
         if self.serves_api():
-            children.append(Child("http api", self.api_command(), log_path=log_path))
-        return children
+            commands.append(("http api", self.api_command()))
+        return [
+            Child(
+                name,
+                command,
+                log_path=log_path,
+                die_with_parent=True,
+                nofile=HARD_LIMIT,
+                soft_stop=signal.SIGUSR1 if name == "haproxy" else signal.SIGTERM,
+            )
+            for name, command in commands
+        ]
 
     def clean_up(self) -> None:
         """Remove the private directory (keys and config)."""
         if self.directory is not None:
             shutil.rmtree(self.directory, ignore_errors=True)
             self.directory = None
-
-
-def _child_setup() -> None:
-    """In a forked child before exec: die with the supervisor, and may hold as many descriptors as
-    the hard limit allows (HAProxy needs about two per connection)."""
-    import ctypes
-
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
-    raise_descriptor_limit()
-
-
-@dataclass
-class Child:
-    """A helper process of the supervisor (the proxy, the gate): started in a session of its own,
-    restarted by the supervisor when it dies; `soft_stop` asks it to stop taking new work."""
-
-    name: str
-    command: list[str]
-    soft_stop: int = signal.SIGTERM
-    log_path: Path | None = None  # where its output goes (default: the supervisor's own)
-    process: subprocess.Popen | None = None
-    restarts: int = 0
-    started_at: float = 0.0
-    quick_deaths: int = 0  # deaths in a row, each less than STABLE_RUN_S after its start
-
-    def restart_due(self) -> bool:
-        """Whether a dead process may start again: at once after a run of a minute or more, else
-        after 1 s doubling to 30 s (a process that cannot start, e.g. its port taken, is not spun)."""
-        if self.process is None:
-            return True
-        delay = RESTART_DELAYS_S[min(self.quick_deaths, len(RESTART_DELAYS_S) - 1)]
-        return time.monotonic() >= self.started_at + delay
-
-    def start(self) -> None:
-        """Start (or restart) the process."""
-        if self.process is not None:
-            ran = time.monotonic() - self.started_at
-            self.quick_deaths = 0 if ran >= STABLE_RUN_S else self.quick_deaths + 1
-        self.started_at = time.monotonic()
-        log = open(self.log_path, "ab") if self.log_path else None  # noqa: SIM115 (the child keeps it)
-        try:
-            self.process = subprocess.Popen(
-                self.command,
-                stdout=log,
-                stderr=subprocess.STDOUT if log else None,
-                start_new_session=True,
-                preexec_fn=_child_setup,
-            )
-        finally:
-            if log:
-                log.close()
-
-    def running(self) -> bool:
-        """Whether the process runs."""
-        return self.process is not None and self.process.poll() is None
-
-    def signal(self, signum: int) -> None:
-        """Send `signum` if the process runs."""
-        if self.running():
-            self.process.send_signal(signum)
-
-    def stop(self, timeout_s: float = 5.0) -> int | None:
-        """SIGTERM (HAProxy: stop at once), then SIGKILL for the whole group after `timeout_s`;
-        the exit code. The supervisor sends `soft_stop` earlier, while tritonserver drains."""
-        if self.process is None:
-            return None
-        self.signal(signal.SIGTERM)
-        try:
-            self.process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            try:
-                os.killpg(self.process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.process.wait()
-        return self.process.returncode
-
-    def wait(self, deadline: float) -> None:
-        """Wait for the process to exit until `deadline` (time.monotonic())."""
-        while self.running() and time.monotonic() < deadline:
-            time.sleep(0.05)
-
-
-class FrontedTritonServer(LoopbackUrls):
-    """A `TritonServer` on loopback behind a front door of its own, all on free ports, without the
-    supervisor (tests and benchmarks; a context manager). `ports` are the proxy's public ones,
-    `server` is tritonserver itself (its `process`, its direct URLs for comparisons).
-
-    With `admin_key` the admin APIs need that key at the proxy, and tritonserver gets an internal
-    key of its own; None leaves them open."""
-
-    def __init__(
-        self,
-        model_repository: Path,
-        extra_args: list[str] = (),
-        admin_key: str | None = None,
-        limits: ProxyLimits | None = None,
-        log_path: Path | None = None,
-    ):
-        internal_key = secrets.token_urlsafe(32)
-        self.server = TritonServer(
-            model_repository,
-            extra_args=[*loopback_args(), *extra_args],
-            log_path=log_path,
-            admin_key=internal_key if admin_key is not None else None,
-        )
-        self.ports = {name: free_port() for name in PORT_NAMES}
-        self.front_door = FrontDoor(
-            Path(model_repository),
-            public={**self.ports, "probe": 0},
-            admin_key=admin_key,
-            internal={**self.server.ports, "stream_gate": free_port(), "probe": 0},
-            limits=limits or ProxyLimits.from_settings(),
-            internal_key=internal_key,
-        )
-        self.helpers: list[Child] = []
-
-    @property
-    def process(self) -> subprocess.Popen | None:
-        """tritonserver's process."""
-        return self.server.process
-
-    def start(self, timeout_s: float = 180.0) -> FrontedTritonServer:
-        """Start tritonserver, then the proxy and the gate; wait until ready through the proxy."""
-        self.server.start(timeout_s)
-        try:
-            self.front_door.prepare()
-            self.helpers = self.front_door.children(self.server.log_path.with_suffix(".proxy.log"))
-            for helper in self.helpers:
-                helper.start()
-            deadline = time.monotonic() + 30
-            while not self.is_ready():
-                if time.monotonic() > deadline or not all(helper.running() for helper in self.helpers):
-                    raise RuntimeError("the front door did not come up")
-                time.sleep(0.1)
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def stop(self) -> int | None:
-        """Stop the proxy and the gate, then tritonserver; returns tritonserver's exit code."""
-        for helper in self.helpers:
-            helper.stop()
-        code = self.server.stop()
-        self.front_door.clean_up()
-        return code
-
-    def log_tail(self, chars: int = 4000) -> str:
-        """The end of tritonserver's log."""
-        return self.server.log_tail(chars)
-
-    def __enter__(self) -> FrontedTritonServer:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
 
 def main(argv: list[str] | None = None) -> None:

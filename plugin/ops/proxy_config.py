@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, make_dataclass
 from pathlib import Path
 
 from ..model_config import dims, is_decoupled, read_config_file, string_parameters
@@ -87,6 +87,13 @@ QUEUE_FULL = f"server busy: the queue for this model is full, {RETRY_MARKER}"
 QUEUE_TIMEOUT = (
     f"server unavailable: no slot freed within the queue timeout, or the server is restarting; {RETRY_MARKER}"
 )
+
+
+def over_share(requests_per_ip: int) -> str:
+    """The refusal a client reads past its address's share of a model route."""
+    return f"too many requests from this address: at most {requests_per_ip} at once per model route; {RETRY_MARKER}"
+
+
 # The statuses HAProxy may answer itself (parse errors, timeouts, no server): each as JSON.
 PROXY_ERROR_STATUSES = {
     400: "bad request",
@@ -189,44 +196,13 @@ def model_routes(repository: Path, json_header_bytes: int) -> list[ModelRoute]:
     return [model_route(path, json_header_bytes) for path in sorted(Path(repository).glob("*/config.pbtxt"))]
 
 
-@dataclass(frozen=True)
-class ProxyLimits:
-    """The proxy's numbers, from the PROXY_* settings (docs/settings.md)."""
-
-    max_connections: int = settings.PROXY_MAX_CONNECTIONS.default
-    connections_per_ip: int = settings.PROXY_CONNECTIONS_PER_IP.default
-    grpc_connections_per_ip: int = settings.PROXY_GRPC_CONNECTIONS_PER_IP.default
-    streams_per_connection: int = settings.PROXY_STREAMS_PER_CONNECTION.default
-    max_in_flight: int = settings.PROXY_MAX_IN_FLIGHT.default
-    max_queue: int = settings.PROXY_MAX_QUEUE.default
-    queue_timeout_s: float = settings.PROXY_QUEUE_TIMEOUT_S.default
-    request_timeout_s: float = settings.PROXY_REQUEST_TIMEOUT_S.default
-    idle_timeout_s: float = settings.PROXY_IDLE_TIMEOUT_S.default
-    client_timeout_s: float = settings.PROXY_CLIENT_TIMEOUT_S.default
-    server_timeout_s: float = settings.PROXY_SERVER_TIMEOUT_S.default
-    json_header_bytes: int = settings.PROXY_JSON_HEADER_BYTES.default
-    log_sample: int = settings.PROXY_LOG_SAMPLE.default
-    stream_max_open: int = settings.PROXY_STREAM_MAX_OPEN.default
+class _LimitsMethods:
+    """What ProxyLimits derives from its fields."""
 
     @classmethod
     def from_settings(cls) -> ProxyLimits:
         """The limits the environment sets."""
-        return cls(
-            max_connections=settings.PROXY_MAX_CONNECTIONS.value(),
-            connections_per_ip=settings.PROXY_CONNECTIONS_PER_IP.value(),
-            grpc_connections_per_ip=settings.PROXY_GRPC_CONNECTIONS_PER_IP.value(),
-            streams_per_connection=settings.PROXY_STREAMS_PER_CONNECTION.value(),
-            max_in_flight=settings.PROXY_MAX_IN_FLIGHT.value(),
-            max_queue=settings.PROXY_MAX_QUEUE.value(),
-            queue_timeout_s=settings.PROXY_QUEUE_TIMEOUT_S.value(),
-            request_timeout_s=settings.PROXY_REQUEST_TIMEOUT_S.value(),
-            idle_timeout_s=settings.PROXY_IDLE_TIMEOUT_S.value(),
-            client_timeout_s=settings.PROXY_CLIENT_TIMEOUT_S.value(),
-            server_timeout_s=settings.PROXY_SERVER_TIMEOUT_S.value(),
-            json_header_bytes=settings.PROXY_JSON_HEADER_BYTES.value(),
-            log_sample=settings.PROXY_LOG_SAMPLE.value(),
-            stream_max_open=settings.PROXY_STREAM_MAX_OPEN.value(),
-        )
+        return cls(**{name: setting.value() for name, setting in LIMIT_SETTINGS.items()})
 
     @property
     def total_connections(self) -> int:
@@ -236,6 +212,23 @@ class ProxyLimits:
     def descriptors_needed(self) -> int:
         """File descriptors HAProxy needs for all its connections (a client and a server side each)."""
         return 2 * self.total_connections + 200
+
+
+# The proxy's numbers are the PROXY_* settings (docs/settings.md), each a field named after its
+# variable: PROXY_MAX_QUEUE is `max_queue`.
+LIMIT_SETTINGS = {
+    name.removeprefix("PROXY_").lower(): setting
+    for name, setting in vars(settings).items()
+    if name.startswith("PROXY_") and isinstance(setting, settings.Setting)
+}
+ProxyLimits = make_dataclass(
+    "ProxyLimits",
+    [(name, type(setting.default), field(default=setting.default)) for name, setting in LIMIT_SETTINGS.items()],
+    bases=(_LimitsMethods,),
+    frozen=True,
+)
+ProxyLimits.__module__ = __name__
+ProxyLimits.__doc__ = "The proxy's numbers: one field per PROXY_* setting, defaulting as the setting does."
 
 
 @dataclass(frozen=True)
@@ -255,6 +248,10 @@ class ProxyPlan:
     limits: ProxyLimits = field(default_factory=ProxyLimits)
     admin_header: str = ADMIN_HEADER
     bind_address: str = "0.0.0.0"
+    stream_gate: bool = True  # ModelStreamInfer through the stream gate, else straight to tritonserver
+    json_checks: bool = True  # the JSON of /infer and /generate bodies checked by json_checks.lua
+    side_bind_address: str = "0.0.0.0"  # the metrics and probe ports'
+    stats_socket: Path | None = None  # HAProxy's Prometheus exporter on a 0600 unix socket (ops.proxy_metrics)
 
     @property
     def grpc_admin_header(self) -> str:
@@ -324,6 +321,21 @@ def _table(name: str) -> list[str]:
     return [f"backend {name}", "    stick-table type ip size 100k expire 60s store conn_cur", ""]
 
 
+# The model routes' backends, each with a table counting every address's requests there (its share).
+SHARED_BACKENDS = ("be_http_sampler", "be_http_generate", "be_grpc_infer", "be_grpc_stream", "be_api")
+
+
+def _share_rules(backend_acls: dict[str, str], refuse: str, limit: int) -> list[str]:
+    """An address's requests at each model route are counted (sc2, while each lasts: waiting in the
+    proxy or in tritonserver); past `limit` at one route the next is refused (`refuse`, an action)."""
+    lines = ["    # one address's share of each model route"]
+    lines += [
+        f"    http-request track-sc2 src table st_share_{backend} if {acl}" for backend, acl in backend_acls.items()
+    ]
+    lines.append(f"    {refuse} if {{ sc2_trackers gt {limit} }}")
+    return lines
+
+
 def _admin_key_rules(header: str, key_file: Path | None, refuse: str) -> list[str]:
     """The key check of a frontend: `admin_ok` when `header` holds exactly the key; a wrong key
     counts against its address, which is refused (`refuse`, a rule's action) past
@@ -371,8 +383,7 @@ def render(plan: ProxyPlan) -> str:
         f"    tune.bufsize {BUFFER_BYTES}",
         f"    tune.h2.initial-window-size {H2_WINDOW_BYTES}",
         f"    tune.h2.max-concurrent-streams {limits.streams_per_connection}",
-        "    tune.lua.maxmem 64",
-        f"    lua-load-per-thread {LUA_CHECKS}",
+        *(["    tune.lua.maxmem 64", f"    lua-load-per-thread {LUA_CHECKS}"] if plan.json_checks else []),
         "    hard-stop-after 10s",
         "    # no stats socket: its 'show acl' would print the admin key",
         "",
@@ -397,6 +408,7 @@ def render(plan: ProxyPlan) -> str:
         "backend st_keys",
         "    stick-table type ip size 100k expire 60s store gpc0,gpc0_rate(60s)",
         "",
+        *(line for backend in SHARED_BACKENDS for line in _table(f"st_share_{backend}")),
     ]
 
     # ---- HTTP ----
@@ -499,7 +511,7 @@ def render(plan: ProxyPlan) -> str:
             "    http-request deny deny_status 408 "
             + _json_error("the JSON part of the body did not arrive in time")
             + " if r_infer { req.body_len,sub(txn.json_bytes) lt 0 }",
-            "    http-request lua.check_infer_json if r_infer",
+            *(["    http-request lua.check_infer_json if r_infer"] if plan.json_checks else []),
         ]
     decoupled = [route.name for route in routes if route.decoupled]
     if decoupled:  # tritonserver answers them 501: a client error, said as one
@@ -518,11 +530,14 @@ def render(plan: ProxyPlan) -> str:
             )
             + f" if r_json_{index} {{ req.body_size gt {GENERATE_JSON_BYTES} }}",
             f"    http-request wait-for-body time {_seconds(limits.request_timeout_s)} if r_json_{index}",
-            f'    http-request lua.check_generate_json "{route.input_spec}" generate_stream'
-            f" if r_json_{index} {{ path -m end /generate_stream }}",
-            f'    http-request lua.check_generate_json "{route.input_spec}" generate'
-            f" if r_json_{index} !{{ path -m end /generate_stream }}",
         ]
+        if plan.json_checks:
+            lines += [
+                f'    http-request lua.check_generate_json "{route.input_spec}" generate_stream'
+                f" if r_json_{index} {{ path -m end /generate_stream }}",
+                f'    http-request lua.check_generate_json "{route.input_spec}" generate'
+                f" if r_json_{index} !{{ path -m end /generate_stream }}",
+            ]
     lines += [
         "    http-request deny deny_status 400 content-type application/json "
         + 'lf-string "{\\"error\\":\\"%[var(txn.json_error),json(utf8s)]\\"}" if { var(txn.json_error) -m found }',
@@ -546,6 +561,13 @@ def render(plan: ProxyPlan) -> str:
         f"    http-request set-header {plan.admin_header} {plan.internal_key} if {{ var(txn.admin) -m bool }}",
         f"    http-request del-header {plan.admin_header} unless {{ var(txn.admin) -m bool }}",
     ]
+    http_routes = {"be_http_sampler": "r_sampler"} if samplers else {}
+    http_routes |= {"be_http_generate": "r_generate"} if generators else {}
+    lines += _share_rules(
+        http_routes,
+        "http-request deny deny_status 429 " + _json_error(over_share(limits.requests_per_ip)) + " hdr retry-after 1",
+        limits.requests_per_ip,
+    )
     lines += [
         "    # a request reaches a server slot only once its body (up to a buffer) is here, after every",
         "    # check: a client trickling bodies holds connections at the proxy, never the route's slots",
@@ -597,8 +619,6 @@ def render(plan: ProxyPlan) -> str:
         + _grpc_error(7, "the server's own shared-memory regions cannot be registered")
         # hex: the body is a binary gRPC frame, and as a string it would end at its first zero byte
         + f" if g_register {{ req.body,hex -m sub {STUB_REGION_PREFIX.encode().hex().upper()} }}",
-        "    " + _grpc_error(14, QUEUE_FULL) + f" if g_infer {{ queue(be_grpc_infer) ge {limits.max_queue} }}",
-        "    " + _grpc_error(14, QUEUE_FULL) + f" if g_stream {{ queue(be_grpc_stream) ge {limits.max_queue} }}",
         # decided once: the set-header below changes what admin_ok reads
         "    http-request set-var(txn.admin) bool(true) if admin_ok",
         f"    http-request set-header {plan.grpc_admin_header} {plan.internal_key} if {{ var(txn.admin) -m bool }}",
@@ -607,6 +627,15 @@ def render(plan: ProxyPlan) -> str:
         "    # only headers waits at the proxy and is cut after the request timeout",
         f"    http-request wait-for-body time {_seconds(limits.request_timeout_s)} if !g_stream",
         f"    http-request wait-for-body time {_seconds(limits.request_timeout_s)} at-least 5 if g_stream",
+        "    # refusals come once the call's message is in: answered before it, a client still sending",
+        "    # may read the proxy's reset of its stream (CANCELLED) instead of the refusal",
+        "    " + _grpc_error(14, QUEUE_FULL) + f" if g_infer {{ queue(be_grpc_infer) ge {limits.max_queue} }}",
+        "    " + _grpc_error(14, QUEUE_FULL) + f" if g_stream {{ queue(be_grpc_stream) ge {limits.max_queue} }}",
+        *_share_rules(
+            {"be_grpc_infer": "g_infer", "be_grpc_stream": "g_stream"},
+            _grpc_error(8, over_share(limits.requests_per_ip)),
+            limits.requests_per_ip,
+        ),
         "    use_backend be_grpc_infer if g_infer",
         "    use_backend be_grpc_stream if g_stream",
         "    default_backend be_grpc_other",
@@ -621,7 +650,7 @@ def render(plan: ProxyPlan) -> str:
     )
     lines += _shed_backend(
         "be_grpc_stream",
-        internal["stream_gate"],
+        internal["stream_gate"] if plan.stream_gate else internal["grpc"],
         limits,
         limits.queue_timeout_s,
         h2=True,
@@ -649,6 +678,13 @@ def render(plan: ProxyPlan) -> str:
             "    http-request return status 503 "
             + _openai_error(QUEUE_FULL, "overloaded")
             + f" hdr retry-after 1 if {{ queue(be_api) ge {limits.max_queue} }}",
+            *_share_rules(
+                {"be_api": "TRUE"},
+                "http-request return status 429 "
+                + _openai_error(over_share(limits.requests_per_ip), "rate_limit_exceeded")
+                + " hdr retry-after 1",
+                limits.requests_per_ip,
+            ),
             f"    http-request wait-for-body time {_seconds(limits.request_timeout_s)}",
             "    default_backend be_api",
             "",
@@ -661,12 +697,12 @@ def render(plan: ProxyPlan) -> str:
         ]
 
     # ---- metrics and probe: GET only ----
-    for name, paths in (("metrics", "/metrics"), ("probe", "/ready /live /status")):
+    for name, paths in (("metrics", "/metrics"), ("probe", "/ready /live /status /metrics")):
         if not public.get(name):
             continue
         lines += _frontend_head(
             f"fe_{name}",
-            plan.bind_address,
+            plan.side_bind_address,
             public[name],
             "st_side",
             SIDE_PORT_CONNECTIONS,
@@ -684,6 +720,13 @@ def render(plan: ProxyPlan) -> str:
             "",
             f"backend be_{name}",
             f"    server local 127.0.0.1:{internal[name]} maxconn 16",
+            "",
+        ]
+    if plan.stats_socket:  # the proxy's own counters: only this user can connect (ops.proxy_metrics)
+        lines += [
+            "frontend fe_stats",
+            f"    bind unix@{plan.stats_socket} mode 600",
+            "    http-request use-service prometheus-exporter",
             "",
         ]
     return "\n".join(lines) + "\n"

@@ -14,7 +14,6 @@ import importlib.util
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -28,8 +27,11 @@ from ..sampling.admin import ADMIN_HEADER, GRPC_ADMIN_HEADER  # noqa: F401 (the 
 from ..serving.admin_key import ADMIN_KEY_DIGEST_ENV, key_digest
 from . import settings
 from .allocator import with_allocator
+from .capabilities import ServerCapabilities, help_flags, run_help
+from .child import Child, log_tail
 from .private_shm import with_private_shm
 from .shm_cleanup import remove_unused_regions, server_shm_prefix
+from .workarounds import BY_NAME
 
 PORT_NAMES = ("http", "grpc", "metrics")
 # The admin surfaces: anyone who reaches them can map host shared memory into the server, load
@@ -93,11 +95,12 @@ def system_tritonserver() -> str:
     return found
 
 
-def server_environment(admin_key: str | None = None) -> dict[str, str]:
+def server_environment(admin_key: str | None = None, private_shm: bool = True) -> dict[str, str]:
     """The environment tritonserver needs: this venv's bin/ first, the wheel's shared libraries
     (a Triton image's own server needs neither, and gets the environment unchanged but PATH).
     With `admin_key`, the stubs get its SHA-256 (never the key), which the generate model's
-    weight operations check (serving.weight_control)."""
+    weight operations check (serving.weight_control); with `private_shm`, the library that keeps
+    the stubs' regions 0600 (off where `ops.workarounds` says it cannot act)."""
     env = dict(os.environ)
     env.pop(ADMIN_KEY_DIGEST_ENV, None)
     if admin_key:
@@ -111,7 +114,7 @@ def server_environment(admin_key: str | None = None) -> dict[str, str]:
         env["GOMP_SPINCOUNT"] = settings.GOMP_SPINCOUNT.value(env)
     env.pop(settings.TRITON_ADMIN_KEY.name, None)  # a secret neither tritonserver nor a stub reads
     env = with_allocator(env)  # jemalloc where installed: glibc's malloc fragments under load
-    return with_private_shm(env)  # the stubs' /dev/shm regions 0600
+    return with_private_shm(env) if private_shm else env  # the stubs' /dev/shm regions 0600
 
 
 # Half the cores for Triton's HTTP threads, within these bounds (why: settings.TRITON_HTTP_THREAD_COUNT).
@@ -158,41 +161,35 @@ HTTP_MAX_INPUT_BYTES = 2 * settings.LARGEST_REQUEST_BYTES
 
 @functools.cache
 def server_flags(binary: str) -> frozenset[str]:
-    """The long options `binary --help` lists (tritonserver prints its usage and exits 1); empty
-    when it cannot run."""
-    try:
-        done = subprocess.run(
-            [binary, "--help"], capture_output=True, text=True, env=server_environment(), timeout=30, check=False
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return frozenset()
-    return frozenset(re.findall(r"^\s+(--[a-z0-9-]+)", done.stdout + done.stderr, flags=re.MULTILINE))
+    """The long options `binary --help` lists; empty when it cannot run."""
+    return help_flags(run_help(binary, server_environment()))
 
 
 def compatibility_args(binary: str, extra_args: list[str] = ()) -> list[str]:
     """The flags a newer `binary` needs to hold the largest request and serve client shared
     memory, where it lists them and `extra_args` does not set them."""
     given = {arg.split("=", 1)[0] for arg in extra_args}
-    known = server_flags(binary)
+    caps = ServerCapabilities(version="", flags=server_flags(binary))
     args = []
-    if "--http-max-input-size" in known and "--http-max-input-size" not in given:
+    if BY_NAME["http_max_input_size"].runs(caps) and "--http-max-input-size" not in given:
         args.append(f"--http-max-input-size={HTTP_MAX_INPUT_BYTES}")
-    if "--allow-client-shm" in known and "--allow-client-shm" not in given:
+    if BY_NAME["allow_client_shm"].runs(caps) and "--allow-client-shm" not in given:
         args.append("--allow-client-shm=true")
     return args
+
+
+def server_binary() -> str:
+    """The tritonserver to run: the nvidia-pytriton wheel's, else the Triton image's own."""
+    return str(pytriton_root() / "tritonserver" / "bin" / "tritonserver") if has_pytriton() else system_tritonserver()
 
 
 def server_command(model_repository: Path, ports: dict[str, int], extra_args: list[str] = ()) -> list[str]:
     """The tritonserver command line for a repository and ports: the nvidia-pytriton wheel's server
     with the backends prepared for this Python, or else the Triton image's own with its backends;
     `resource_args` and `compatibility_args` first, then `extra_args`."""
+    binary = [server_binary()]
     if has_pytriton():
-        binary = [
-            str(pytriton_root() / "tritonserver" / "bin" / "tritonserver"),
-            f"--backend-directory={prepare_backends()}",
-        ]
-    else:
-        binary = [system_tritonserver()]
+        binary.append(f"--backend-directory={prepare_backends()}")
     return [
         binary[0],
         f"--model-repository={Path(model_repository).resolve()}",
@@ -320,7 +317,12 @@ class TritonServer(LoopbackUrls):
         self.ports = {name: free_port() for name in PORT_NAMES}
         self.shm_prefix = server_shm_prefix(self.ports["http"])
         self.log_path = log_path or Path(tempfile.gettempdir()) / f"tritonserver-{self.ports['http']}.log"
-        self.process: subprocess.Popen | None = None
+        self.child: Child | None = None
+
+    @property
+    def process(self) -> subprocess.Popen | None:
+        """tritonserver's process (None before `start`)."""
+        return self.child.process if self.child else None
 
     def command(self) -> list[str]:
         """The tritonserver command line this server runs."""
@@ -331,20 +333,18 @@ class TritonServer(LoopbackUrls):
 
     def start(self, timeout_s: float = 180.0) -> TritonServer:
         """Start the server and wait until every model is ready; raises with the log tail if not."""
-        self._log = open(self.log_path, "w")  # noqa: SIM115 (open while the server runs)
-        self.process = subprocess.Popen(
+        self.child = Child(
+            "tritonserver",
             self.command(),
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
             env=server_environment(self.admin_key),
-            start_new_session=True,
             umask=SERVER_UMASK,
-        )
+            log_path=self.log_path,
+            append_log=False,
+        ).start()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                self._log.close()
-                self._clean_up()
+                self.stop()
                 raise RuntimeError(f"tritonserver exited with {self.process.returncode}:\n{self.log_tail()}")
             if self.is_ready() and self.metrics_listening():
                 return self
@@ -361,61 +361,21 @@ class TritonServer(LoopbackUrls):
             return False
 
     def stop(self, timeout_s: float = 30.0) -> int | None:
-        """SIGTERM (Triton's clean shutdown), then SIGKILL if it lingers; returns the exit code.
-        Stubs the server left behind are killed and their /dev/shm regions removed."""
-        if self.process is None:
+        """SIGTERM to its process group (Triton's clean shutdown), then SIGKILL if it lingers;
+        returns the exit code. Stubs the server left behind are killed and their /dev/shm regions
+        removed."""
+        if self.child is None:
             return None
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
-        self._log.close()
-        self._clean_up()
-        return self.process.returncode
-
-    def _clean_up(self) -> None:
-        end_process_group(self.process.pid)
+        code = self.child.stop(timeout_s, group=True)
         remove_unused_regions(self.shm_prefix)
+        return code
 
     def log_tail(self, chars: int = 4000) -> str:
         """The end of the server log."""
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:]
-        except OSError:
-            return ""
+        return log_tail(self.log_path, chars)
 
     def __enter__(self) -> TritonServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-def group_members(pgid: int) -> list[int]:
-    """Live (non-zombie) processes of process group `pgid`, from /proc."""
-    members = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if fields[0] != "Z" and int(fields[2]) == pgid:
-            members.append(int(proc.name))
-    return members
-
-
-def end_process_group(pgid: int, timeout_s: float = 2.0) -> None:
-    """SIGKILL what is left of a server's process group (stubs outliving a crashed or timed-out
-    tritonserver) and wait, up to `timeout_s`, until none of it runs."""
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        return
-    deadline = time.monotonic() + timeout_s
-    while group_members(pgid) and time.monotonic() < deadline:
-        time.sleep(0.05)

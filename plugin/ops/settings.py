@@ -63,6 +63,13 @@ def _port(text: str) -> int:
     return port
 
 
+def _positive(text: str) -> int:
+    number = int(text)
+    if number < 1:
+        raise ValueError("must be 1 or more")
+    return number
+
+
 def _visible_gpus() -> int:
     import torch  # only the image's sizing needs it, and only when GPU_COUNT is unset
 
@@ -82,6 +89,13 @@ TRITON_METRICS_PORT = Setting(
     _port, 8002, "the public metrics port, GET /metrics only (the proxy's; tritonserver's own with `--no-proxy`)"
 )
 TRITON_PROBE_PORT = Setting(_port, 8003, "the supervisor's /ready, /live and /status (through the proxy); 0: none")
+# Kubelet httpGet probes and a Prometheus in another pod reach the pod's address; exec probes and
+# a scraping sidecar need only loopback, and then nobody else can flood or read those ports.
+TRITON_SIDE_PORTS_ADDRESS = Setting(
+    str,
+    "0.0.0.0",
+    "the address the proxy binds the metrics and probe ports to: 127.0.0.1 keeps them on the pod or host",
+)
 TRITON_API_PORT = Setting(
     _port, 9000, "the HTTP API's public port (OpenAI and SGLang dialects over `generate`, behind the proxy); 0: none"
 )
@@ -127,6 +141,14 @@ PROXY_MAX_IN_FLIGHT = Setting(
     int, DEFAULT_ROUTE_CAPACITY, "requests (or gRPC streams) per model route in flight to tritonserver at once"
 )
 PROXY_MAX_QUEUE = Setting(int, 32, "requests per model route waiting in the proxy; beyond it a request is shed at once")
+# One address's share of a model route (in tritonserver and waiting together): past it, 429 /
+# RESOURCE_EXHAUSTED, so that one client cannot hold the slots everyone else needs. Behind a load
+# balancer every request comes from its address unless it forwards the client's (docs/operations.md).
+PROXY_REQUESTS_PER_IP = Setting(
+    int,
+    (DEFAULT_ROUTE_CAPACITY + PROXY_MAX_QUEUE.default) // 2,  # half the slots and half the queue
+    "requests one client address may have at one model route at once, in tritonserver or waiting in the proxy",
+)
 PROXY_QUEUE_TIMEOUT_S = Setting(float, 2.0, "seconds a sampler request may wait in the proxy before it is shed")
 # Open: sent, not finally answered; beyond it the stream gate stops reading the stream.
 PROXY_STREAM_MAX_OPEN = Setting(int, 64, "requests one gRPC stream may have open at once")
@@ -144,6 +166,17 @@ PROXY_JSON_HEADER_BYTES = Setting(
     "largest JSON part of an HTTP /infer body (the whole body without the binary tensor extension); the proxy reads it",
 )
 PROXY_LOG_SAMPLE = Setting(int, 20, "the proxy logs one request in this many (never blocking on its log)")
+# Off unless an endpoint is given: tritonserver's OpenTelemetry tracing and the models' child spans
+# (serving.tracing), both exported over OTLP/HTTP to the same collector (docs/tracing.md).
+TRITON_TRACE_ENDPOINT = Setting(
+    str,
+    "",
+    "an OTLP/HTTP traces URL (e.g. `http://localhost:4318/v1/traces`): tritonserver traces requests and the models "
+    "add child spans, both sent there (docs/tracing.md); empty: no tracing",
+)
+TRITON_TRACE_RATE = Setting(
+    _positive, 1000, "with `TRITON_TRACE_ENDPOINT`: tritonserver traces one request in this many (1: every one)"
+)
 # A cgroup memory limit for tritonserver and its stubs (ops.memory_limit), so that a request that
 # blows up the server's memory kills the server, not a random process of the host.
 TRITON_MEMORY_LIMIT_BYTES = Setting(

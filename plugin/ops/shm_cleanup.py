@@ -26,6 +26,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
 SHM_DIR = Path("/dev/shm")
 # The Python backend's own default prefix (--backend-config=python,shm-region-prefix-name=...).
 DEFAULT_STUB_PREFIX = "triton_python_backend_shm_region_"
@@ -40,15 +42,15 @@ def server_shm_prefix(http_port: int) -> str:
 
 
 def regions_in_use(shm_dir: Path = SHM_DIR) -> set[str]:
-    """Names of the regions under `shm_dir` that some live process maps or holds open
-    (from /proc/*/maps and /proc/*/fd; processes we may not inspect are skipped)."""
+    """Names of the regions under `shm_dir` that some live process maps or holds open (processes
+    we may not inspect are skipped)."""
     base = str(shm_dir).rstrip("/") + "/"
     used: set[str] = set()
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
+    for process in psutil.process_iter():
+        # The mappings from /proc/PID/maps: psutil's memory_maps parses smaps (page counts of every
+        # mapping), far slower over every process of the host, for the same file names.
         try:
-            with open(proc / "maps", errors="replace") as maps:
+            with open(f"/proc/{process.pid}/maps", errors="replace") as maps:
                 for line in maps:
                     at = line.find(base)
                     if at >= 0:
@@ -56,14 +58,8 @@ def regions_in_use(shm_dir: Path = SHM_DIR) -> set[str]:
         except OSError:
             pass
         try:
-            for fd in os.scandir(proc / "fd"):
-                try:
-                    target = os.readlink(fd.path)
-                except OSError:
-                    continue
-                if target.startswith(base):
-                    used.add(target[len(base) :].removesuffix(" (deleted)"))
-        except OSError:
+            used.update(f.path[len(base) :] for f in process.open_files() if f.path.startswith(base))
+        except psutil.Error:
             pass
     return used
 
@@ -94,27 +90,27 @@ def remove_unused_regions(prefix: str, shm_dir: Path = SHM_DIR) -> list[str]:
 @dataclass
 class Stub:
     """A live Python-backend stub process: the region it was started with, the model instance it
-    serves (e.g. `sampler_0_0`) and when it started (clock ticks since boot)."""
+    serves (e.g. `sampler_0_0`) and when it started (seconds since the epoch)."""
 
     pid: int
     region: str
     instance: str
-    started: int
+    started: float
 
 
 def stub_process(pid: int) -> Stub | None:
-    """The stub `pid` is (from /proc: it is started as `STUB_BINARY <model.py> <region> <default
-    size> <growth size> <parent pid> <library dir> <ipc handle> <instance> ...`), or None when
-    `pid` is not a live stub."""
+    """The stub `pid` is (it is started as `STUB_BINARY <model.py> <region> <default size>
+    <growth size> <parent pid> <library dir> <ipc handle> <instance> ...`), or None when `pid` is
+    not a live stub."""
     try:
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        started = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
+        process = psutil.Process(pid)
+        with process.oneshot():
+            argv, started = process.cmdline(), process.create_time()
+    except psutil.Error:
         return None
-    if len(argv) < 3 or os.path.basename(argv[0]) != STUB_BINARY.encode():
+    if len(argv) < 3 or os.path.basename(argv[0]) != STUB_BINARY:
         return None
-    instance = argv[8] if len(argv) > 8 else str(pid).encode()
-    return Stub(pid, argv[2].decode(errors="replace"), instance.decode(errors="replace"), started)
+    return Stub(pid, argv[2], argv[8] if len(argv) > 8 else str(pid), started)
 
 
 def current_stubs(stub_pids: Iterable[int]) -> list[Stub]:
@@ -138,7 +134,8 @@ class MappedRegion:
 
 
 def mapped_regions(pid: int, prefix: str, shm_dir: Path = SHM_DIR) -> dict[int, MappedRegion]:
-    """The regions named `prefix*` that process `pid` maps, by inode (from /proc/<pid>/maps)."""
+    """The regions named `prefix*` that process `pid` maps, by inode (from /proc/<pid>/maps:
+    psutil's memory maps carry no inode, and an unlinked region and a new one may share a name)."""
     base = str(shm_dir).rstrip("/") + "/" + prefix
     regions: dict[int, MappedRegion] = {}
     try:

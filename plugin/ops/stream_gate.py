@@ -20,7 +20,11 @@ tritonserver, and frames pass through as they are, except that
   so the gate can end a stream itself: an oversized request gets RST_STREAM toward the server and
   trailers with grpc-status RESOURCE_EXHAUSTED toward the client;
 - bytes the gate drops (held data of a reset stream, frames of a stream it ended) are credited
-  back with WINDOW_UPDATE, so no connection's window leaks.
+  back with WINDOW_UPDATE, so no connection's window leaks;
+- a stream the client abandons (RST_STREAM, or its connection lost) while requests are open is
+  not reset toward tritonserver: Triton 2.51 never frees the responses it had queued for a
+  cancelled stream. The gate ends the stream's requests (END_STREAM), opens its window and reads
+  the remaining responses to their end, dropping them, then closes (at most DRAIN_LIMIT_S).
 Each response message's leading bytes are read to tell a final one; nothing is deserialised, and
 a streamed token costs a socket read, a write and a little frame parsing here (no grpc runtime).
 
@@ -55,6 +59,8 @@ COMPACT_BYTES = 65536  # held bytes already forwarded are dropped once past this
 REFUSED_MEMORY = 1024  # streams the gate ended, remembered to drop their late frames
 READ_BYTES = 65536  # one socket read at most
 STOP_GRACE_S = 2.0  # after SIGTERM, how long open connections may go on
+DRAIN_LIMIT_S = 60.0  # how long an abandoned stream's remaining responses may take to be read
+DRAIN_WINDOW_BYTES = 2**30  # the window opened for them (a window may not pass 2**31 - 1)
 
 
 def _varint(data: bytes, pos: int) -> tuple[int, int]:
@@ -132,7 +138,7 @@ class _Stream:
     each direction, the request bytes it holds back, whether the server has answered."""
 
     __slots__ = ("open", "request_head", "request_left", "held", "held_from", "held_end", "response_head")
-    __slots__ += ("response_left", "response_bytes", "answered")
+    __slots__ += ("response_left", "response_bytes", "answered", "sent_end", "draining")
 
     def __init__(self):
         self.open = 0
@@ -145,6 +151,8 @@ class _Stream:
         self.response_left = 0
         self.response_bytes = bytearray()  # the current response's leading bytes
         self.answered = False  # the server has sent its response headers
+        self.sent_end = False  # END_STREAM has gone to the server
+        self.draining = False  # the client left: the server's responses are read and dropped
 
     @property
     def waiting(self) -> int:
@@ -177,7 +185,10 @@ class _Half(asyncio.BufferedProtocol):
             self.relay.server_data(self.view[:nbytes])
 
     def connection_lost(self, exc) -> None:
-        self.relay.close()
+        if self.from_client:
+            self.relay.client_lost()
+        else:
+            self.relay.close()
 
     def pause_writing(self) -> None:
         self.relay.peer(self).pause_reading()
@@ -210,6 +221,8 @@ class Relay:
         # before its CONTINUATION, so releases wait (the streams they would release, in order).
         self.client_block_open = False
         self.pending: dict[int, None] = {}
+        self.client_gone = False
+        self.window_opened = False  # the connection's window opened for draining streams
         gate.relays.add(self)
 
     # ---- plumbing ----
@@ -235,6 +248,10 @@ class Relay:
         return (self.server if half is self.client else self.client).transport
 
     def _flush(self) -> None:
+        if self.closed:
+            return
+        if self.client_gone:
+            self.to_client.clear()
         if self.to_server and self.server.transport is not None:
             self.server.transport.write(b"".join(self.to_server))
         if self.to_client:
@@ -249,6 +266,42 @@ class Relay:
             for half in (self.client, self.server):
                 if half.transport is not None:
                     half.transport.close()
+
+    def client_lost(self) -> None:
+        """The proxy's connection ended: its streams with open requests are drained, the
+        others reset; the server connection closes once none is left (or after DRAIN_LIMIT_S)."""
+        if self.closed or self.server.transport is None:
+            self.close()
+            return
+        self.client_gone = True
+        for stream_id, stream in list(self.streams.items()):
+            if not self._drain(stream_id, stream):
+                self.to_server.append(frame(RST_STREAM, 0, stream_id, struct.pack(">I", CANCEL)))
+                self._forget(stream_id)
+        if self.closed:
+            return
+        self.server.transport.resume_reading()  # it may have been paused for the client's sake
+        self._flush()
+        asyncio.get_running_loop().call_later(DRAIN_LIMIT_S, self.close)
+
+    def _drain(self, stream_id: int, stream: _Stream) -> bool:
+        """Whether the stream is drained instead of reset: it has open requests and none of them
+        is half forwarded. Its requests are ended, held bytes dropped and its window opened."""
+        if stream.draining:
+            return True
+        if not stream.open or stream.request_left or stream.request_head:
+            return False
+        stream.draining = True
+        self.to_client.append(window_update(0, stream.waiting))
+        stream.held, stream.held_from = bytearray(), 0
+        if not stream.sent_end:
+            self.to_server.append(frame(DATA, END_STREAM, stream_id))
+            stream.sent_end = True
+        if not self.window_opened:
+            self.to_server.append(window_update(0, DRAIN_WINDOW_BYTES))
+            self.window_opened = True
+        self.to_server.append(window_update(stream_id, DRAIN_WINDOW_BYTES))
+        return True
 
     @staticmethod
     def _frames(buffer: bytearray):
@@ -290,7 +343,7 @@ class Relay:
                 elif stream is not None and stream.waiting:
                     self._release(stream_id, stream, force=True)  # trailers end the requests: no bound left
             elif kind == RST_STREAM:
-                if stream_id in self.refused:
+                if stream_id in self.refused or (stream is not None and self._drain(stream_id, stream)):
                     continue
                 self._forget(stream_id)
             elif kind == SETTINGS and not flags & 1:
@@ -336,6 +389,7 @@ class Relay:
             return
         end = stream.held_end and pos == len(data)
         self.to_server += _data_frames(stream_id, bytes(data[start:pos]), end)
+        stream.sent_end = stream.sent_end or end
         if pos == len(data):
             stream.held, stream.held_from, stream.held_end = bytearray(), 0, False
         elif pos > COMPACT_BYTES and 2 * pos > len(data):  # forwarded bytes go, in a copy of O(what waits)
@@ -388,6 +442,9 @@ class Relay:
         stream = self.streams.pop(stream_id, None)
         if stream is not None:
             self.to_client.append(window_update(0, stream.waiting))
+        if self.client_gone and not self.streams:
+            self._flush()
+            self.close()
 
     def _read_settings(self, payload: bytes) -> None:
         for pos in range(0, len(payload) - 5, 6):
@@ -421,8 +478,10 @@ class Relay:
             elif kind == RST_STREAM:
                 if stream_id in self.refused:
                     continue
+                stream = self.streams.get(stream_id)
                 self._forget(stream_id)
-                self.to_client.append(raw)
+                if stream is None or not stream.draining:
+                    self.to_client.append(raw)
             else:
                 self.to_client.append(raw)
         self._flush()
@@ -431,8 +490,15 @@ class Relay:
         if stream_id in self.refused:  # the client never sees it: credit the server's window
             self.to_server.append(window_update(0, len(payload)))
             return
-        self.to_client.append(raw)
         stream = self.streams.get(stream_id)
+        if stream is not None and stream.draining:  # read and dropped, the windows kept open
+            self.to_server.append(window_update(0, len(payload)))
+            if flags & END_STREAM:
+                self._forget(stream_id)
+            else:
+                self.to_server.append(window_update(stream_id, len(payload)))
+            return
+        self.to_client.append(raw)
         if stream is None:
             return
         data, pos, freed = _unpad(flags, payload), 0, False
@@ -478,7 +544,8 @@ class Relay:
         stream = self.streams.get(stream_id)
         if stream is not None:
             stream.answered = True
-        self._headers_to_client(stream_id, flags & END_STREAM, headers)
+        if stream is None or not stream.draining:
+            self._headers_to_client(stream_id, flags & END_STREAM, headers)
         if flags & END_STREAM:
             self._forget(stream_id)
 

@@ -19,13 +19,14 @@ What it answers, with Triton 2.51 / Python backend r24.10:
   of them exceeds TRITON_SHM_LEAK_LIMIT_BYTES, drains it (/ready 503 for one interval) and
   restarts it cleanly, without the crash backoff.
 - One HTTP body can kill tritonserver itself (deeply nested JSON, a JSON shape of 2**40). The
-  supervisor restarts it with backoff (0.5 s, doubling up to 30 s; back to 0.5 s once a server
-  ran a minute) and removes the dead server's /dev/shm stub regions first.
+  supervisor restarts it with backoff (`ops.child.RESTART_BACKOFF_S`: 0.5 s, doubling up to 30 s;
+  back to 0.5 s once a server ran a minute) and removes the dead server's /dev/shm stub regions first.
 - Readiness: `GET :probe_port/ready` is 200 only while the last watchdog round, at most a few
   intervals old, got a correct answer from every model, and no model of the round under way has
   left its probe unanswered for an interval without finishing any request (a stopped stub:
   503 one interval into the round, not at the probe's timeout); `/live` is 200 while the
-  supervisor runs; `/status` is the last round as JSON.
+  supervisor runs; `/status` is the last round as JSON; `/metrics` is the front door's refusals
+  (ops.proxy_metrics, Prometheus text).
 - tritonserver and its stubs run with umask 077 (their /dev/shm regions are 0600) and without
   TRITON_ADMIN_KEY in their environment.
 - SIGTERM/SIGINT: the watchdog stops, tritonserver gets SIGTERM (its --exit-timeout-secs bounds
@@ -34,9 +35,9 @@ What it answers, with Triton 2.51 / Python backend r24.10:
   process maps are removed after every exit, clean or not. tritonserver runs in a session of
   its own with a parent-death signal, so it cannot outlive a killed supervisor.
 - The front door (`ops.proxy`, unless `--no-proxy`): HAProxy on the public ports and the stream
-  gate run as children too, each restarted at once when it dies; tritonserver and the probe
-  endpoint listen on loopback behind them. On stop the proxy stops accepting while tritonserver
-  finishes what is in flight, then both exit.
+  gate run as children too (`ops.child.Child`, like tritonserver), each restarted when it dies
+  with the same backoff; tritonserver and the probe endpoint listen on loopback behind them.
+  On stop the proxy stops accepting while tritonserver finishes what is in flight, then both exit.
 - A memory limit (`ops.memory_limit`) around tritonserver and its stubs. A server that died
   after it had served (a watchdog round passed), an OOM kill under the limit included, is
   restarted after the shortest delay: a crash a request caused does not escalate the backoff,
@@ -45,10 +46,8 @@ What it answers, with Triton 2.51 / Python backend r24.10:
 
 from __future__ import annotations
 
-import ctypes
 import json
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -58,7 +57,8 @@ from dataclasses import dataclass, field, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from . import settings
+from . import proxy_metrics, settings
+from .child import Child, describe_exit, end_process_group, group_members
 from .memory_limit import MemoryCage
 from .probe import ProbeResult, http_request, probe_model
 from .proxy import FrontDoor
@@ -67,8 +67,6 @@ from .server_process import (
     ADMIN_HEADER,
     SERVER_UMASK,
     LoopbackUrls,
-    end_process_group,
-    group_members,
     hardening_args,
     loopback_args,
     redact,
@@ -77,49 +75,15 @@ from .server_process import (
 )
 from .shm_cleanup import DeadStubRegions, leaked_regions, remove_unused_regions, server_shm_prefix
 
-RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
-STABLE_RUN_S = 60.0  # a server that ran this long resets the restart backoff
 KILL_MARGIN_S = 3.0  # SIGKILL this long after tritonserver's own exit timeout
 TIMEOUTS_BEFORE_RELOAD = 2  # consecutive probe timeouts, with no progress between them: a hung stub
 RELOAD_TIMEOUT_S = 180.0
 RELOAD_BACKOFF_S = (2.0, 5.0, 15.0, 60.0)  # least time between two reloads of one model
-PR_SET_PDEATHSIG = 1
-
-try:
-    _prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here: the forked child must not load libraries
-except (OSError, AttributeError):  # not Linux
-    _prctl = None
-
-
-def _child_setup() -> None:
-    """In the forked tritonserver, before exec: die with the supervisor (SIGKILL)."""
-    if _prctl is not None:
-        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-
-
-def _caged_child_setup(cage: MemoryCage):
-    """`_child_setup`, then enter the memory cage (the stubs tritonserver forks inherit it)."""
-
-    def setup() -> None:
-        _child_setup()
-        cage.enter()
-
-    return setup
 
 
 def log(message: str) -> None:
     """Print one supervisor line, at once (the container log is read live)."""
     print(f"[supervisor] {message}", flush=True)
-
-
-def describe_exit(code: int) -> str:
-    """A child's return code in words: "exit code N" or "signal NAME"."""
-    if code < 0:
-        try:
-            return f"signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"signal {-code}"
-    return f"exit code {code}"
 
 
 @dataclass
@@ -141,6 +105,9 @@ class SupervisorConfig(LoopbackUrls):
     # ones and `admin_key` the internal key the proxy sets on admin requests.
     front_door: FrontDoor | None = None
     memory_cage: MemoryCage | None = None
+    # The defences `ops.workarounds` may turn off where they cannot act or are not needed.
+    private_shm: bool = True  # the stubs' regions 0600 (ops.private_shm)
+    dead_stub_sweeps: bool = True  # dead stubs' regions unlinked, a server holding too many restarted
 
     @property
     def public_http_port(self) -> int:
@@ -480,8 +447,28 @@ class _ProbeHandler(BaseHTTPRequestHandler):
             }
             ready = ready and report["server_running"]
             self._answer(200 if ready or path == "/status" else 503, report)
+        elif path == "/metrics":
+            self._answer_metrics()
         else:
-            self._answer(404, {"error": "try /ready, /live or /status"})
+            self._answer(404, {"error": "try /ready, /live, /status or /metrics"})
+
+    def _answer_metrics(self) -> None:
+        """The front door's refusals (ops.proxy_metrics), 503 while HAProxy's exporter is not there."""
+        door = self.supervisor.config.front_door
+        try:
+            if door is None or door.stats_socket is None:
+                raise OSError("no front door with HAProxy's Prometheus exporter")
+            body = proxy_metrics.render(door.stats_socket).encode()
+        except (OSError, ValueError) as error:
+            self._answer(503, {"error": f"the front door's metrics are not available: {error}"})
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain; version=0.0.4")
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.write(body)
+        self.close_connection = True
 
     def _answer(self, status: int, payload: dict) -> None:
         body = json.dumps(payload).encode()
@@ -517,7 +504,7 @@ class Supervisor:
         self.watchdog = Watchdog(config)
         self.stopping = threading.Event()
         self.stop_requested_at: float | None = None
-        self.child: subprocess.Popen | None = None
+        self.child: Child | None = None
         self.restarts = 0
         self._probe_server: ThreadingHTTPServer | None = None
         self.draining = False  # a planned restart is under way: /ready answers 503
@@ -529,7 +516,7 @@ class Supervisor:
     def server_running(self) -> bool:
         """Whether tritonserver runs and no stop was asked for."""
         child = self.child
-        return child is not None and child.poll() is None and not self.stopping.is_set() and not self.draining
+        return child is not None and child.running() and not self.stopping.is_set() and not self.draining
 
     def _on_signal(self, signum, frame) -> None:
         if self.stop_requested_at is None:
@@ -555,15 +542,15 @@ class Supervisor:
         command = self.config.command()
         log("+ " + " ".join(redact(command, self.config.admin_key)))
         self.watchdog.reset()
-        # Its own session: a terminal's Ctrl-C reaches the supervisor only, which forwards it.
+        # The same Child across restarts: it keeps the restart backoff. It dies with the supervisor
+        # and enters the memory limit before exec (the stubs tritonserver forks inherit both).
         cage = self.config.memory_cage
-        self.child = subprocess.Popen(
-            command,
-            env=server_environment(self.config.public_admin_key),
-            start_new_session=True,
-            preexec_fn=_caged_child_setup(cage) if cage else _child_setup,
-            umask=SERVER_UMASK,
-        )
+        if self.child is None:
+            self.child = Child("tritonserver", command, die_with_parent=True, umask=SERVER_UMASK)
+        self.child.command = command
+        self.child.env = server_environment(self.config.public_admin_key, private_shm=self.config.private_shm)
+        self.child.setup = cage.enter if cage else None
+        self.child.start()
         self._dead_regions = DeadStubRegions(self.config.shm_prefix)
 
     def _sweep_dead_regions(self) -> bool:
@@ -599,7 +586,7 @@ class Supervisor:
         self.drain_restarts += 1
         log(f"restarting tritonserver (planned restart #{self.drain_restarts}, to release dead stubs' regions)")
 
-    def _clean_up_after(self, child: subprocess.Popen) -> None:
+    def _clean_up_after(self, child: Child) -> None:
         end_process_group(child.pid)  # stubs a dead or timed-out server left running
         removed = remove_unused_regions(self.config.shm_prefix)
         if removed:
@@ -607,24 +594,19 @@ class Supervisor:
 
     def _stop_child(self) -> None:
         child = self.child
-        if child is None:
+        if child is None or child.process is None:
             return
         asked = self.stop_requested_at or time.monotonic()
         for helper in self.helpers:  # the proxy stops accepting; what is in flight goes on
             if helper.soft_stop != signal.SIGTERM:
                 helper.signal(helper.soft_stop)
-        if child.poll() is None:
-            child.send_signal(signal.SIGTERM)
-            kill_at = asked + self.config.exit_timeout_s + KILL_MARGIN_S
-            try:
-                child.wait(timeout=max(0.0, kill_at - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                log(f"tritonserver still running {time.monotonic() - asked:.1f} s after SIGTERM: SIGKILL")
-                end_process_group(child.pid)
-                child.wait()
+        child.stop(
+            asked + self.config.exit_timeout_s + KILL_MARGIN_S - time.monotonic(),
+            on_kill=lambda: log(f"tritonserver still running {time.monotonic() - asked:.1f} s after SIGTERM: SIGKILL"),
+        )
         self._clean_up_after(child)
         log(
-            f"tritonserver stopped ({describe_exit(child.returncode)}) {time.monotonic() - asked:.1f} s after the stop request"
+            f"tritonserver stopped ({describe_exit(child.process.returncode)}) {time.monotonic() - asked:.1f} s after the stop request"
         )
 
     def run(self) -> int:
@@ -672,18 +654,17 @@ class Supervisor:
         if self.config.memory_cage is not None:
             log(self.config.memory_cage.describe())
         self._tend_helpers()  # the proxy answers 503 until tritonserver is up
-        backoff = 0
         try:
             while not self.stopping.is_set():
                 started = time.monotonic()
                 oom_kills = self.config.memory_cage.oom_kills() if self.config.memory_cage else 0
                 self._start_child()  # in the main thread: the parent-death signal follows this thread
                 served = leaking = False
-                while not self.stopping.is_set() and self.child.poll() is None and not leaking:
+                while not self.stopping.is_set() and self.child.running() and not leaking:
                     self.stopping.wait(0.2)
                     served = served or self.watchdog.ready()[0]
                     self._tend_helpers()
-                    leaking = not self.stopping.is_set() and self._sweep_dead_regions()
+                    leaking = self.config.dead_stub_sweeps and not self.stopping.is_set() and self._sweep_dead_regions()
                 if leaking:
                     self._drain_and_stop()
                     continue
@@ -692,13 +673,10 @@ class Supervisor:
                 ran = time.monotonic() - started
                 self._clean_up_after(self.child)
                 out_of_memory = self.config.memory_cage is not None and self.config.memory_cage.oom_kills() > oom_kills
-                if ran >= STABLE_RUN_S or served:
-                    backoff = 0  # it served: a request killed it, not a broken start
-                delay = RESTART_BACKOFF_S[min(backoff, len(RESTART_BACKOFF_S) - 1)]
-                backoff += 1
+                delay = self.child.restart_delay(served)  # a request killed a server that served: no escalation
                 self.restarts += 1
                 log(
-                    f"tritonserver died ({describe_exit(self.child.returncode)}"
+                    f"tritonserver died ({describe_exit(self.child.process.returncode)}"
                     f"{', killed by its memory limit' if out_of_memory else ''}) after {ran:.1f} s"
                     f"{' of serving' if served else ', before it served'}; restart #{self.restarts} in {delay:g} s"
                 )

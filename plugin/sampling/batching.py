@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from .backends import SamplingBackend
-from .outputs import to_wire
+from .outputs import SAMPLING_SEED, to_wire
 from .params import RowParams
 from .results import ROW_MAX, SamplingResult
 from .sampler import SamplingBatch
@@ -61,11 +61,13 @@ class BatchSampler:
         errors = check_rows(params, None, vocab, self.policy)
         owner = np.repeat(np.arange(len(group)), rows_per_request)
         sampled = ~_failed_requests(errors, owner, len(group))[owner]
-        result_arrays = None
+        result_arrays = seeds = None
         row_max = np.empty(len(owner), np.float32)
         if sampled.any():
             rows = logits if sampled.all() else logits[torch.from_numpy(np.flatnonzero(sampled)).to(logits.device)]
-            result_arrays = self.sample(rows, params.take(sampled)).host()
+            seeded = self.seeded(params.take(sampled))
+            seeds = seeded.seed  # each row's receipt: the seed its noise used
+            result_arrays = self.sample(rows, seeded).host()
             row_max[sampled] = result_arrays[ROW_MAX]
         if (~sampled).any():  # error path only: the refused requests' other rows, for "first failing row"
             unsampled = torch.from_numpy(np.flatnonzero(~sampled)).to(logits.device)
@@ -84,17 +86,25 @@ class BatchSampler:
         if answered.any():
             # The sampler's scalar outputs are dims [ 1 ] per row on the wire.
             keep = answered[sampled]
-            arrays = {name: value[keep].reshape(int(keep.sum()), -1) for name, value in to_wire(result_arrays).items()}
+            wire = {**to_wire(result_arrays), SAMPLING_SEED.name: seeds}
+            arrays = {name: value[keep].reshape(int(keep.sum()), -1) for name, value in wire.items()}
             splits = np.cumsum(rows_per_request[~request_failed])[:-1]
             chunks = {name: np.split(value, splits) for name, value in arrays.items()}
             for i, r in enumerate(np.flatnonzero(~request_failed)):
                 outcomes[r].outputs = {name: chunks[name][i] for name in chunks}
         return outcomes
 
+    def seeded(self, params: RowParams) -> RowParams:
+        """These rows, every one seeded: an unseeded row draws a fresh 64-bit seed here."""
+        if params.has_seed.all():
+            return params
+        fresh = self._entropy.integers(0, 2**64, params.rows, dtype=np.uint64, endpoint=False)
+        return params.with_seeds(fresh)
+
     def sample(self, logits: torch.Tensor, params: RowParams) -> SamplingResult:
-        """Sample already-validated rows (used by every model that drives the sampler)."""
-        fresh = self._entropy.integers(0, 2**64, logits.shape[0], dtype=np.uint64, endpoint=False)
-        batch = SamplingBatch(logits.to(self.device), params.with_seeds(fresh))
+        """Sample already-validated rows (used by every model that drives the sampler); unseeded
+        rows are seeded first (`seeded`)."""
+        batch = SamplingBatch(logits.to(self.device), self.seeded(params))
         return self.backend.sample(batch, self.policy.mask_width)
 
 

@@ -68,6 +68,17 @@ SAMPLING_MASK_LOGPROBS = OutputSpec(
     "float32's lowest value (-3.4028235e38; JSON has no -inf)",
 )
 FINISH_REASON = OutputSpec("finish_reason", np.object_, REQUEST, "", '"length" or "stop" (generate only)')
+# A sampling receipt: the seed of the row's noise, the request's `seed` or the one the server drew
+# for an unseeded row. A `sampler` row's noise is keyed by it as it is; token i of a `generate`
+# request (counting from its first) by `rng.step_seeds(seed, i)`. With the parameters the client
+# sent, it re-derives every token from the logits (`client.receipts`).
+SAMPLING_SEED = OutputSpec(
+    "sampling_seed",
+    np.uint64,
+    TOKEN,
+    0,
+    "the seed of the row's noise: the request's seed, or the one the server drew (a sampling receipt)",
+)
 # generate only: which weights sampled each token (a string the trainer sets with each update).
 WEIGHT_VERSION = OutputSpec(
     "weight_version", np.object_, TOKEN, b"", "the weight version that sampled each token (generate only)"
@@ -96,14 +107,17 @@ TOKEN_OUTPUTS = (
 TOKEN_OUTPUT_NAMES = tuple(spec.name for spec in TOKEN_OUTPUTS)
 # The [.., W] outputs: a row group may fill only their first columns; the rest keeps `fill`.
 MASK_OUTPUT_NAMES = tuple(spec.name for spec in TOKEN_OUTPUTS if spec.per == MASK)
-# Kept for a token whose request did not ask for a mask (its mask columns are padding).
-UNMASKED_OUTPUT_NAMES = tuple(spec.name for spec in TOKEN_OUTPUTS if spec.per != MASK)
-# What the generate model sends for every generated token: the sampler's outputs and the weight version.
-GENERATION_TOKEN_OUTPUTS = (*TOKEN_OUTPUTS, WEIGHT_VERSION)
+# What both models send for every sampled token: the sampler's outputs and the seed its noise used.
+SAMPLED_OUTPUTS = (*TOKEN_OUTPUTS, SAMPLING_SEED)
+SAMPLED_OUTPUT_NAMES = tuple(spec.name for spec in SAMPLED_OUTPUTS)
+# What the generate model sends for every generated token: those and the weight version.
+GENERATION_TOKEN_OUTPUTS = (*SAMPLED_OUTPUTS, WEIGHT_VERSION)
 GENERATION_TOKEN_OUTPUT_NAMES = tuple(spec.name for spec in GENERATION_TOKEN_OUTPUTS)
+# Kept for a generated token whose request did not ask for a mask (its mask columns are padding).
+UNMASKED_OUTPUT_NAMES = tuple(spec.name for spec in GENERATION_TOKEN_OUTPUTS if spec.per != MASK)
 # Every output of each model.
 MODEL_OUTPUTS = {
-    "sampler": TOKEN_OUTPUTS,
+    "sampler": SAMPLED_OUTPUTS,
     "generate": (*GENERATION_TOKEN_OUTPUTS, FINISH_REASON, CONTROL_RESULT, *TIMING_OUTPUTS),
 }
 BY_NAME = {spec.name: spec for spec in (*GENERATION_TOKEN_OUTPUTS, FINISH_REASON, CONTROL_RESULT, *TIMING_OUTPUTS)}

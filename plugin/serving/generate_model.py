@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 import traceback
 
 import torch
@@ -27,6 +28,7 @@ from ..model_config import int_parameter, string_parameter
 from ..sampling.validation import SamplingRequestError
 from .deployment import load_deployment
 from .metrics import GenerateMetrics
+from .tracing import BATCH_SIZE, MASK_WIDTH, BatchSpans, ModelTracer, RequestSpans
 from .triton_io import chunk_response, error_response, parse_generation_request, wanted_outputs
 from .weight_control import CONTROL, ControlError, WeightControl, control_response
 
@@ -109,6 +111,7 @@ class _RequestHandle:
         self.done = False
         self.broken = False  # its sender failed: dropped like a cancelled request, batch-mates go on
         self._wanted: set[str] | None = None
+        self.spans: RequestSpans | None = None  # set when tritonserver traces the request
 
     def is_cancelled(self) -> bool:
         return self.broken or self.request.is_cancelled()
@@ -123,9 +126,12 @@ class _RequestHandle:
         try:
             if self._wanted is None:  # the same for every response of the request
                 self._wanted = wanted_outputs(self.request, self.model.declared_outputs)
+            sending_ns = time.time_ns() if final and self.spans else 0
             self.sender.send(
                 chunk_response(self.model.pb_utils, chunk, self._wanted), flags=self.final_flag if final else 0
             )
+            if sending_ns:
+                self.spans.finish(chunk.outputs, chunk.finish_reason, sending_ns, time.time_ns())
         except Exception as exc:  # e.g. the client went away: fail this request only
             self.model.logger.log_error(
                 f"generate: response for one request not sent ({type(exc).__name__}: {exc}); dropping it"
@@ -177,6 +183,8 @@ class GenerateModel:
             string_parameter(model_config, "lm_dtype", ""),
         )
         drafter = build_drafter(model_config, deployment.config_file)
+        self.tracer = ModelTracer(args.get("model_name", "generate"), log_error=self.logger.log_error)
+        self.mask_width = deployment.policy.mask_width
         self.metrics = GenerateMetrics(pb_utils, args.get("model_name", "generate"))
         limits = EngineLimits(
             max_active_sequences=int_parameter(model_config, "max_active_sequences", EngineLimits.max_active_sequences),
@@ -217,6 +225,7 @@ class GenerateModel:
         """Answers every request through its response sender; nothing escapes (decoupled: returns None)."""
         handles, engine_owned = [], set()  # once submitted, only the engine answers a request
         invalid = shed = 0
+        spans = BatchSpans(self.tracer)
         try:
             requests = [r for r in requests if not self._is_control(r)]
             handles = [_RequestHandle(self, request, self.outbox) for request in requests]
@@ -232,6 +241,7 @@ class GenerateModel:
                 except SamplingRequestError as exc:
                     handle.fail(exc.message, "INVALID_ARG")
                     invalid += 1
+            spans.mark("parse")
             admitted, checked_handles = [], []
             for item, handle, error in zip(
                 parsed, admitted_handles, admission_errors(parsed, self.lm.vocab_size, self.sampler.policy)
@@ -245,6 +255,9 @@ class GenerateModel:
                     checked_handles.append(handle)
             for item, handle in zip(admitted, checked_handles):  # every 400 is sent before any token
                 try:
+                    if spans.tracer:
+                        traced = {BATCH_SIZE: len(handles), MASK_WIDTH: self.mask_width}
+                        handle.spans = RequestSpans.for_request(spans, handle.request, traced)
                     self.engine.submit(item, handle)
                     engine_owned.add(id(handle))
                 except EngineFull as exc:  # load shedding: refused now, never queued unboundedly
@@ -299,4 +312,5 @@ class GenerateModel:
         self.engine.stop()  # first: a control op waiting for a pause returns once it stops
         self.control.stop()
         self.outbox.stop()
+        self.tracer.shutdown()
         self.logger.log_info("generate finalized")

@@ -12,6 +12,7 @@ from ..sampling.outputs import SAMPLING_MASK_LEN
 from ..sampling.validation import SamplingRequestError
 from . import metrics
 from .deployment import LOGITS_DATA_TYPES, load_deployment
+from .tracing import BATCH_SIZE, MASK_WIDTH, OUTCOME, REASON, BatchSpans, ModelTracer
 from .triton_io import error_response, parse_request, sampler_response, wanted_outputs
 
 DEFAULT_MAX_VOCAB_SIZE = 262144
@@ -32,20 +33,26 @@ class SamplerModel:
         self.metrics = metrics.SamplerMetrics(
             pb_utils, args["model_name"], args["model_version"], deployment.policy.mask_width
         )
+        self.tracer = ModelTracer(args["model_name"], log_error=self.logger.log_error)
+        self.mask_width = deployment.policy.mask_width
         self.logger.log_info(
             deployment.ready_message("sampler", f"logits {str(self.logits_dtype).removeprefix('torch.')}")
         )
 
     def execute(self, requests) -> list:
         """One response per request; nothing escapes (a raise here would fail the whole batch)."""
-        responses, outcomes, mask_lengths, sampler_seconds = self._answer(requests)
+        spans = BatchSpans(self.tracer)
+        responses, outcomes, mask_lengths, sampler_seconds = self._answer(requests, spans)
+        if spans.tracer:  # child spans of the requests tritonserver traces
+            shared = {BATCH_SIZE: len(requests), MASK_WIDTH: self.mask_width}
+            spans.emit(requests, [{OUTCOME: outcome, REASON: reason} for outcome, reason in outcomes], shared)
         try:
             self.metrics.record(outcomes, mask_lengths, sampler_seconds)
         except Exception as exc:  # metrics must never cost a request its answer
             self.logger.log_error(f"sampler metrics update failed: {type(exc).__name__}: {exc}")
         return responses
 
-    def _answer(self, requests):
+    def _answer(self, requests, spans: BatchSpans):
         """Responses, (outcome, reason) per request, mask lengths of mask rows, sampler seconds."""
         responses: list = [None] * len(requests)
         outcomes: list = [(metrics.INTERNAL, metrics.INTERNAL)] * len(requests)
@@ -61,9 +68,11 @@ class SamplerModel:
                     continue
                 parsed.append((item.logits, item.params))
                 positions.append(position)
+            spans.mark("parse")
             start = time.perf_counter()
             results = self.sampler.run(parsed)
             sampler_seconds = time.perf_counter() - start if parsed else None
+            spans.mark("sample")
             answered = []
             for position, outcome in zip(positions, results):
                 if outcome.error is not None:
@@ -74,6 +83,7 @@ class SamplerModel:
                     responses[position] = sampler_response(self.pb_utils, outcome.outputs, wanted)
                     outcomes[position] = (metrics.OK, metrics.OK)
                     answered.append(outcome.outputs[SAMPLING_MASK_LEN.name])
+            spans.mark("response")
             if answered:
                 lengths = np.concatenate(answered).reshape(-1)
                 mask_lengths = lengths[lengths > 0]  # rows that asked always have a non-empty support
@@ -84,6 +94,7 @@ class SamplerModel:
         return responses, outcomes, mask_lengths, sampler_seconds
 
     def finalize(self) -> None:
-        """Nothing to drain: the stub runs execute and finalize on one thread, and execute returns
-        only once its batch is answered (Triton itself waits for in-flight requests on unload)."""
+        """Only queued spans to export: the stub runs execute and finalize on one thread, and execute
+        returns only once its batch is answered (Triton itself waits for in-flight requests on unload)."""
+        self.tracer.shutdown()
         self.logger.log_info("sampler finalized")

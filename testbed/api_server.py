@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -15,6 +14,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from triton_sampling_mask.ops.child import Child, log_tail
 from triton_sampling_mask.ops.server_process import free_port
 
 
@@ -38,11 +38,16 @@ class ApiProcess:
         ]
         self.env = {**os.environ, **(env or {})}
         self.log_path = Path(tempfile.gettempdir()) / f"api-{self.port}.log"
-        self.process: subprocess.Popen | None = None
+        self.child = Child("http api", self.command, env=self.env, log_path=self.log_path, append_log=False)
+
+    @property
+    def process(self) -> subprocess.Popen | None:
+        """The API's process (None before `start`)."""
+        return self.child.process
 
     def start(self, timeout_s: float = 90.0) -> ApiProcess:
-        self._log = open(self.log_path, "w")  # noqa: SIM115 (open while the process runs)
-        self.process = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
+        """Start the API and wait until /health answers 200; raises with the log tail if not."""
+        self.child.start()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -67,23 +72,11 @@ class ApiProcess:
 
     def stop(self, timeout_s: float = 20.0) -> int | None:
         """SIGTERM, then SIGKILL if it lingers; the exit code."""
-        if self.process is None:
-            return None
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self._log.close()
-        return self.process.returncode
+        return self.child.stop(timeout_s)
 
     def log_tail(self, chars: int = 4000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:]
-        except OSError:
-            return ""
+        """The end of the API's log."""
+        return log_tail(self.log_path, chars)
 
     def __enter__(self) -> ApiProcess:
         return self.start()

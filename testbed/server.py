@@ -1,4 +1,5 @@
-"""Helpers for tests against a real tritonserver: test model repositories and tiny clients."""
+"""Real tritonservers for tests and benchmarks: the test model repositories (the shipped one plus
+variants on the backends in `backends/`), a server someone else started, and a tiny sampler client."""
 
 from __future__ import annotations
 
@@ -17,14 +18,15 @@ from triton_sampling_mask.sampling.outputs import SAMPLING_MASK_LOGPROBS, TOKEN_
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MODEL_REPOSITORY = REPO_ROOT / "model_repository"
+# The test-only sampling backends, copied into the models that name them.
+BACKENDS = Path(__file__).resolve().parent / "backends"
 
-# Variants of the sampler the tests load beside it: name -> config parameter overrides
-# (LOGITS_TYPE: the logits input's data_type instead, the documented one-line change).
-LOGITS_TYPE = "logits data_type"
+# Variants of the sampler the tests load beside it: name -> `copy_model` overrides (the logits
+# input's data_type: the documented one-line change).
 SAMPLER_VARIANTS = {
-    "sampler_speculative": {"speculative_algorithm": "EAGLE"},
-    "sampler_nosupport": {"sampling_backend": "no_support_backend:NoSupportBackend"},
-    "sampler_bf16": {LOGITS_TYPE: "TYPE_BF16"},
+    "sampler_speculative": {"parameters": {"speculative_algorithm": "EAGLE"}},
+    "sampler_nosupport": {"backend": "no_support_backend:NoSupportBackend"},
+    "sampler_bf16": {"logits_type": "TYPE_BF16"},
 }
 
 
@@ -44,18 +46,42 @@ def set_parameter(config_text: str, key: str, value: str) -> str:
     return text
 
 
+def copy_model(
+    repository: Path,
+    source: str,
+    name: str | None = None,
+    parameters: dict[str, str] | None = None,
+    backend: str | None = None,
+    logits_type: str | None = None,
+    files: tuple[Path, ...] = (),
+) -> Path:
+    """Copy the shipped model `source` into `repository` as `name` (its own name by default; the
+    config says the new one), with its string `parameters` set, the logits input declared as
+    `logits_type`, `backend` ("module:Class" of a file in BACKENDS) as its sampling backend and
+    `files` beside its model.py; returns the model's folder."""
+    name = name or source
+    folder = Path(repository) / name
+    shutil.copytree(MODEL_REPOSITORY / source, folder, ignore=shutil.ignore_patterns("__pycache__"))
+    text = (MODEL_REPOSITORY / source / "config.pbtxt").read_text().replace(f'name: "{source}"', f'name: "{name}"')
+    parameters = dict(parameters or {})
+    if backend is not None:
+        parameters["sampling_backend"] = backend
+        files = (*files, BACKENDS / f"{backend.split(':')[0]}.py")
+    for key, value in parameters.items():
+        text = set_parameter(text, key, value)
+    if logits_type is not None:
+        text = set_logits_type(text, logits_type)
+    (folder / "config.pbtxt").write_text(text)
+    for path in files:
+        shutil.copy(path, folder / "1")
+    return folder
+
+
 def build_test_repository(dest: Path) -> Path:
     """The shipped model repository plus the sampler variants the tests need."""
     shutil.copytree(MODEL_REPOSITORY, dest, ignore=shutil.ignore_patterns("__pycache__"))
-    base = (MODEL_REPOSITORY / "sampler" / "config.pbtxt").read_text()
     for name, overrides in SAMPLER_VARIANTS.items():
-        variant = dest / name
-        shutil.copytree(MODEL_REPOSITORY / "sampler", variant, ignore=shutil.ignore_patterns("__pycache__"))
-        text = base.replace('name: "sampler"', f'name: "{name}"')
-        for key, value in overrides.items():
-            text = set_logits_type(text, value) if key == LOGITS_TYPE else set_parameter(text, key, value)
-        (variant / "config.pbtxt").write_text(text)
-        shutil.copy(Path(__file__).parent / "no_support_backend.py", variant / "1")
+        copy_model(dest, "sampler", name, files=(BACKENDS / "no_support_backend.py",), **overrides)
     return dest
 
 
@@ -65,15 +91,7 @@ FAULTY_SAMPLER = "sampler_faulty"
 
 def add_faulty_sampler(repository: Path) -> Path:
     """Add FAULTY_SAMPLER to a test repository (served in explicit model-control mode)."""
-    faulty = Path(repository) / FAULTY_SAMPLER
-    shutil.copytree(MODEL_REPOSITORY / "sampler", faulty, ignore=shutil.ignore_patterns("__pycache__"))
-    text = (
-        (MODEL_REPOSITORY / "sampler" / "config.pbtxt")
-        .read_text()
-        .replace('name: "sampler"', f'name: "{FAULTY_SAMPLER}"')
-    )
-    (faulty / "config.pbtxt").write_text(set_parameter(text, "sampling_backend", "faulty_backend:FaultyBackend"))
-    shutil.copy(Path(__file__).parent / "faulty_backend.py", faulty / "1")
+    copy_model(repository, "sampler", FAULTY_SAMPLER, backend="faulty_backend:FaultyBackend")
     return repository
 
 
@@ -94,7 +112,7 @@ def build_external_repository(dest: Path, gpu: bool = False) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """python -m client_tests.server DEST [--gpu]: write the external server's repository to DEST
+    """python -m testbed.server DEST [--gpu]: write the external server's repository to DEST
     and print its tritonserver flags, one a line (docker/run-gpu-tests.sh, bench/gpu-check.sh)."""
     import argparse
 

@@ -1,0 +1,115 @@
+"""OpenTelemetry tracing end to end: a real tritonserver with the launcher's trace flags
+(ops.trace_flags, every request traced) exports its spans to an in-process OTLP/HTTP collector,
+and the models' child spans (serving.tracing) arrive there too, under the same trace: each
+model's span's parent is one of tritonserver's spans of that request, and its phases are its
+children, carrying the batch size, the mask width and the outcome or finish reason."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+
+from testbed.server import MODEL_REPOSITORY, ExternalTritonServer
+from triton_sampling_mask.client.wire import sampler_inputs
+from triton_sampling_mask.model_config import output_width
+from triton_sampling_mask.ops.server_process import TritonServer
+from triton_sampling_mask.ops.trace_flags import SERVICE_NAME as TRITON_SERVICE
+from triton_sampling_mask.ops.trace_flags import trace_args
+from triton_sampling_mask.serving.tracing import ENDPOINT_ENV, SERVICE_NAME
+
+from .generate_client import grpc_generate
+from .otlp_collector import OtlpCollector
+
+SAMPLER_PHASES = {"sampler.parse", "sampler.sample", "sampler.response"}
+GENERATE_PHASES = {"generate.parse", "generate.queue", "generate.decode", "generate.response"}
+
+
+def mask_width(server, model: str) -> int:
+    """W: the dims of the model's `sampling_mask` output, as the server reads its config.pbtxt."""
+    with httpclient.InferenceServerClient(server.http_url) as client:
+        return output_width(client.get_model_config(model), "sampling_mask")
+
+
+@pytest.fixture(scope="module")
+def traced(tmp_path_factory):
+    """(collector, server): the shipped models, every request traced, spans flushed every 0.2 s."""
+    if ExternalTritonServer.from_environment() is not None:
+        pytest.skip("starts a local CPU tritonserver with tracing of its own")
+    with OtlpCollector() as collector, pytest.MonkeyPatch.context() as patch:
+        patch.setenv(ENDPOINT_ENV, collector.url)  # the stubs inherit it, as from the launcher
+        patch.setenv("OTEL_BSP_SCHEDULE_DELAY", "200")  # the models' exporter: flush often
+        flags = [*trace_args(collector.url, 1), "--trace-config=opentelemetry,bsp_schedule_delay=200"]
+        server = TritonServer(MODEL_REPOSITORY, extra_args=flags)
+        server.start()
+        try:
+            yield collector, server
+        finally:
+            server.stop()
+
+
+def tree_of(spans, root_name: str, phases: set[str]):
+    """(Triton's parent span, the model's span, its children) of the one trace holding `root_name`."""
+    roots = [s for s in spans if s.name == root_name]
+    assert len(roots) == 1, [s.name for s in spans]
+    root = roots[0]
+    by_id = {s.span_id: s for s in spans}
+    children = [s for s in spans if s.parent_span_id == root.span_id]
+    if root.parent_span_id not in by_id or {c.name for c in children} != phases:
+        return None
+    return by_id[root.parent_span_id], root, children
+
+
+def test_a_sampler_request_has_its_phases_under_tritons_span(traced):
+    collector, server = traced
+    logits = np.random.default_rng(0).standard_normal((1, 300)).astype(np.float32)
+    with httpclient.InferenceServerClient(server.http_url) as client:
+        client.infer("sampler", sampler_inputs(httpclient, logits, top_k=5, return_sampling_mask=True))
+    spans = collector.wait_for(lambda got: any(s.name == "sampler.execute" for s in got) and tree_of_all(got))
+    triton_span, execute, children = tree_of_all(spans)
+    assert triton_span.service == TRITON_SERVICE and execute.service == SERVICE_NAME
+    assert {s.trace_id for s in (triton_span, execute, *children)} == {execute.trace_id}
+    # every phase lies within the model's span, in order, and the model's span within Triton's request
+    children.sort(key=lambda s: s.start_ns)
+    assert [c.name for c in children] == ["sampler.parse", "sampler.sample", "sampler.response"]
+    assert execute.start_ns <= children[0].start_ns and children[-1].end_ns <= execute.end_ns
+    assert all(a.end_ns <= b.start_ns for a, b in zip(children, children[1:]))
+    request_span = min((s for s in spans if s.trace_id == execute.trace_id), key=lambda s: s.start_ns)
+    assert request_span.service == TRITON_SERVICE and request_span.parent_span_id == ""
+    assert request_span.start_ns <= execute.start_ns <= execute.end_ns <= request_span.end_ns
+    assert execute.attributes == {
+        "batch_size": 1,
+        "mask_width": mask_width(server, "sampler"),
+        "outcome": "ok",
+        "reason": "ok",
+    }
+
+
+def tree_of_all(spans):
+    found = [s for s in spans if s.name == "sampler.execute"]
+    return tree_of(spans, "sampler.execute", SAMPLER_PHASES) if found else None
+
+
+def test_a_generate_request_has_its_queue_decode_and_response_under_tritons_span(traced):
+    collector, server = traced
+    grpc_generate(server.grpc_url, np.array([1, 2, 3], np.int64), 4, ignore_eos=True, top_k=5)
+    spans = collector.wait_for(
+        lambda got: (
+            any(s.name == "generate.request" for s in got)
+            and tree_of(got, "generate.request", GENERATE_PHASES) is not None
+        )
+    )
+    triton_span, request, children = tree_of(spans, "generate.request", GENERATE_PHASES)
+    assert triton_span.service == TRITON_SERVICE and request.service == SERVICE_NAME
+    assert {s.trace_id for s in (triton_span, request, *children)} == {request.trace_id}
+    by_name = {c.name: c for c in children}
+    assert by_name["generate.decode"].attributes["finish_reason"] == "length"
+    assert request.attributes == {
+        "batch_size": 1,
+        "mask_width": mask_width(server, "generate"),
+        "finish_reason": "length",
+    }
+    # parse, then the queue, then decoding, then the final response, all within the request's span
+    order = [by_name[f"generate.{phase}"] for phase in ("parse", "queue", "decode", "response")]
+    assert all(a.end_ns <= b.start_ns + 1000 for a, b in zip(order, order[1:])), order
+    assert request.start_ns <= order[0].start_ns and order[-1].end_ns <= request.end_ns

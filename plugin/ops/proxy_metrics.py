@@ -1,0 +1,152 @@
+"""The front door's refusals as Prometheus metrics, read from HAProxy's own counters.
+
+HAProxy serves its counters through its built-in Prometheus exporter on a unix socket in the
+front door's private directory (mode 0600; `stats_socket` of the generated config). A stats
+socket would do too, but its `show acl` prints the admin key file's contents; the exporter
+answers counters only. The supervisor serves `render(socket)` at GET :TRITON_PROBE_PORT/metrics
+(through the proxy), as these series, per public frontend (`frontend`: http, grpc, api, ...):
+
+- `proxy_requests_refused_total{frontend, reason}`, a counter by why the front door answered a
+  request itself instead of passing it on:
+  `queue_full` (its route already had PROXY_MAX_QUEUE waiting: 503 at once; HTTP and the HTTP API,
+  whose rules give no other 5xx), `queue_timeout` (it waited PROXY_QUEUE_TIMEOUT_S for a slot, or
+  tritonserver was not there: 503 / UNAVAILABLE), `refused` (every other answer of the rules: a
+  failed check, a wrong or missing key, an unknown route; on gRPC also its full-queue refusals,
+  which HAProxy counts with its other trailers-only answers), `connection_cap` (connections over
+  the per-address or total cap) and `bad_request` (malformed heads, head timeouts);
+- `proxy_requests_total{frontend}`: every HTTP request (gRPC call) the frontend received;
+- `proxy_queue_waiting{frontend, backend}`: requests waiting in the proxy now, per model route.
+"""
+
+from __future__ import annotations
+
+import functools
+import http.client
+import socket
+import subprocess
+from collections import defaultdict
+from pathlib import Path
+
+EXPORTER_QUERY = "/metrics?scope=frontend&scope=backend"
+# The public frontends whose rules answer 5xx only when a route's queue is full.
+QUEUE_FULL_BY_5XX = ("http", "api")
+REASONS = ("queue_full", "queue_timeout", "refused", "connection_cap", "bad_request")
+REFUSED = "proxy_requests_refused_total"
+RECEIVED = "proxy_requests_total"
+WAITING = "proxy_queue_waiting"
+# What each series means (its HELP line; docs/metrics.md has the table).
+HELP = {
+    REFUSED: "requests the front door answered itself, by reason (queue_full, queue_timeout, refused, "
+    "connection_cap, bad_request)",
+    RECEIVED: "requests (gRPC calls) the front door received, by frontend",
+    WAITING: "requests waiting in the front door for a slot at tritonserver, by model route",
+}
+TYPES = {REFUSED: "counter", RECEIVED: "counter", WAITING: "gauge"}
+
+
+@functools.cache
+def exporter_available(binary: str) -> bool:
+    """Whether this haproxy has the Prometheus exporter built in (`haproxy -vv` lists it)."""
+    try:
+        done = subprocess.run([binary, "-vv"], capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return "prometheus-exporter" in done.stdout
+
+
+class _UnixConnection(http.client.HTTPConnection):
+    def __init__(self, path: Path, timeout_s: float):
+        super().__init__("localhost", timeout=timeout_s)
+        self.socket_path = str(path)
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self.socket_path)
+
+
+def scrape(socket_path: Path, timeout_s: float = 2.0) -> str:
+    """HAProxy's exporter text (frontends and backends); raises OSError when it does not answer."""
+    connection = _UnixConnection(socket_path, timeout_s)
+    try:
+        connection.request("GET", EXPORTER_QUERY)
+        response = connection.getresponse()
+        body = response.read().decode()
+        if response.status != 200:
+            raise OSError(f"HAProxy's exporter answered {response.status}")
+        return body
+    except http.client.HTTPException as error:
+        raise OSError(f"HAProxy's exporter: {error}") from None
+    finally:
+        connection.close()
+
+
+def _samples(text: str):
+    """(name, labels, value) of every sample in Prometheus text (prometheus_client's parser)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            yield sample.name, sample.labels, sample.value
+
+
+def _frontend_of(backend: str, frontends: set[str]) -> str | None:
+    """The public frontend a backend serves: `be_http_sampler` -> http (by name, as proxy_config names them)."""
+    name = backend.removeprefix("be_")
+    return next((f for f in sorted(frontends, key=len, reverse=True) if name == f or name.startswith(f + "_")), None)
+
+
+def refusals(exporter_text: str) -> dict[str, dict]:
+    """Per public frontend (fe_<name>): {reason: count}, "received" and "waiting" {backend: n}."""
+    fe, be = defaultdict(lambda: defaultdict(float)), defaultdict(lambda: defaultdict(float))
+    for name, labels, value in _samples(exporter_text):
+        proxy = labels.get("proxy", "")
+        key = name + (f":{labels['code']}" if "code" in labels else "")
+        if name.startswith("haproxy_frontend_") and proxy.startswith("fe_"):
+            fe[proxy.removeprefix("fe_")][key] += value
+        elif name.startswith("haproxy_backend_") and proxy.startswith("be_"):
+            be[proxy][key] += value
+    out = {}
+    for frontend, counters in fe.items():
+        backends = {b: c for b, c in be.items() if _frontend_of(b, set(fe)) == frontend}
+        own_5xx = counters["haproxy_frontend_http_responses_total:5xx"] - sum(
+            c["haproxy_backend_http_responses_total:5xx"] for c in backends.values()
+        )
+        answered = (
+            counters["haproxy_frontend_requests_denied_total"] + counters["haproxy_frontend_intercepted_requests_total"]
+        )
+        queue_full = max(0.0, own_5xx) if frontend in QUEUE_FULL_BY_5XX else 0.0
+        out[frontend] = {
+            "queue_full": queue_full,
+            "queue_timeout": sum(c["haproxy_backend_connection_errors_total"] for c in backends.values()),
+            "refused": max(0.0, answered - queue_full),
+            "connection_cap": counters["haproxy_frontend_denied_connections_total"]
+            + counters["haproxy_frontend_denied_sessions_total"],
+            "bad_request": counters["haproxy_frontend_request_errors_total"],
+            "received": counters["haproxy_frontend_http_requests_total"],
+            "waiting": {b: c["haproxy_backend_current_queue"] for b, c in backends.items()},
+        }
+    return out
+
+
+def exposition(by_frontend: dict[str, dict]) -> str:
+    """The series of the module docstring as Prometheus text."""
+    lines = []
+    for series in (REFUSED, RECEIVED, WAITING):
+        lines += [f"# HELP {series} {HELP[series]}", f"# TYPE {series} {TYPES[series]}"]
+        for frontend, counts in sorted(by_frontend.items()):
+            if series == REFUSED:
+                lines += [f'{series}{{frontend="{frontend}",reason="{r}"}} {counts[r]:.0f}' for r in REASONS]
+            elif series == RECEIVED:
+                lines.append(f'{series}{{frontend="{frontend}"}} {counts["received"]:.0f}')
+            else:
+                lines += [
+                    f'{series}{{frontend="{frontend}",backend="{b}"}} {n:.0f}'
+                    for b, n in sorted(counts["waiting"].items())
+                ]
+    return "\n".join(lines) + "\n"
+
+
+def render(socket_path: Path) -> str:
+    """What GET /metrics on the probe port answers: the front door's refusals, read now."""
+    return exposition(refusals(scrape(socket_path)))

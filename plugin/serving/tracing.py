@@ -1,0 +1,154 @@
+"""The models' child spans under tritonserver's OpenTelemetry trace of a request.
+
+tritonserver traces one request in TRITON_TRACE_RATE when TRITON_TRACE_ENDPOINT is set
+(ops.trace_flags) and hands the Python backend that request's span context as W3C trace-context
+text (`request.trace().get_context()`: JSON of a `traceparent` header, None for a request it does
+not trace). The models time their phases with `time.time_ns()` marks and, after answering, turn
+them into spans under that context with the OpenTelemetry SDK (the `tracing` extra), exported over
+OTLP/HTTP to the same endpoint as tritonserver's own.
+
+Off, the cost is one small object per execute call and one attribute test per phase: no
+request's trace is read, nothing is imported. The stubs read the endpoint from their environment, which the launcher's carries.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Sequence
+
+# The setting's name (ops.settings.TRITON_TRACE_ENDPOINT declares it with its doc).
+ENDPOINT_ENV = "TRITON_TRACE_ENDPOINT"
+SERVICE_NAME = "triton-sampling-mask"
+# Span attributes, named in OpenTelemetry's dotted style under the model's name.
+BATCH_SIZE = "batch_size"
+MASK_WIDTH = "mask_width"
+FINISH_REASON = "finish_reason"
+OUTCOME = "outcome"
+REASON = "reason"  # with OUTCOME: the refused field, as the sampler's metrics label it
+
+
+class ModelTracer:
+    """Builds spans for one model instance; `enabled` is False (and nothing is loaded) without an endpoint."""
+
+    def __init__(self, model_name: str, endpoint: str | None = None, log_error: Callable[[str], None] = print):
+        endpoint = (os.environ.get(ENDPOINT_ENV, "") if endpoint is None else endpoint).strip()
+        self.model_name, self.enabled, self.log_error = model_name, False, log_error
+        if not endpoint:
+            return
+        try:  # a missing extra must not cost the model its load: it serves, untraced, and says why
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+            from opentelemetry.sdk.resources import Resource
+            from opentelemetry.sdk.trace import TracerProvider
+            from opentelemetry.sdk.trace.export import BatchSpanProcessor
+            from opentelemetry.trace import set_span_in_context
+            from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+        except ImportError as error:
+            log_error(f"{model_name}: {ENDPOINT_ENV} is set but OpenTelemetry is not installed ({error}); no spans")
+            return
+        self.provider = TracerProvider(resource=Resource.create({"service.name": SERVICE_NAME}))
+        self.provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
+        self.tracer = self.provider.get_tracer("triton_sampling_mask.serving")
+        self.propagator = TraceContextTextMapPropagator()
+        self.context_of_span = set_span_in_context
+        self.enabled = True
+
+    def parent_of(self, request):
+        """The OpenTelemetry context of tritonserver's span for `request`, or None when it is not traced."""
+        try:
+            text = request.trace().get_context()
+            return self.propagator.extract(json.loads(text)) if text else None
+        except Exception as error:  # a malformed context costs the request its spans, nothing else
+            self.log_error(f"{self.model_name}: trace context not read ({type(error).__name__}: {error})")
+            return None
+
+    def span(self, parent, name: str, start_ns: int, end_ns: int, attributes: dict, children=()) -> None:
+        """Record a finished span `name` under `parent` with its `children`, (name, start, end, attributes)."""
+        span = self.tracer.start_span(
+            f"{self.model_name}.{name}", context=parent, start_time=start_ns, attributes=attributes
+        )
+        inner = self.context_of_span(span)
+        for child_name, child_start, child_end, child_attributes in children:
+            child = self.tracer.start_span(
+                f"{self.model_name}.{child_name}", context=inner, start_time=child_start, attributes=child_attributes
+            )
+            child.end(end_time=child_end)
+        span.end(end_time=end_ns)
+
+    def shutdown(self) -> None:
+        """Export the spans still queued (model unload)."""
+        if self.enabled:
+            self.provider.shutdown()
+
+
+class BatchSpans:
+    """The phase marks of one execute call: `mark(phase)` at each phase's end, `emit` after answering.
+
+    With tracing off every method returns at once."""
+
+    def __init__(self, tracer: ModelTracer | None):
+        self.tracer = tracer if tracer is not None and tracer.enabled else None
+        self.marks: list[tuple[str, int]] = [("", time.time_ns())] if self.tracer else []
+
+    def mark(self, phase: str) -> None:
+        """End `phase` now (it began at the previous mark, or at the batch's start)."""
+        if self.tracer:
+            self.marks.append((phase, time.time_ns()))
+
+    def emit(self, requests: Sequence, attributes: Sequence[dict], shared: dict) -> None:
+        """One `execute` span per traced request, its phases as children; `attributes[i]` are
+        request i's own, `shared` the batch's. Never raises."""
+        if not self.tracer or len(self.marks) < 2:
+            return
+        try:
+            phases = [(name, start, end, shared) for (_, start), (name, end) in zip(self.marks, self.marks[1:])]
+            for request, own in zip(requests, attributes):
+                parent = self.tracer.parent_of(request)
+                if parent is not None:
+                    self.tracer.span(parent, "execute", self.marks[0][1], self.marks[-1][1], {**shared, **own}, phases)
+        except Exception as error:  # tracing never costs a request its answer
+            self.tracer.log_error(f"{self.tracer.model_name}: spans not recorded ({type(error).__name__}: {error})")
+
+
+class RequestSpans:
+    """One decoupled request's spans, recorded when its final response is sent: parse (its execute
+    call's), queue (submission to admission), decode (admission to its last token) and response
+    (sending the final), under one `request` span. The engine's durations come from the request's
+    timing outputs (engine clock), placed after the moment it was submitted."""
+
+    def __init__(self, tracer: ModelTracer, parent, batch: BatchSpans, shared: dict):
+        self.tracer, self.parent, self.shared = tracer, parent, shared
+        self.marks = dict(batch.marks[1:])
+        self.started_ns = batch.marks[0][1]
+        self.submitted_ns = time.time_ns()
+
+    @classmethod
+    def for_request(cls, batch: BatchSpans, request, shared: dict) -> RequestSpans | None:
+        """The request's spans when tracing is on and tritonserver traces it, else None."""
+        if not batch.tracer:
+            return None
+        parent = batch.tracer.parent_of(request)
+        return None if parent is None else cls(batch.tracer, parent, batch, shared)
+
+    def finish(self, outputs: dict, finish_reason: str, send_start_ns: int, send_end_ns: int) -> None:
+        """Record the spans; `outputs` holds the final response's timing outputs (seconds). Never raises."""
+        try:
+            queue_s = float(outputs["queue_time_s"][0]) if "queue_time_s" in outputs else 0.0
+            generation_s = float(outputs["generation_time_s"][0]) if "generation_time_s" in outputs else 0.0
+            admitted_ns = self.submitted_ns + int(queue_s * 1e9)
+            last_token_ns = admitted_ns + int(generation_s * 1e9)
+            parsed_ns = self.marks.get("parse", self.started_ns)
+            decode = {**self.shared, FINISH_REASON: finish_reason}
+            if "time_to_first_token_s" in outputs:
+                decode["time_to_first_token_s"] = float(outputs["time_to_first_token_s"][0])
+            children = [
+                ("parse", self.started_ns, parsed_ns, self.shared),
+                ("queue", self.submitted_ns, admitted_ns, self.shared),
+                ("decode", admitted_ns, last_token_ns, decode),
+                ("response", send_start_ns, send_end_ns, self.shared),
+            ]
+            attributes = {**self.shared, FINISH_REASON: finish_reason}
+            self.tracer.span(self.parent, "request", self.started_ns, send_end_ns, attributes, children)
+        except Exception as error:  # tracing never costs a request its answer
+            self.tracer.log_error(f"{self.tracer.model_name}: spans not recorded ({type(error).__name__}: {error})")
