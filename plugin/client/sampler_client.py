@@ -535,15 +535,6 @@ class SamplerClient(LoopClient):
         """The server's mask rules: the mask width W and its speculative switch."""
         return self.server_limits().policy
 
-    def sample(
-        self,
-        logits,
-        params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
-        *,
-        use_shared_memory: bool = False,
-        return_receipts: bool = False,
-    ) -> SampleResult:
-        """As AsyncSamplerClient.sample, waited for."""
-        return self._loop.run(
-            self._client.sample(logits, params, use_shared_memory=use_shared_memory, return_receipts=return_receipts)
-        )
+    def sample(self, logits, *args, **kwargs) -> SampleResult:
+        """As AsyncSamplerClient.sample (same arguments), waited for."""
+        return self._loop.run(self._client.sample(logits, *args, **kwargs))
