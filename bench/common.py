@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import platform
-import re
 import statistics
 import time
 from pathlib import Path
@@ -12,17 +11,14 @@ from pathlib import Path
 import torch
 
 from testbed.server import MODEL_REPOSITORY, REPO_ROOT  # noqa: F401 (the benchmarks' paths, from here)
+from triton_sampling_mask.model_config import output_width, read_config_file
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
 def mask_width() -> int:
     """W, read from the dims of the `sampling_mask` output in the shipped config.pbtxt."""
-    text = (MODEL_REPOSITORY / "sampler" / "config.pbtxt").read_text()
-    match = re.search(r'name:\s*"sampling_mask"[^}]*dims:\s*\[\s*(\d+)\s*\]', text)
-    if match is None:
-        raise RuntimeError("config.pbtxt declares no fixed dims for output 'sampling_mask'")
-    return int(match.group(1))
+    return output_width(read_config_file(MODEL_REPOSITORY / "sampler" / "config.pbtxt"), "sampling_mask")
 
 
 def synchronize(device: torch.device) -> None:

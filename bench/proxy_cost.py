@@ -28,6 +28,7 @@ import tritonclient.utils.shared_memory as shm
 from testbed.fronted import FrontedTritonServer
 from triton_sampling_mask.client import unregister_shared_memory
 from triton_sampling_mask.client.wire import sampler_inputs
+from triton_sampling_mask.sampling.admin import GRPC_ADMIN_HEADER
 
 from . import perf_analyzer as pa_module
 from . import report
@@ -82,8 +83,8 @@ def measure(server: FrontedTritonServer, tiny: bool, progress=print) -> dict:
     call_logits = (rng.standard_normal(shapes["call"]) * 3).astype(np.float32)
     step_logits = (rng.standard_normal(shapes["step"]) * 3).astype(np.float32)
     direct, proxied = server.server, server
-    internal = {"triton-grpc-protocol-triton-admin-key": server.front_door.internal_key}
-    public = {"triton-grpc-protocol-triton-admin-key": ADMIN_KEY}
+    internal = {GRPC_ADMIN_HEADER: server.front_door.internal_key}
+    public = {GRPC_ADMIN_HEADER: ADMIN_KEY}
     callers = {
         "call_grpc_direct": Caller("grpc", direct.grpc_url, call_logits),
         "call_grpc_proxy": Caller("grpc", proxied.grpc_url, call_logits),

@@ -11,17 +11,8 @@ from dataclasses import dataclass
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-from testbed.server import INPUT_DTYPES, NUMPY_DTYPES
+from triton_sampling_mask.client.wire import GENERATE_DTYPES, NUMPY_DTYPES
 from triton_sampling_mask.sampling.outputs import FINISH_REASON, MASK, TIMING_OUTPUTS, TOKEN_OUTPUT_NAMES, TOKEN_OUTPUTS
-
-GENERATE_DTYPES = {
-    "input_ids": "INT32",
-    "max_new_tokens": "INT32",
-    "stop_token_ids": "INT32",
-    "ignore_eos": "BOOL",
-    "stream": "BOOL",
-    **{name: dtype for name, dtype in INPUT_DTYPES.items() if name != "logits"},
-}
 
 
 @dataclass

@@ -8,14 +8,13 @@ import asyncio
 import numpy as np
 import pytest
 import torch
-from google.protobuf import text_format
-from tritonclient.grpc import model_config_pb2
 
 from testbed.server import MODEL_REPOSITORY
 from tests.reference import reference_row
 from triton_sampling_mask.client import AsyncSamplerClient, SamplerClient, SamplerError
 from triton_sampling_mask.client.replay import replay_logprobs, replay_support_logprobs
 from triton_sampling_mask.client.sampling_params import SamplingParams
+from triton_sampling_mask.model_config import output_width, read_config_file
 from triton_sampling_mask.ops.server_process import free_port
 from triton_sampling_mask.sampling.validation import (
     SPECULATIVE_MASK_MESSAGE,
@@ -81,10 +80,8 @@ def test_results_match_the_reference_and_replay(client, logits):
 
 
 def test_mask_width_comes_from_the_server_config(client):
-    config = text_format.Parse(
-        (MODEL_REPOSITORY / "sampler" / "config.pbtxt").read_text(), model_config_pb2.ModelConfig()
-    )
-    width = next(o.dims[-1] for o in config.output if o.name == "sampling_mask")
+    config = read_config_file(MODEL_REPOSITORY / "sampler" / "config.pbtxt")
+    width = output_width(config, "sampling_mask")
     assert client.mask_policy().mask_width == width
     result = client.sample(np.zeros((1, VOCAB), np.float32), SamplingParams(top_k=VOCAB, return_sampling_mask=True))
     assert result.sampling_mask.shape == (1, width)
@@ -110,11 +107,9 @@ def test_every_transport_gives_the_same_seeded_draws(triton_server, logits):
 
 
 def test_calls_beyond_max_batch_size_are_split_in_order(triton_server, client):
-    config = text_format.Parse(
-        (MODEL_REPOSITORY / "sampler" / "config.pbtxt").read_text(), model_config_pb2.ModelConfig()
-    )
-    assert client.server_limits().max_batch_size == config.max_batch_size
-    rows = config.max_batch_size + 3
+    max_batch_size = read_config_file(MODEL_REPOSITORY / "sampler" / "config.pbtxt")["max_batch_size"]
+    assert client.server_limits().max_batch_size == max_batch_size
+    rows = max_batch_size + 3
     logits = np.random.default_rng(9).standard_normal((rows, 50)).astype(np.float32)
     params = [SamplingParams(temperature=1.0, top_k=8, seed=i, return_sampling_mask=True) for i in range(rows)]
     whole = client.sample(logits, params)

@@ -2,10 +2,8 @@
 
 The server holds three variants of the shipped `generate` model: `generate` (shipped bounds),
 `generate_tight` (one active sequence, one waiting: the refusal beyond the bounds) and
-`generate_queue` (one active sequence, 64 waiting prompt tokens, a 256-token KV budget), and a
-fourth, `generate_static`, left unloaded: its config still sets `scheduler: "static"`, so it must
-fail to load. Joins, cancellation, refusals, queue bounds, the client's retries of busy refusals,
-one final each.
+`generate_queue` (one active sequence, 64 waiting prompt tokens, a 256-token KV budget). Joins,
+cancellation, refusals, queue bounds, the client's retries of busy refusals, one final each.
 """
 
 from __future__ import annotations
@@ -31,15 +29,6 @@ VARIANTS = {
     "generate_queue": {"max_active_sequences": "1", "max_waiting_tokens": "64", "kv_budget_tokens": "256"},
 }
 QUEUE = "generate_queue"
-RETIRED_SCHEDULER = "generate_static"  # a config that still asks for the removed static loop
-
-
-def with_parameter(config_text: str, key: str, value: str) -> str:
-    """config.pbtxt text with one more string parameter (first in the list)."""
-    assert config_text.count("parameters [") == 1
-    return config_text.replace(
-        "parameters [", f'parameters [\n  {{ key: "{key}", value: {{ string_value: "{value}" }} }},'
-    )
 
 
 def build_engine_repository(dest, variants: dict[str, dict[str, str]]):
@@ -66,9 +55,6 @@ def engine_server(tmp_path_factory):
     if ExternalTritonServer.from_environment() is not None:
         pytest.skip("starts a local CPU tritonserver with generate variants of its own")
     repository = build_engine_repository(tmp_path_factory.mktemp("engine_models"), VARIANTS)
-    build_engine_repository(repository, {RETIRED_SCHEDULER: {}})
-    config = repository / RETIRED_SCHEDULER / "config.pbtxt"
-    config.write_text(with_parameter(config.read_text(), "scheduler", "static"))
     # Explicit model control: the last test unloads a variant while it generates.
     control = ["--model-control-mode=explicit", *(f"--load-model={name}" for name in VARIANTS)]
     with TritonServer(
@@ -272,23 +258,6 @@ def test_the_client_retries_busy_refusals_until_every_request_completes(protocol
         assert result.finish_reason == "length"
         np.testing.assert_array_equal(result.output_ids, expected.output_ids)
         np.testing.assert_array_equal(result.sampling_mask, expected.sampling_mask)
-
-
-def test_a_config_that_still_sets_another_scheduler_fails_to_load_naming_it(engine_server):
-    import tritonclient.http as httpclient
-
-    admin = httpclient.InferenceServerClient(engine_server.http_url)
-    try:
-        with pytest.raises(InferenceServerException) as refused:
-            admin.load_model(RETIRED_SCHEDULER)
-        assert not admin.is_model_ready(RETIRED_SCHEDULER)
-    finally:
-        admin.close()
-    message = refused.value.message()
-    # Our line names the file relative to the repository (Triton appends a traceback of its own).
-    ours = next(line for line in message.splitlines() if "'scheduler'" in line)
-    assert f"'scheduler' in {RETIRED_SCHEDULER}/config.pbtxt" in ours and "'static'" in ours, message
-    assert str(engine_server.model_repository) not in ours
 
 
 def test_unloading_ends_every_in_flight_request_with_one_final(engine_server):

@@ -9,7 +9,8 @@ Subpackages, each depending only on those listed before it:
 - `serving`: the Triton glue the `model.py` files call (everything that touches `pb_utils`).
 - `ops`: running the server (launcher, supervisor, server process, settings, probe, GPU repository).
 
-`model_config` (reading a model's config.pbtxt as JSON) is shared by `serving` and `client`.
+`model_config` (a model's config as Triton's JSON, and the one config.pbtxt reader) is shared by
+`serving`, `client` and `ops`.
 """
 
 __version__ = "0.1.0"

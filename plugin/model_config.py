@@ -1,11 +1,18 @@
-"""Reading what a model's config.pbtxt says (as the JSON Triton hands to `initialize`)."""
+"""Reading what a model's config.pbtxt says, as the JSON dict Triton itself uses.
+
+A model config reaches the package three ways, all as that one dict shape: inside the server, the
+JSON Triton hands to `initialize` (`load_model_config`); over the wire, the JSON of Triton's model
+config endpoint (the clients); and from a model repository on disk, `read_config_file`, the one
+reader of config.pbtxt files (protobuf text format with Triton's own `ModelConfig` message, from
+tritonclient[grpc]: imported when a file is read, so the stubs never need it). The accessors below
+read any of them. No torch here: `ops` reads configs too.
+"""
 
 from __future__ import annotations
 
 import json
 import os
-
-import torch
+from pathlib import Path
 
 
 def load_model_config(args: dict) -> dict:
@@ -13,24 +20,61 @@ def load_model_config(args: dict) -> dict:
     return json.loads(args["model_config"])
 
 
+def parse_config_text(text: str) -> dict:
+    """A config.pbtxt text as Triton's JSON dict (enums by name, e.g. "TYPE_FP32"; fields at their
+    default left out, as Triton's JSON does). A malformed text raises ValueError."""
+    from google.protobuf import json_format, text_format
+    from tritonclient.grpc import model_config_pb2
+
+    try:
+        message = text_format.Parse(text, model_config_pb2.ModelConfig())
+    except text_format.ParseError as exc:
+        raise ValueError(f"not a model config: {exc}") from None
+    return json_format.MessageToDict(message, preserving_proto_field_name=True)
+
+
+def read_config_file(path: str | Path) -> dict:
+    """A model's config.pbtxt on disk as Triton's JSON dict (see `parse_config_text`)."""
+    try:
+        return parse_config_text(Path(path).read_text())
+    except ValueError as exc:
+        raise ValueError(f"{Path(path).parent.name}/config.pbtxt: {exc}") from None
+
+
+def dims(entry: dict) -> list[int]:
+    """An input's or output's dims as integers (the gRPC JSON spells 64-bit integers as strings)."""
+    return [int(d) for d in entry.get("dims", [])]
+
+
+def entries(model_config: dict, kind: str) -> dict[str, dict]:
+    """The `input` or `output` entries of a config, by name."""
+    return {entry["name"]: entry for entry in model_config.get(kind, [])}
+
+
+def is_decoupled(model_config: dict) -> bool:
+    """Whether the model may send several responses per request (model_transaction_policy)."""
+    return bool(model_config.get("model_transaction_policy", {}).get("decoupled", False))
+
+
+def string_parameters(model_config: dict) -> dict[str, str]:
+    """Every `parameters` entry of a config, key -> string value."""
+    return {key: str(value.get("string_value", "")) for key, value in model_config.get("parameters", {}).items()}
+
+
 def output_width(model_config: dict, output_name: str) -> int:
     """The last (fixed) dimension of an output: the mask width W lives only in config.pbtxt."""
     for output in model_config.get("output", []):
         if output["name"] == output_name:
-            width = int(output["dims"][-1])
+            width = dims(output)[-1]
             if width < 1:
                 raise ValueError(f"output {output_name!r} must have a fixed positive last dimension, got {width}")
             return width
     raise ValueError(f"config.pbtxt declares no output named {output_name!r}")
 
 
-# The logits dtypes a deployment may declare (config.pbtxt data_type -> torch dtype).
-LOGITS_DATA_TYPES = {"TYPE_FP32": torch.float32, "TYPE_BF16": torch.bfloat16, "TYPE_FP16": torch.float16}
-
-
-def input_dtype(model_config: dict, input_name: str, choices: dict) -> torch.dtype:
-    """The torch dtype of an input's declared data_type, one of `choices`; anything else fails
-    model load naming the input and the accepted types."""
+def input_dtype(model_config: dict, input_name: str, choices: dict):
+    """`choices[data_type]` for an input's declared data_type (e.g. a torch dtype); anything else
+    fails model load naming the input and the accepted types."""
     for entry in model_config.get("input", []):
         if entry["name"] == input_name:
             data_type = entry["data_type"]
@@ -55,13 +99,6 @@ def int_parameter(model_config: dict, key: str, default: int) -> int:
         return int(raw)
     except ValueError as exc:
         raise ValueError(f"config parameter {key!r} must be an integer, got {raw!r}") from exc
-
-
-def instance_device(args: dict) -> torch.device:
-    """cuda:<model_instance_device_id> for KIND_GPU instances, else the CPU (Triton pins nothing)."""
-    if args.get("model_instance_kind") == "GPU":
-        return torch.device(f"cuda:{int(args.get('model_instance_device_id', 0))}")
-    return torch.device("cpu")
 
 
 def config_path(args: dict) -> str:

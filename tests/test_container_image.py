@@ -358,16 +358,12 @@ def serve_command(gpu_count: int) -> list[str]:
 
 
 def test_server_flags_hold_the_largest_request_of_the_config(monkeypatch):
-    from google.protobuf import text_format
-    from tritonclient.grpc import model_config_pb2
-
+    from triton_sampling_mask.model_config import read_config_file
     from triton_sampling_mask.ops import settings
     from triton_sampling_mask.ops.server_process import resource_args
 
-    config = text_format.Parse(
-        (REPO_ROOT / "model_repository" / "sampler" / "config.pbtxt").read_text(), model_config_pb2.ModelConfig()
-    )
-    largest_request = 4 * config.max_batch_size * int(config.parameters["max_vocab_size"].string_value)
+    config = read_config_file(REPO_ROOT / "model_repository" / "sampler" / "config.pbtxt")
+    largest_request = 4 * config["max_batch_size"] * int(config["parameters"]["max_vocab_size"]["string_value"])
     assert largest_request == settings.LARGEST_REQUEST_BYTES
     command = serve_command(gpu_count=3)
     # The supervisor runs tritonserver (README "Failure modes"); its flags follow the "--", and the

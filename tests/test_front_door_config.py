@@ -13,9 +13,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from google.protobuf import text_format
-from tritonclient.grpc import model_config_pb2, service_pb2
+from tritonclient.grpc import service_pb2
 
+from triton_sampling_mask.model_config import dims, read_config_file
 from triton_sampling_mask.ops import memory_limit, proxy, proxy_config, proxy_metrics
 from triton_sampling_mask.ops.proxy import FrontDoor, ProxyError
 from triton_sampling_mask.ops.proxy_config import ProxyLimits, ProxyPlan
@@ -28,28 +28,30 @@ BYTES = {"TYPE_FP32": 4, "TYPE_INT32": 4, "TYPE_UINT64": 8, "TYPE_BOOL": 1, "TYP
 needs_haproxy = pytest.mark.skipif(proxy.find_haproxy() is None, reason="haproxy is not installed")
 
 
-def parsed(model: str) -> model_config_pb2.ModelConfig:
-    """A shipped config.pbtxt, parsed by protobuf with Triton's own schema (the reference)."""
-    return text_format.Parse((REPOSITORY / model / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
+def parsed(model: str) -> dict:
+    """A shipped config.pbtxt as Triton's JSON (the package's one reader: protobuf, Triton's schema)."""
+    return read_config_file(REPOSITORY / model / "config.pbtxt")
+
+
+def row_bytes(config: dict, variable: int) -> int:
+    """One row of every input, a -1 dimension counted as `variable` elements."""
+    return sum(BYTES[i["data_type"]] * (variable if -1 in dims(i) else 1) for i in config["input"])
 
 
 def test_body_caps_follow_the_model_configs():
     routes = {route.name: route for route in proxy_config.model_routes(REPOSITORY, 12288)}
     sampler, generate = parsed("sampler"), parsed("generate")
-    vocab = int(sampler.parameters["max_vocab_size"].string_value)
-    row = sum(
-        BYTES[model_config_pb2.DataType.Name(i.data_type)] * (vocab if -1 in i.dims else 1) for i in sampler.input
-    )
-    assert routes["sampler"].body_limit_bytes == sampler.max_batch_size * row + 12288 + proxy_config.BODY_SLACK_BYTES
+    vocab = int(sampler["parameters"]["max_vocab_size"]["string_value"])
+    row = row_bytes(sampler, vocab)
+    assert routes["sampler"].body_limit_bytes == sampler["max_batch_size"] * row + 12288 + proxy_config.BODY_SLACK_BYTES
     assert routes["sampler"].body_limit_bytes >= 256 * 262144 * 4  # the largest request the README promises
     assert (
-        not routes["sampler"].decoupled and routes["generate"].decoupled == generate.model_transaction_policy.decoupled
+        not routes["sampler"].decoupled
+        and routes["generate"].decoupled == generate["model_transaction_policy"]["decoupled"]
     )
-    budget = int(generate.parameters["kv_budget_tokens"].string_value)
-    row = sum(
-        BYTES[model_config_pb2.DataType.Name(i.data_type)] * (budget if -1 in i.dims else 1) for i in generate.input
-    )
-    expected = generate.max_batch_size * row * proxy_config.JSON_TEXT_FACTOR + 12288 + proxy_config.BODY_SLACK_BYTES
+    budget = int(generate["parameters"]["kv_budget_tokens"]["string_value"])
+    row = row_bytes(generate, budget)
+    expected = generate["max_batch_size"] * row * proxy_config.JSON_TEXT_FACTOR + 12288 + proxy_config.BODY_SLACK_BYTES
     assert routes["generate"].body_limit_bytes == expected
 
 

@@ -4,6 +4,7 @@ after the tokens it already yielded."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import numpy as np
@@ -48,25 +49,26 @@ def test_the_backoff_doubles_up_to_its_cap_with_jitter():
 def test_a_busy_refusal_is_retried_until_the_busy_timeout_then_raised():
     """The sampler client's calls: busy answers neither eject the replica nor use up the one try."""
     answers = iter([SamplerError("503", proxy_config.QUEUE_FULL)] * 3 + ["served"])
-    replicas = ReplicaSet(["a:1"], lambda url: object(), True, 0.5, 5.0)
+    replicas = ReplicaSet(["a:1"], lambda url: object(), 0.5, 5.0)
     attempts = Attempts(replicas, 1, lambda: None, lambda exc: exc, BusyPolicy(backoff_s=0.001, max_backoff_s=0.002))
 
-    def work(_client):
+    async def work(_client):
         answer = next(answers)
         if isinstance(answer, Exception):
             raise answer
         return answer
 
-    assert attempts.call(work) == "served" and attempts.busy_counter.count == 3
+    assert asyncio.run(attempts.acall(work)) == "served" and attempts.busy_counter.count == 3
     assert replicas.healthy_urls() == ["a:1"]
     stubborn = Attempts(replicas, 1, lambda: None, lambda exc: exc, BusyPolicy(0.001, 0.002, timeout_s=0.05))
 
-    def always_busy(_client):
+    async def always_busy(_client):
         raise SamplerError("503", proxy_config.QUEUE_TIMEOUT)
 
     with pytest.raises(SamplerError, match=RETRY_MARKER):
-        stubborn.call(always_busy)
-    assert SamplerClient("127.0.0.1:1", mask_width=8, max_batch_size=4).busy_policy.timeout_s == 30.0
+        asyncio.run(stubborn.acall(always_busy))
+    with SamplerClient("127.0.0.1:1", mask_width=8, max_batch_size=4) as client:
+        assert client.busy_policy.timeout_s == 30.0
 
 
 def token_outputs(ids: list[int], finish: str = "") -> dict:

@@ -5,43 +5,38 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from google.protobuf import text_format
-from tritonclient.grpc import model_config_pb2
 
 from testbed.server import MODEL_REPOSITORY
-from triton_sampling_mask.model_config import instance_device
+from triton_sampling_mask.model_config import parse_config_text, read_config_file
 from triton_sampling_mask.ops.gpu_repository import build_gpu_repository, gpu_config_text
+from triton_sampling_mask.serving.deployment import instance_device
 from triton_sampling_mask.serving.triton_io import input_to_numpy, input_to_torch, read_params
 
 DEVICE = torch.device("cuda:0") if torch.cuda.is_available() else torch.device("cpu")
 
 
-def parse(text: str) -> model_config_pb2.ModelConfig:
-    return text_format.Parse(text, model_config_pb2.ModelConfig())
-
-
 def test_gpu_config_changes_only_the_instance_kind_and_input_placement(tmp_path):
     cpu_text = (MODEL_REPOSITORY / "sampler" / "config.pbtxt").read_text()
     gpu_dir = build_gpu_repository(MODEL_REPOSITORY, tmp_path / "gpu")
-    gpu = parse((gpu_dir / "sampler" / "config.pbtxt").read_text())
-    cpu = parse(cpu_text)
+    gpu = read_config_file(gpu_dir / "sampler" / "config.pbtxt")
+    cpu = parse_config_text(cpu_text)
 
-    assert [g.kind for g in gpu.instance_group] == [model_config_pb2.ModelInstanceGroup.KIND_GPU]
-    assert gpu.parameters["FORCE_CPU_ONLY_INPUT_TENSORS"].string_value == "no"
+    assert [g["kind"] for g in gpu["instance_group"]] == ["KIND_GPU"]
+    assert gpu["parameters"]["FORCE_CPU_ONLY_INPUT_TENSORS"]["string_value"] == "no"
     assert (gpu_dir / "sampler" / "1" / "model.py").read_bytes() == (
         MODEL_REPOSITORY / "sampler" / "1" / "model.py"
     ).read_bytes()
     # Everything else, the mask width W included, is the CPU config's.
-    del gpu.instance_group[:], cpu.instance_group[:]
-    del gpu.parameters["FORCE_CPU_ONLY_INPUT_TENSORS"]
+    del gpu["instance_group"], cpu["instance_group"]
+    del gpu["parameters"]["FORCE_CPU_ONLY_INPUT_TENSORS"]
     assert gpu == cpu
     assert gpu_config_text(gpu_config_text(cpu_text)) == gpu_config_text(cpu_text)  # idempotent
 
 
 def test_gpu_config_adds_missing_blocks():
-    config = parse(gpu_config_text('name: "m"\nbackend: "python"\n'))
-    assert config.instance_group[0].kind == model_config_pb2.ModelInstanceGroup.KIND_GPU
-    assert config.parameters["FORCE_CPU_ONLY_INPUT_TENSORS"].string_value == "no"
+    config = parse_config_text(gpu_config_text('name: "m"\nbackend: "python"\n'))
+    assert config["instance_group"][0]["kind"] == "KIND_GPU"
+    assert config["parameters"]["FORCE_CPU_ONLY_INPUT_TENSORS"]["string_value"] == "no"
 
 
 def test_instance_device_follows_the_instance_kind():

@@ -33,7 +33,7 @@ TREE_IMPORTS = {
     "tests": {"triton_sampling_mask", "testbed", "bench"},
 }
 # The package's layers, lowest first (plugin/__init__.py): each may import only those before it.
-# model_config is shared by client and serving.
+# model_config is shared by client, serving and ops (torch-free).
 LAYERS = ("sampling", "generation", "model_config", "client", "api", "serving", "ops")
 # ops runs the server and talks to it over HTTP only: none of the client's code.
 NEVER = {("ops", "client")}
@@ -121,15 +121,6 @@ def test_probe_blocks_what_it_names():
         [sys.executable, "-c", PROBE, "client", "tritonclient"], capture_output=True, text=True, timeout=120
     )
     assert done.returncode != 0 and "blocked by the layering test: tritonclient" in done.stderr
-
-
-@pytest.mark.parametrize("old", ["converters", "replay", "sampling_params", "sampler", "launcher", "gpu_repository"])
-def test_the_pre_split_import_paths_are_gone(old):
-    # They were aliases of the subpackages' modules until 0.1.0 (CHANGELOG.md).
-    import importlib
-
-    with pytest.raises(ModuleNotFoundError):
-        importlib.import_module(f"triton_sampling_mask.{old}")
 
 
 def source_modules(trees: dict[str, Path]) -> dict[str, Path]:

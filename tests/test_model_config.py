@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from triton_sampling_mask.model_config import LOGITS_DATA_TYPES, config_path, input_dtype
-from triton_sampling_mask.serving.deployment import declared_outputs
-from triton_sampling_mask.serving.generate_model import check_scheduler
+from triton_sampling_mask.model_config import config_path, input_dtype
+from triton_sampling_mask.serving.deployment import LOGITS_DATA_TYPES, declared_outputs
 
 
 def config(logits_type="TYPE_FP32", support_width=8):
@@ -40,10 +39,3 @@ def test_messages_name_the_config_relative_to_the_repository():
     args = {"model_repository": "/srv/secret/place/model_repository/sampler", "model_name": "sampler"}
     assert config_path(args) == "sampler/config.pbtxt"
     assert config_path({"model_name": "generate"}) == "generate/config.pbtxt"
-
-
-def test_a_scheduler_other_than_continuous_fails_model_load_naming_the_parameter_and_file():
-    check_scheduler({}, "generate/config.pbtxt")  # left out: the engine
-    check_scheduler({"parameters": {"scheduler": {"string_value": "continuous"}}}, "generate/config.pbtxt")
-    with pytest.raises(ValueError, match=r"'scheduler' in generate/config.pbtxt must be 'continuous' .* got 'static'"):
-        check_scheduler({"parameters": {"scheduler": {"string_value": "static"}}}, "generate/config.pbtxt")

@@ -3,7 +3,7 @@
 `POST /update_weights_from_disk`, `POST /pause_generation`, `POST /continue_generation` and
 `GET /get_weight_version`, named and answered as SGLang's HTTP server does (`{"success",
 "message"}`, `{"weight_version"}`). Every operation but the version query needs the server's
-admin key, sent in the `triton-admin-key` header (or as `Authorization: Bearer` when the API has
+admin key, sent in the `sampling.admin.ADMIN_HEADER` header (or as `Authorization: Bearer` when the API has
 no key of its own): the API passes it on and the model checks it. SGLang's
 `abort_all_requests: true` is our `abort` pause mode; without it the update swaps in place.
 """
@@ -15,9 +15,8 @@ from pydantic import BaseModel, ConfigDict
 
 from ..client import GenerateError
 from ..client.weight_updates import check_pause_mode
+from ..sampling.admin import ADMIN_HEADER
 from .errors import ApiError, bad_request
-
-ADMIN_HEADER = "triton-admin-key"
 
 
 class UpdateFromDisk(BaseModel):

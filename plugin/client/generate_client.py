@@ -29,13 +29,13 @@ import asyncio
 import concurrent.futures
 import inspect
 import itertools
-import threading
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..model_config import output_width, string_parameter
+from ..sampling.inputs import IGNORE_EOS, INPUT_IDS, MAX_NEW_TOKENS, STOP_TOKEN_IDS, STREAM, generate_wire_inputs
 from ..sampling.outputs import (
     BY_NAME,
     CONTROL_RESULT,
@@ -49,10 +49,11 @@ from ..sampling.outputs import (
     TIMING_OUTPUTS,
     WEIGHT_VERSION,
 )
-from ..sampling.params import PARAM_SPECS, SEED, RowParams
+from ..sampling.params import PARAM_SPECS, RowParams
 from ..sampling.refusals import DEFAULT_ROUTE_CAPACITY
 from ..sampling.validation import SPECULATIVE_ALGORITHMS, MaskPolicy, SamplingRequestError
 from .generate_transport import GenerateError, GrpcConnection, HttpConnection, WireRequest
+from .loop_thread import LoopClient, LoopThread
 from .receipts import SamplingReceipts
 from .replicas import (
     DEFAULT_EJECT_BACKOFF_S,
@@ -60,12 +61,10 @@ from .replicas import (
     BusyPolicy,
     ReplicatedClient,
     split_urls,
-    start_probe_tasks,
 )
 from .sampler_client import SampleResult
 from .sampling_params import SamplingParams, check_rows_like_server, rows_to_params
 from .weight_updates import SharedTensors, check_pause_mode, on_every_replica
-from .wire import INPUT_DTYPES
 
 __all__ = [
     "AsyncGenerateClient",
@@ -391,9 +390,8 @@ class AsyncGenerateClient(ReplicatedClient):
         self._limits: GenerateLimits | None = None
         self._channel_options = tuple(channel_options)
         self._admin_key = admin_key
-        self._init_replicas(urls, self._connect, True, max_attempts, eject_backoff_s, max_eject_backoff_s, busy_policy)
+        self._init_replicas(urls, self._connect, max_attempts, eject_backoff_s, max_eject_backoff_s, busy_policy)
         self._in_flight = asyncio.Semaphore(self.max_in_flight)
-        self._calls: set = set()  # tasks of calls in progress (cancelled by close)
 
     def _connect(self, url: str):
         if self.protocol == "grpc":
@@ -576,13 +574,6 @@ class AsyncGenerateClient(ReplicatedClient):
     def _server_error(exc: BaseException) -> GenerateError | None:
         return exc if isinstance(exc, GenerateError) else None
 
-    async def _on_a_replica(self, work):
-        """`await work(connection)` on a chosen replica, retried on another when the replica fails."""
-        return await self._attempts().acall(work)
-
-    def _start_probes(self) -> None:
-        start_probe_tasks(self._replicas, self._probe, self._probes)
-
     async def _probe(self, replica) -> None:
         """Whether the replica's server and model are ready, on a short-lived connection."""
         connection = self._connect(replica.url)
@@ -713,20 +704,6 @@ class AsyncGenerateClient(ReplicatedClient):
         answers = await self._control({"op": "get_weight_version"}, None)
         return {url: answer["weight_version"] for url, answer in answers.items()}
 
-    async def close(self) -> None:
-        """Cancel the calls in progress (and their requests on the server), then close every connection."""
-        for task in list(self._calls):
-            task.cancel()
-        await asyncio.gather(*self._calls, *self._probes, return_exceptions=True)
-        for connection in self._replicas.all_clients():
-            await connection.close()
-
-    async def __aenter__(self) -> AsyncGenerateClient:
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.close()
-
 
 # stream takes generate's arguments, but return_exceptions: one signature for both (shown by help()).
 _STREAM_SIGNATURE = inspect.signature(AsyncGenerateClient.generate).replace(return_annotation="AsyncGenerateStream")
@@ -742,22 +719,17 @@ def _versioned(command: dict, weight_version: str | None) -> dict:
 
 def _wire_inputs(prompt, budget: int, rows: RowParams, row: int, stops, ignore_eos: bool, stream: bool) -> dict:
     """One request's inputs as (array [1, ...], Triton datatype); defaults left to the server."""
-    inputs = {
-        "input_ids": (prompt.reshape(1, -1), "INT32"),
-        "max_new_tokens": (np.array([[budget]], np.int32), "INT32"),
-    }
+    values = {INPUT_IDS.name: prompt, MAX_NEW_TOKENS.name: budget}
     if stops.size:
-        inputs["stop_token_ids"] = (stops.reshape(1, -1), "INT32")
+        values[STOP_TOKEN_IDS.name] = stops
     if ignore_eos:
-        inputs["ignore_eos"] = (np.ones((1, 1), np.bool_), "BOOL")
+        values[IGNORE_EOS.name] = True
     if stream:
-        inputs["stream"] = (np.ones((1, 1), np.bool_), "BOOL")
+        values[STREAM.name] = True
     for spec in PARAM_SPECS:
-        if spec is SEED and not rows.has_seed[row]:
-            continue
-        value = getattr(rows, spec.name)[row]
-        inputs[spec.name] = (np.array([[value]], spec.dtype), INPUT_DTYPES[spec.name])
-    return inputs
+        if spec.presence is None or getattr(rows, spec.presence)[row]:
+            values[spec.name] = getattr(rows, spec.name)[row]
+    return generate_wire_inputs(values)
 
 
 class AsyncGenerateStream:
@@ -783,7 +755,7 @@ class AsyncGenerateStream:
         await self.aclose()
 
 
-class GenerateClient:
+class GenerateClient(LoopClient):
     """Synchronous client for the generate model: an AsyncGenerateClient run on an event loop of
     its own (a daemon thread), safe to call from several threads.
     """
@@ -792,18 +764,9 @@ class GenerateClient:
 
     def __init__(self, url: str | Sequence[str], protocol: str = "grpc", model_name: str = DEFAULT_MODEL, **kwargs):
         self._client = AsyncGenerateClient(url, protocol, model_name, **kwargs)
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="generate-client", daemon=True)
-        self._thread.start()
+        self._loop = LoopThread("generate-client")
+        self._run = self._loop.run  # an interrupted wait cancels the call and its requests
         self.protocol, self.model_name, self.urls = protocol, model_name, self._client.urls
-
-    def _run(self, coroutine):
-        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
-        try:
-            return future.result()
-        except BaseException:
-            future.cancel()  # e.g. KeyboardInterrupt: the call and its requests are cancelled
-            raise
 
     def server_limits(self) -> GenerateLimits:
         """The deployment's mask rules, read once from the model config."""
@@ -816,21 +779,12 @@ class GenerateClient:
     def submit(self, prompts: Sequence, *args, **kwargs) -> concurrent.futures.Future:
         """`generate` without waiting: a Future of its results; `Future.cancel()` cancels the
         call's requests on the server."""
-        return asyncio.run_coroutine_threadsafe(self._client.generate(prompts, *args, **kwargs), self._loop)
+        return self._loop.submit(self._client.generate(prompts, *args, **kwargs))
 
     def stream(self, prompts: Sequence, *args, **kwargs) -> GenerateStream:
         """As AsyncGenerateClient.stream: an iterator of chunks; use it as `with` (leaving it
         early cancels the requests still running)."""
         return GenerateStream(self, self._client.stream(prompts, *args, **kwargs))
-
-    @property
-    def busy_refusals(self) -> int:
-        """Refusals that said the server was busy so far (each retried after a backoff)."""
-        return self._client.busy_refusals
-
-    def replica_shares(self) -> dict[str, int]:
-        """Requests each replica answered so far, by URL."""
-        return self._client.replica_shares()
 
     def update_weights_from_disk(self, model_path: str, **kwargs) -> dict[str, dict]:
         """As AsyncGenerateClient.update_weights_from_disk, waited for."""
@@ -865,26 +819,6 @@ class GenerateClient:
     def get_weight_version(self) -> dict[str, str]:
         """Each replica's weight version, by URL."""
         return self._run(self._client.get_weight_version())
-
-    def healthy_replicas(self) -> list[str]:
-        """The URLs of the replicas not ejected right now."""
-        return self._client.healthy_replicas()
-
-    def close(self) -> None:
-        """Cancel the calls in progress, close every connection and stop the loop's thread."""
-        if not self._loop.is_closed():
-            try:
-                self._run(self._client.close())
-            finally:
-                self._loop.call_soon_threadsafe(self._loop.stop)
-                self._thread.join()
-                self._loop.close()
-
-    def __enter__(self) -> GenerateClient:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 class GenerateStream:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..sampling.inputs import INPUTS_BY_NAME, LIST
 from ..sampling.outputs import (
     CONTROL_RESULT,
     FINISH_REASON,
@@ -391,7 +392,7 @@ def _json_body(request: WireRequest) -> dict:
     for name, (array, _) in request.inputs.items():
         values = array.reshape(-1).tolist()
         values = [_text(v) for v in values] if array.dtype == object else values
-        body[name] = values if name in ("input_ids", "stop_token_ids") else values[0]
+        body[name] = values if INPUTS_BY_NAME[name].per == LIST else values[0]
     return body
 
 

@@ -68,10 +68,8 @@ class Replica:
     failures: int = 0  # consecutive failures (sets the ejection backoff)
     ejected_until: float | None = None  # time.monotonic() of the next probe; None: healthy
     probing: bool = False
-    # tritonclients: `current` the shared one (shared mode), `by_thread` one per calling thread
-    # (per-thread mode), `made` every one ever created (closed with the client).
+    # connections: `current` the one in use, `made` every one ever created (closed with the client)
     current: object | None = None
-    by_thread: dict = field(default_factory=dict)
     made: list = field(default_factory=list)
 
     @property
@@ -80,18 +78,15 @@ class Replica:
 
 
 class ReplicaSet:
-    """The replicas of one client and their tritonclients, safe to use from several threads.
+    """The replicas of one client and their connections, safe to use from several threads.
 
-    `make_client(url)` builds a tritonclient. `shared`: one tritonclient per replica serves every
-    concurrent request (gRPC, asyncio); otherwise each calling thread gets its own per replica
-    (tritonclient.http's sync client is not thread safe, and its gevent sockets stay with the
-    thread that made them)."""
+    `make_client(url)` builds a connection (an asyncio tritonclient, or the generate model's
+    own): one per replica serves every concurrent request."""
 
     def __init__(
         self,
         urls: Sequence[str],
         make_client: Callable[[str], object],
-        shared: bool,
         eject_backoff_s: float = DEFAULT_EJECT_BACKOFF_S,
         max_eject_backoff_s: float = DEFAULT_MAX_EJECT_BACKOFF_S,
     ):
@@ -99,17 +94,12 @@ class ReplicaSet:
             raise ValueError("need 0 < eject_backoff_s <= max_eject_backoff_s")
         self.replicas = [Replica(url) for url in urls]
         self._make_client = make_client
-        self._shared = shared
         self._eject_backoff_s = eject_backoff_s
         self._max_eject_backoff_s = max_eject_backoff_s
         self._lock = threading.Lock()
         self._turn = 0
         for replica in self.replicas:  # made now, so a bad URL or keyword fails at construction
-            client = self._new_client(replica)
-            if shared:
-                replica.current = client
-            else:
-                replica.by_thread[threading.get_ident()] = client
+            replica.current = self._new_client(replica)
 
     def _new_client(self, replica: Replica):
         client = self._make_client(replica.url)
@@ -130,16 +120,10 @@ class ReplicaSet:
             else:  # every untried replica is ejected: try the one due back first rather than refuse
                 replica = min(untried, key=lambda r: r.ejected_until)
             self._turn += 1
-            if self._shared:
-                if replica.current is None:
-                    replica.current = self._new_client(replica)
-                client = replica.current
-            else:
-                client = replica.by_thread.get(threading.get_ident())
-                if client is None:
-                    client = replica.by_thread[threading.get_ident()] = self._new_client(replica)
+            if replica.current is None:
+                replica.current = self._new_client(replica)
             replica.outstanding += 1
-            return replica, client
+            return replica, replica.current
 
     def release(self, replica: Replica, client, reachable: bool, served: bool = False) -> None:
         """Return a lent tritonclient. `reachable`: the replica answered (even with an error),
@@ -173,7 +157,6 @@ class ReplicaSet:
                 # Fresh tritonclients from now on: an old gRPC channel may still sit in its reconnect
                 # backoff. The old ones stay in `made`, closed with the client.
                 replica.current = None
-                replica.by_thread.clear()
             else:
                 replica.failures += 1
                 backoff = min(self._max_eject_backoff_s, self._eject_backoff_s * 2 ** (replica.failures - 1))
@@ -301,26 +284,10 @@ class Attempts:
         self.replicas.release(*lease, reachable=True, served=served)
         return result
 
-    # The same loop twice, blocking and async: tritonclient's sync and aio flavours need both.
-    def call(self, work: Callable, served: bool = False):
-        """`work(client)` on a chosen replica, retried on another while `failed` allows; after a
-        round where every replica failed, a pause. `served` counts the answer for `served()`."""
-        while True:
-            lease = self.next_lease()
-            if lease is None:  # every replica failed this round: pause, then try them all again
-                time.sleep(self.pause_s())
-                continue
-            try:
-                result = work(lease[1])
-            except BaseException as exc:
-                pause = self.failed(lease, exc)  # raises unless a retry is due
-                if pause:
-                    time.sleep(pause)
-                continue
-            return self.served(lease, result, served)
-
     async def acall(self, work: Callable, served: bool = False):
-        """`call` with an async `work`, pausing without blocking the event loop."""
+        """`await work(client)` on a chosen replica, retried on another while `failed` allows;
+        after a round where every replica failed, a pause. `served` counts the answer for
+        `served()`."""
         while True:
             lease = self.next_lease()
             if lease is None:
@@ -336,25 +303,37 @@ class Attempts:
             return self.served(lease, result, served)
 
 
-def start_probe_tasks(replicas: ReplicaSet, probe: Callable, tasks: set) -> None:
-    """Start `probe(replica)` as a task for every ejected replica that is due, kept in `tasks`
-    until it ends (the async clients' probes; `close` awaits them)."""
-    for replica in replicas.due_for_probe():
-        task = asyncio.ensure_future(probe(replica))
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
+class ReplicaAccounts:
+    """What every client tells of its replicas, sync or asyncio: `_replicated()` is the
+    ReplicatedClient that holds them (the client itself, or the asyncio twin a sync client runs)."""
+
+    def _replicated(self) -> ReplicatedClient:
+        return self  # type: ignore[return-value]
+
+    def replica_shares(self) -> dict[str, int]:
+        """Requests each replica answered so far, by URL (the sampler client counts each chunk of
+        a split request)."""
+        return self._replicated()._replicas.served()
+
+    def healthy_replicas(self) -> list[str]:
+        """The URLs of the replicas not ejected right now."""
+        return self._replicated()._replicas.healthy_urls()
+
+    @property
+    def busy_refusals(self) -> int:
+        """Refusals that said the server was busy so far (each retried after a backoff)."""
+        return self._replicated()._busy.count
 
 
-class ReplicatedClient:
+class ReplicatedClient(ReplicaAccounts):
     """What every client does with its replicas: the default number of attempts, the replica
-    set, the retry policy of a request and the probes of ejected replicas. A subclass calls
-    `_init_replicas` and defines `_start_probes`, `_server_error` and `_probe`."""
+    set, the retry policy of a request, the probes of ejected replicas and closing them all
+    (asyncio). A subclass calls `_init_replicas` and defines `_server_error` and `_probe`."""
 
     def _init_replicas(
         self,
         url: str | Sequence[str],
         make_client: Callable[[str], object],
-        shared: bool,
         max_attempts: int | None,
         eject_backoff_s: float,
         max_eject_backoff_s: float,
@@ -368,17 +347,9 @@ class ReplicatedClient:
         self.max_attempts = max_attempts
         self.busy_policy = busy_policy or BusyPolicy()
         self._busy = BusyCounter()
-        self._probes: set = set()  # background health probes of ejected replicas (threads or tasks)
-        self._replicas = ReplicaSet(self.urls, make_client, shared, eject_backoff_s, max_eject_backoff_s)
-
-    def replica_shares(self) -> dict[str, int]:
-        """Requests each replica answered so far, by URL (the sampler client counts each chunk of
-        a split request)."""
-        return self._replicas.served()
-
-    def healthy_replicas(self) -> list[str]:
-        """The URLs of the replicas not ejected right now."""
-        return self._replicas.healthy_urls()
+        self._probes: set = set()  # background health probes of ejected replicas (tasks)
+        self._calls: set = set()  # tasks of calls in progress (cancelled by close)
+        self._replicas = ReplicaSet(self.urls, make_client, eject_backoff_s, max_eject_backoff_s)
 
     def _attempts(self) -> Attempts:
         """The retry policy of one request over this client's replicas."""
@@ -386,7 +357,29 @@ class ReplicatedClient:
             self._replicas, self.max_attempts, self._start_probes, self._server_error, self.busy_policy, self._busy
         )
 
-    @property
-    def busy_refusals(self) -> int:
-        """Refusals that said the server was busy so far (each retried after a backoff)."""
-        return self._busy.count
+    def _start_probes(self) -> None:
+        """Probe the ejected replicas that are due, each as a task kept until it ends (`close`
+        awaits them)."""
+        for replica in self._replicas.due_for_probe():
+            task = asyncio.ensure_future(self._probe(replica))
+            self._probes.add(task)
+            task.add_done_callback(self._probes.discard)
+
+    async def _on_a_replica(self, work, served: bool = False):
+        """`await work(connection)` on a chosen replica, retried on another when the replica fails."""
+        return await self._attempts().acall(work, served)
+
+    async def close(self) -> None:
+        """Cancel the calls in progress (and their requests on the server), wait for the health
+        probes in flight (each bounded by its timeout), then close every connection."""
+        for task in list(self._calls):
+            task.cancel()
+        await asyncio.gather(*self._calls, *self._probes, return_exceptions=True)
+        for client in self._replicas.all_clients():
+            await client.close()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

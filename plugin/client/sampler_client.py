@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import importlib
 import os
-import threading
 import time
 import uuid
 import warnings
@@ -32,19 +31,21 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from tritonclient.utils import InferenceServerException, np_to_triton_dtype
+from tritonclient.utils import InferenceServerException
 
 from ..model_config import output_width, string_parameter
+from ..sampling.admin import ADMIN_HEADER, GRPC_RESTRICTED_PREFIX
+from ..sampling.inputs import triton_datatype
 from ..sampling.outputs import SAMPLED_OUTPUTS, SAMPLING_MASK, TOKEN, from_wire_values
-from ..sampling.params import LOGITS, MIN_P, RETURN_SAMPLING_MASK, SEED, TEMPERATURE, TOP_K, TOP_P, RowParams
+from ..sampling.params import LOGITS, PARAM_SPECS, SEED, RowParams
 from ..sampling.validation import MaskPolicy, SamplingRequestError
+from .loop_thread import LoopClient, LoopThread
 from .receipts import SamplingReceipts
 from .replicas import (
     DEFAULT_EJECT_BACKOFF_S,
     DEFAULT_MAX_EJECT_BACKOFF_S,
     BusyPolicy,
     ReplicatedClient,
-    start_probe_tasks,
 )
 from .sampling_params import SamplingParams, check_rows_like_server, rows_to_params
 
@@ -54,11 +55,6 @@ DEFAULT_MODEL = "sampler"
 _PROTOCOLS = ("http", "grpc")
 # Seconds a health probe of an ejected replica may take.
 _PROBE_TIMEOUT_S = 2.0
-# The header the launcher's servers require on the shared-memory and model-repository APIs
-# (tritonserver --http-restricted-api / --grpc-restricted-protocol; ops.server_process.ADMIN_HEADER).
-# Over gRPC Triton expects it with this prefix.
-ADMIN_HEADER = "triton-admin-key"
-GRPC_RESTRICTED_PREFIX = "triton-grpc-protocol-"
 
 
 def admin_headers(protocol: str, admin_key: str | None, header: str = ADMIN_HEADER) -> dict[str, str] | None:
@@ -129,11 +125,11 @@ class SampleResult:
         return [row[:n] for row, n in zip(self.sampling_mask, self.sampling_mask_len)]
 
 
-def _tritonclient_module(protocol: str, asynchronous: bool):
+def _tritonclient_modules(protocol: str):
+    """tritonclient.<protocol> (its InferInput) and tritonclient.<protocol>.aio (its client)."""
     if protocol not in _PROTOCOLS:
         raise ValueError(f"protocol must be one of {_PROTOCOLS}, got {protocol!r}")
-    base = importlib.import_module(f"tritonclient.{protocol}")
-    return base, (importlib.import_module(f"tritonclient.{protocol}.aio") if asynchronous else base)
+    return importlib.import_module(f"tritonclient.{protocol}"), importlib.import_module(f"tritonclient.{protocol}.aio")
 
 
 def _row_params(params: SamplingParams | Sequence[SamplingParams], rows: int) -> RowParams:
@@ -212,15 +208,13 @@ def _wire_arrays(
     arrays = {
         LOGITS: (np.ascontiguousarray(logits.astype(_logits_numpy_dtype(logits_datatype), copy=False)), logits_datatype)
     }
-    for spec in (TEMPERATURE, TOP_K, TOP_P, MIN_P, RETURN_SAMPLING_MASK):
-        arrays[spec.name] = (
-            getattr(params, spec.name).reshape(rows, 1).astype(spec.dtype),
-            np_to_triton_dtype(np.dtype(spec.dtype)),
-        )
-    if params.has_seed.any():
-        fresh = np.frombuffer(os.urandom(8 * rows), dtype=np.uint64)
-        seed = np.where(params.has_seed, params.seed, fresh).astype(SEED.dtype)
-        arrays[SEED.name] = (seed.reshape(rows, 1), np_to_triton_dtype(np.dtype(SEED.dtype)))
+    for spec in PARAM_SPECS:
+        values = getattr(params, spec.name)
+        if spec is SEED:
+            if not params.has_seed.any():
+                continue
+            values = np.where(params.has_seed, values, np.frombuffer(os.urandom(8 * rows), dtype=np.uint64))
+        arrays[spec.name] = (values.reshape(rows, 1).astype(spec.dtype), triton_datatype(spec.dtype))
     return arrays
 
 
@@ -329,8 +323,35 @@ class _ShmRegion:
         self._shm.destroy_shared_memory_region(self.handle)
 
 
-class _SamplerClientBase(ReplicatedClient):
-    _ASYNCHRONOUS = False  # which tritonclient flavour the subclass drives
+_CLIENT_ARGS_DOC = """`url` is one "host:port" or a list of them, replicas serving the same model repository:
+    each request goes to the healthy replica with the fewest outstanding requests; one that fails
+    (unreachable, 503 / UNAVAILABLE when it is down, a model whose stub died) is ejected, probed
+    in the background after `eject_backoff_s` (doubling up to `max_eject_backoff_s`) and readmitted
+    once ready, and the request is retried on another replica, up to `max_attempts` tries in all
+    (default: 1 with one URL, so errors surface at once; 2 per replica with several).
+    A refusal that says the server is busy (the front door shedding load, `sampling.refusals`)
+    is retried after a jittered backoff on the same terms as GenerateClient's, for up to
+    `busy_timeout_s` (default 30 s), without ejecting the replica or using up a try.
+    A seeded row gives the same draw on every replica, so a retry changes nothing; an unseeded
+    request that is retried is a fresh draw. User errors (400 / INVALID_ARGUMENT) are never
+    retried. With `use_shared_memory=True` the region is registered on the replica that serves
+    the call, which answers all of its chunks (retried whole elsewhere on failure): it needs every
+    replica on the client's host. The model config (W, max_batch_size) is read from the first
+    replica that answers: replicas must share it."""
+
+
+class AsyncSamplerClient(ReplicatedClient):
+    """asyncio client for the sampler model over tritonclient HTTP ("host:8000",
+    tritonclient.http.aio) or gRPC ("host:8001", tritonclient.grpc.aio). The mask width W and
+    max_batch_size are read once from the model config; passing both `mask_width` and
+    `max_batch_size` skips that call. `admin_key` is sent (as ADMIN_HEADER) when registering
+    shared memory, for servers that lock that API. Extra keyword arguments go to tritonclient's
+    asyncio InferenceServerClient. The requests of a call larger than max_batch_size are sent
+    concurrently, each to its own choice of replica.
+
+    """
+
+    __doc__ += _CLIENT_ARGS_DOC
 
     def __init__(
         self,
@@ -347,32 +368,25 @@ class _SamplerClientBase(ReplicatedClient):
         busy_timeout_s: float = DEFAULT_BUSY_TIMEOUT_S,
         **kwargs,
     ):
-        asynchronous = self._ASYNCHRONOUS
         self.protocol = protocol
         self.model_name = model_name
         self._admin_headers = admin_headers(protocol, admin_key)
-        self._base, self._module = _tritonclient_module(protocol, asynchronous)
+        self._base, self._module = _tritonclient_modules(protocol)
         self._mask_width = mask_width
         self._max_batch_size = max_batch_size
         self._limits: ServerLimits | None = None
         self._client_kwargs = kwargs
-        # gRPC clients and asyncio ones take concurrent requests; tritonclient.http's sync one does not.
-        shared = asynchronous or protocol == "grpc"
         make_client = lambda u: self._module.InferenceServerClient(u, **kwargs)  # noqa: E731
         busy_policy = BusyPolicy(timeout_s=busy_timeout_s)
-        self._init_replicas(url, make_client, shared, max_attempts, eject_backoff_s, max_eject_backoff_s, busy_policy)
-
-    def _failure(self, exc: BaseException) -> SamplerError:
-        return exc if isinstance(exc, SamplerError) else SamplerError.from_exception(exc)
+        self._init_replicas(url, make_client, max_attempts, eject_backoff_s, max_eject_backoff_s, busy_policy)
 
     def _server_error(self, exc: BaseException) -> SamplerError | None:
         """A server or transport failure as SamplerError; None for anything else (raised as it is)."""
-        if isinstance(exc, (InferenceServerException, SamplerError, *_TRANSPORT_ERRORS)):
-            return self._failure(exc)
+        if isinstance(exc, SamplerError):
+            return exc
+        if isinstance(exc, (InferenceServerException, *_TRANSPORT_ERRORS)):
+            return SamplerError.from_exception(exc)
         return None
-
-    def _config_kwargs(self) -> dict:
-        return {"as_json": True} if self.protocol == "grpc" else {}
 
     def _validated(self, logits, params) -> tuple[np.ndarray, RowParams]:
         """Logits and row parameters checked by every rule that needs no server round trip."""
@@ -401,168 +415,13 @@ class _SamplerClientBase(ReplicatedClient):
             use_shared_memory,
         )
 
-
-_CLIENT_ARGS_DOC = """`url` is one "host:port" or a list of them, replicas serving the same model repository:
-    each request goes to the healthy replica with the fewest outstanding requests; one that fails
-    (unreachable, 503 / UNAVAILABLE when it is down, a model whose stub died) is ejected, probed
-    in the background after `eject_backoff_s` (doubling up to `max_eject_backoff_s`) and readmitted
-    once ready, and the request is retried on another replica, up to `max_attempts` tries in all
-    (default: 1 with one URL, so errors surface at once as before; 2 per replica with several).
-    A refusal that says the server is busy (the front door shedding load, `sampling.refusals`)
-    is retried after a jittered backoff on the same terms as GenerateClient's, for up to
-    `busy_timeout_s` (default 30 s), without ejecting the replica or using up a try.
-    A seeded row gives the same draw on every replica, so a retry changes nothing; an unseeded
-    request that is retried is a fresh draw. User errors (400 / INVALID_ARGUMENT) are never
-    retried. With `use_shared_memory=True` the region is registered on the replica that serves
-    the call, which answers all of its chunks (retried whole elsewhere on failure): it needs every
-    replica on the client's host. The model config (W, max_batch_size) is read from the first
-    replica that answers: replicas must share it."""
-
-
-class SamplerClient(_SamplerClientBase):
-    """Synchronous client for the sampler model over tritonclient HTTP ("host:8000") or gRPC
-    ("host:8001"). The mask width W and max_batch_size are read once from the model config;
-    passing both `mask_width` and `max_batch_size` skips that call. `admin_key` is sent (as
-    ADMIN_HEADER) when registering shared memory, for servers that lock that API. Extra keyword
-    arguments go to tritonclient's InferenceServerClient. Safe to share between threads (over
-    HTTP each concurrent request borrows a tritonclient of its own).
-
-    """
-
-    __doc__ += _CLIENT_ARGS_DOC
-
-    def server_limits(self) -> ServerLimits:
-        """The deployment's mask rules and batch limit, read once from the model config."""
-        if self._limits is None:
-            config = {}
-            if self._mask_width is None or self._max_batch_size is None:
-                config = self._on_a_replica(
-                    lambda client: client.get_model_config(self.model_name, **self._config_kwargs())
-                )
-            self._limits = _limits_from_config(config, self._mask_width, self._max_batch_size)
-        return self._limits
-
-    def mask_policy(self) -> MaskPolicy:
-        """The server's mask rules: the mask width W and its speculative switch."""
-        return self.server_limits().policy
-
-    def sample(
-        self,
-        logits,
-        params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
-        *,
-        use_shared_memory: bool = False,
-        return_receipts: bool = False,
-    ) -> SampleResult:
-        """Sample one token per row of `logits` [B, V] with one SamplingParams for all rows or one
-        per row; more rows than max_batch_size go as several requests, answered in order.
-        `return_receipts`: the result carries each row's receipt (`result.receipts`, from the
-        server's `sampling_seed`) for `receipts.rederive_tokens`."""
-        array, row_params = self._validated(logits, params)
-        return _receipted(self._sample(array, row_params, use_shared_memory), row_params, return_receipts)
-
-    def _sample(self, array: np.ndarray, row_params: RowParams, use_shared_memory: bool) -> SampleResult:
-        prepared = self._prepare(array, row_params, self.server_limits(), use_shared_memory)
-        if prepared.region is None:
-            return _concatenate(
-                [
-                    _parse(
-                        self._on_a_replica(
-                            lambda client, start=start, stop=stop: client.infer(
-                                self.model_name, prepared.inputs(start, stop)
-                            ),
-                            served=True,
-                        )
-                    )
-                    for start, stop in prepared.bounds
-                ]
-            )
-        try:
-            return self._on_a_replica(lambda client: self._sample_registered(client, prepared), served=True)
-        finally:
-            prepared.region.close()
-
-    def _sample_registered(self, client, prepared: _Prepared) -> SampleResult:
-        """Every chunk of a shared-memory call on one replica, the region registered there."""
-        region = prepared.region
-        client.register_system_shared_memory(region.name, region.key, region.byte_size, headers=self._admin_headers)
-        try:
-            return _concatenate(
-                [_parse(client.infer(self.model_name, prepared.inputs(start, stop))) for start, stop in prepared.bounds]
-            )
-        finally:
-            unregister_shared_memory(client, region.name, headers=self._admin_headers)
-
-    def _on_a_replica(self, work, served: bool = False):
-        """`work(tritonclient)` on a chosen replica, retried on another when the replica fails."""
-        return self._attempts().call(work, served)
-
-    def _start_probes(self) -> None:
-        for replica in self._replicas.due_for_probe():
-            probe = threading.Thread(target=self._probe, args=(replica,), name=f"probe-{replica.url}", daemon=True)
-            self._probes = {p for p in self._probes if p.is_alive()} | {probe}
-            probe.start()
-
-    def _probe(self, replica) -> None:
-        """Whether the replica's server and model are ready, on a short-lived tritonclient."""
-        ready = False
-        try:
-            if self.protocol == "grpc":
-                probe = self._base.InferenceServerClient(replica.url, **self._client_kwargs)
-                try:
-                    ready = probe.is_server_ready(client_timeout=_PROBE_TIMEOUT_S) and probe.is_model_ready(
-                        self.model_name, client_timeout=_PROBE_TIMEOUT_S
-                    )
-                finally:
-                    probe.close()
-            else:
-                kwargs = {
-                    "connection_timeout": _PROBE_TIMEOUT_S,
-                    "network_timeout": _PROBE_TIMEOUT_S,
-                    **self._client_kwargs,
-                }
-                probe = self._base.InferenceServerClient(replica.url, **kwargs)
-                try:
-                    ready = probe.is_server_ready() and probe.is_model_ready(self.model_name)
-                finally:
-                    probe.close()
-        except Exception:  # unreachable, or any answer but ready
-            ready = False
-        self._replicas.probed(replica, ready)
-
-    def close(self) -> None:
-        """Close every tritonclient, after the health probes in flight (each bounded by its timeout)."""
-        for probe in self._probes:
-            probe.join(timeout=2 * _PROBE_TIMEOUT_S + 1)
-        for client in self._replicas.all_clients():
-            client.close()
-
-    def __enter__(self) -> SamplerClient:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-class AsyncSamplerClient(_SamplerClientBase):
-    """The asyncio twin of SamplerClient (tritonclient.http.aio / tritonclient.grpc.aio); the
-    requests of a call larger than max_batch_size are sent concurrently, each to its own choice
-    of replica.
-
-    """
-
-    __doc__ += _CLIENT_ARGS_DOC
-
-    _ASYNCHRONOUS = True
-
     async def server_limits(self) -> ServerLimits:
         """The deployment's mask rules and batch limit, read once from the model config."""
         if self._limits is None:
             config = {}
             if self._mask_width is None or self._max_batch_size is None:
-                config = await self._on_a_replica(
-                    lambda client: client.get_model_config(self.model_name, **self._config_kwargs())
-                )
+                as_json = {"as_json": True} if self.protocol == "grpc" else {}
+                config = await self._on_a_replica(lambda client: client.get_model_config(self.model_name, **as_json))
             self._limits = _limits_from_config(config, self._mask_width, self._max_batch_size)
         return self._limits
 
@@ -578,7 +437,10 @@ class AsyncSamplerClient(_SamplerClientBase):
         use_shared_memory: bool = False,
         return_receipts: bool = False,
     ) -> SampleResult:
-        """As SamplerClient.sample, awaited."""
+        """Sample one token per row of `logits` [B, V] with one SamplingParams for all rows or one
+        per row; more rows than max_batch_size go as several requests, answered in order.
+        `return_receipts`: the result carries each row's receipt (`result.receipts`, from the
+        server's `sampling_seed`) for `receipts.rederive_tokens`."""
         array, row_params = self._validated(logits, params)
         return _receipted(await self._sample(array, row_params, use_shared_memory), row_params, return_receipts)
 
@@ -627,13 +489,6 @@ class AsyncSamplerClient(_SamplerClientBase):
                         break
                     await asyncio.sleep(0.01)
 
-    async def _on_a_replica(self, work, served: bool = False):
-        """`await work(tritonclient)` on a chosen replica, retried on another when the replica fails."""
-        return await self._attempts().acall(work, served)
-
-    def _start_probes(self) -> None:
-        start_probe_tasks(self._replicas, self._probe, self._probes)
-
     async def _probe(self, replica) -> None:
         """Whether the replica's server and model are ready, on a short-lived tritonclient."""
         ready = False
@@ -649,15 +504,37 @@ class AsyncSamplerClient(_SamplerClientBase):
             ready = False
         self._replicas.probed(replica, ready)
 
-    async def close(self) -> None:
-        """Close every tritonclient, after the health probes in flight (each bounded by its timeout)."""
-        if self._probes:
-            await asyncio.gather(*list(self._probes), return_exceptions=True)
-        for client in self._replicas.all_clients():
-            await client.close()
 
-    async def __aenter__(self) -> AsyncSamplerClient:
-        return self
+class SamplerClient(LoopClient):
+    """Synchronous client for the sampler model: an AsyncSamplerClient (same arguments) run on an
+    event loop of its own (a daemon thread), safe to share between threads.
 
-    async def __aexit__(self, *exc) -> None:
-        await self.close()
+    """
+
+    __doc__ += _CLIENT_ARGS_DOC
+
+    def __init__(self, url: str | Sequence[str], protocol: str = "http", model_name: str = DEFAULT_MODEL, **kwargs):
+        self._loop = LoopThread("sampler-client")
+
+        async def build() -> AsyncSamplerClient:  # on the loop: asyncio clients bind to the loop they are made on
+            return AsyncSamplerClient(url, protocol, model_name, **kwargs)
+
+        try:
+            self._client = self._loop.run(build())
+        except BaseException:
+            self._loop.close(asyncio.sleep(0))
+            raise
+        self.protocol, self.model_name, self.urls = protocol, model_name, self._client.urls
+        self.max_attempts, self.busy_policy = self._client.max_attempts, self._client.busy_policy
+
+    def server_limits(self) -> ServerLimits:
+        """The deployment's mask rules and batch limit, read once from the model config."""
+        return self._loop.run(self._client.server_limits())
+
+    def mask_policy(self) -> MaskPolicy:
+        """The server's mask rules: the mask width W and its speculative switch."""
+        return self.server_limits().policy
+
+    def sample(self, logits, *args, **kwargs) -> SampleResult:
+        """As AsyncSamplerClient.sample (same arguments), waited for."""
+        return self._loop.run(self._client.sample(logits, *args, **kwargs))

@@ -8,49 +8,70 @@ functions the model runs), so a request the server would refuse for its paramete
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import field, make_dataclass
 
 import numpy as np
 
-from ..sampling.params import MIN_P, RETURN_SAMPLING_MASK, SEED, TEMPERATURE, TOP_K, TOP_P, RowParams
+from ..sampling.params import PARAM_SPECS, ParamSpec, RowParams
 from ..sampling.validation import MaskPolicy, SamplingRequestError, check_rows, first_error
 
 # Admission rules that need no server knowledge: an "infinite" width leaves only mask_unbounded.
 _UNKNOWN_WIDTH = np.iinfo(np.int64).max
 _UNKNOWN_VOCAB = np.iinfo(np.int32).max
+# The Python type a parameter of each numpy dtype kind takes.
+_PYTHON_TYPES = {"b": bool, "i": int, "u": int, "f": float}
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    """One row's sampling parameters (defaults are the server's; see params.py).
+def _python_type(spec: ParamSpec) -> type:
+    kind = _PYTHON_TYPES[np.dtype(spec.dtype).kind]
+    return kind | None if spec.default is None else kind
 
-    Raises SamplingRequestError on construction when the values break a server rule that needs
-    no server knowledge (ranges; a mask request without a finite top_k).
-    """
 
-    temperature: float = TEMPERATURE.default
-    top_k: int = TOP_K.default
-    top_p: float = TOP_P.default
-    min_p: float = MIN_P.default
-    seed: int | None = SEED.default
-    return_sampling_mask: bool = RETURN_SAMPLING_MASK.default
+def _check_integer(spec: ParamSpec, value) -> None:
+    """An integer parameter must be a whole number its wire dtype holds (a cast would wrap it)."""
+    limits = np.iinfo(spec.dtype)
+    if not float(value).is_integer() or not limits.min <= int(value) <= limits.max:
+        raise SamplingRequestError(
+            spec.name,
+            f"{spec.name} must be an integer in [{limits.min}, {limits.max}] ({np.dtype(spec.dtype).name}), got {value}",
+        )
+
+
+class _SamplingParamsChecks:
+    """What SamplingParams does on construction; its fields are made below from PARAM_SPECS."""
 
     def __post_init__(self):
-        if self.seed is not None and not 0 <= int(self.seed) < 2**64:
-            raise SamplingRequestError("seed", f"seed must be an unsigned 64-bit integer, got {self.seed}")
-        if not float(self.top_k).is_integer() or not -(2**31) <= int(self.top_k) < 2**31:
-            raise SamplingRequestError("top_k", f"top_k must be a 32-bit integer, got {self.top_k}")
+        for spec in PARAM_SPECS:
+            value = getattr(self, spec.name)
+            if value is not None and np.dtype(spec.dtype).kind in "iu":
+                _check_integer(spec, value)
         check_rows_like_server(rows_to_params([self]))
+
+
+SamplingParams = make_dataclass(
+    "SamplingParams",
+    [(spec.name, _python_type(spec), field(default=spec.default)) for spec in PARAM_SPECS],
+    bases=(_SamplingParamsChecks,),
+    frozen=True,
+)
+SamplingParams.__module__ = __name__
+SamplingParams.__doc__ = """One row's sampling parameters: one keyword per `sampling.params.PARAM_SPECS` entry,
+    with the server's default, typed by the entry's dtype.
+
+    Raises SamplingRequestError on construction when the values break a server rule that needs
+    no server knowledge (ranges; a mask request without a finite top_k)."""
 
 
 def rows_to_params(rows: Sequence[SamplingParams]) -> RowParams:
     """The RowParams (one numpy array per field) of several rows, as the server would parse them."""
-    params = RowParams.defaults(len(rows))
-    for spec in (TEMPERATURE, TOP_K, TOP_P, MIN_P, RETURN_SAMPLING_MASK):
-        setattr(params, spec.name, np.array([getattr(r, spec.name) for r in rows], dtype=spec.dtype))
-    params.has_seed = np.array([r.seed is not None for r in rows], dtype=np.bool_)
-    params.seed = np.array([r.seed or 0 for r in rows], dtype=SEED.dtype)
-    return params
+    arrays = {}
+    for spec in PARAM_SPECS:
+        values = [getattr(row, spec.name) for row in rows]
+        if spec.presence:  # no default: 0 where absent, and the flag says which rows carried it
+            arrays[spec.presence] = np.array([v is not None for v in values], dtype=np.bool_)
+            values = [0 if v is None else v for v in values]
+        arrays[spec.name] = np.array(values, dtype=spec.dtype)
+    return RowParams(**arrays)
 
 
 def check_rows_like_server(

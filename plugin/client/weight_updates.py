@@ -15,7 +15,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from ..sampling.outputs import ADMIN_KEY_PARAMETER, CONTROL_INPUT
+from ..sampling.admin import ADMIN_KEY_PARAMETER
+from ..sampling.inputs import CONTROL_INPUT, INPUTS_BY_NAME
 from .generate_transport import GenerateError, WireRequest
 
 # The server's names (serving.weight_control, generation.engine); tests/test_weight_control.py
@@ -29,7 +30,9 @@ def control_request(command: dict, admin_key: str | None) -> WireRequest:
     """The wire request of one control command."""
     payload = np.array([[json.dumps(command).encode()]], dtype=object)
     parameters = {ADMIN_KEY_PARAMETER: admin_key} if admin_key is not None else {}
-    return WireRequest(f"control-{uuid.uuid4().hex}", False, {CONTROL: (payload, "BYTES")}, None, parameters)
+    return WireRequest(
+        f"control-{uuid.uuid4().hex}", False, {CONTROL: (payload, INPUTS_BY_NAME[CONTROL].datatype)}, None, parameters
+    )
 
 
 def check_pause_mode(mode: str, field: str = "pause_mode") -> str:

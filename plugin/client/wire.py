@@ -1,4 +1,4 @@
-"""tritonclient input tensors for the sampler's inputs, with wire datatypes from the parameter specs.
+"""tritonclient input tensors for the models' inputs, with wire datatypes from the input table.
 
 Shared by the client tests, the soak tool and the served benchmark (no test helper is imported
 by a benchmark or a tool).
@@ -7,14 +7,15 @@ by a benchmark or a tool).
 from __future__ import annotations
 
 import numpy as np
-from tritonclient.utils import np_to_triton_dtype
 
-from ..sampling.params import LOGITS, PARAM_SPECS
+from ..sampling.inputs import GENERATE_INPUTS, SAMPLER_INPUTS
+from ..sampling.params import LOGITS
 from ..sampling.validation import SamplingRequestError
 
-# Wire datatypes derived from the parameter specs (sampling/params.py), the one source of truth.
-INPUT_DTYPES = {LOGITS: "FP32", **{spec.name: np_to_triton_dtype(np.dtype(spec.dtype)) for spec in PARAM_SPECS}}
-NUMPY_DTYPES = {np_to_triton_dtype(np.dtype(dtype)): dtype for dtype in (np.float32, np.int32, np.uint64, np.bool_)}
+# Wire datatypes from the input table (sampling/inputs.py), the one source of truth.
+INPUT_DTYPES = {spec.name: spec.datatype for spec in SAMPLER_INPUTS}
+GENERATE_DTYPES = {spec.name: spec.datatype for spec in GENERATE_INPUTS}
+NUMPY_DTYPES = {spec.datatype: spec.dtype for spec in (*SAMPLER_INPUTS, *GENERATE_INPUTS)}
 
 
 def infer_input(module, name: str, array: np.ndarray, datatype: str):

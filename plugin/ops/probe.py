@@ -23,6 +23,9 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
+from ..sampling.inputs import IGNORE_EOS, INPUT_IDS, INPUTS_BY_NAME, LOGITS_INPUT, MAX_NEW_TOKENS
+from ..sampling.params import TEMPERATURE
+
 DEFAULT_URL = "localhost:8000"
 DEFAULT_MODELS = ("sampler",)
 DEFAULT_TIMEOUT_S = 5.0
@@ -94,9 +97,10 @@ def probe_kind(config: dict) -> str:
     inputs = {spec["name"]: spec for spec in config.get("input", [])}
     required = {name for name, spec in inputs.items() if not spec.get("optional", False)}
     decoupled = bool(config.get("model_transaction_policy", {}).get("decoupled", False))
-    if not decoupled and "logits" in inputs and required <= {"logits"}:
+    if not decoupled and LOGITS_INPUT.name in inputs and required <= {LOGITS_INPUT.name}:
         return "sampler"
-    if decoupled and {"input_ids", "max_new_tokens"} <= inputs.keys() and required <= {"input_ids", "max_new_tokens"}:
+    needed = {INPUT_IDS.name, MAX_NEW_TOKENS.name}
+    if decoupled and needed <= inputs.keys() and required <= needed:
         return "generate"
     return "ready"
 
@@ -109,15 +113,18 @@ def _error_text(body: bytes) -> str:
 
 
 def _greedy(config: dict) -> bool:
-    return any(spec["name"] == "temperature" for spec in config.get("input", []))
+    return any(spec["name"] == TEMPERATURE.name for spec in config.get("input", []))
 
 
 def _sampler_request(config: dict) -> bytes:
     batched = int(config.get("max_batch_size", 0)) > 0
     shape = [1, len(PROBE_LOGITS)] if batched else [len(PROBE_LOGITS)]
-    tensors = [{"name": "logits", "shape": shape, "datatype": "FP32", "data": PROBE_LOGITS}]
+    tensors = [{"name": LOGITS_INPUT.name, "shape": shape, "datatype": LOGITS_INPUT.datatype, "data": PROBE_LOGITS}]
     if _greedy(config):
-        tensors.append({"name": "temperature", "shape": [1, 1] if batched else [1], "datatype": "FP32", "data": [0.0]})
+        greedy = INPUTS_BY_NAME[TEMPERATURE.name]
+        tensors.append(
+            {"name": greedy.name, "shape": [1, 1] if batched else [1], "datatype": greedy.datatype, "data": [0.0]}
+        )
     return json.dumps({"inputs": tensors, "outputs": [{"name": "output_ids"}]}).encode()
 
 
@@ -137,8 +144,8 @@ def _check_sampler(body: bytes, greedy: bool) -> str | None:
 
 def _generate_request(config: dict) -> bytes:
     inputs = {spec["name"] for spec in config.get("input", [])}
-    body: dict = {"input_ids": PROBE_PROMPT, "max_new_tokens": 1}
-    for name, value in (("ignore_eos", True), ("temperature", 0.0)):
+    body: dict = {INPUT_IDS.name: PROBE_PROMPT, MAX_NEW_TOKENS.name: 1}
+    for name, value in ((IGNORE_EOS.name, True), (TEMPERATURE.name, 0.0)):
         if name in inputs:
             body[name] = value
     return json.dumps(body).encode()

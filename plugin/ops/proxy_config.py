@@ -34,10 +34,11 @@ import re
 from dataclasses import dataclass, field, make_dataclass
 from pathlib import Path
 
-from ..sampling.outputs import ADMIN_KEY_PARAMETER
+from ..model_config import dims, is_decoupled, read_config_file, string_parameters
+from ..sampling.admin import ADMIN_HEADER, ADMIN_KEY_PARAMETER, GRPC_RESTRICTED_PREFIX
 from ..sampling.refusals import RETRY_MARKER
 from . import settings
-from .server_process import ADMIN_HEADER, ADMIN_KEY_CHARACTERS, MIN_ADMIN_KEY_CHARS
+from .server_process import ADMIN_KEY_CHARACTERS, MIN_ADMIN_KEY_CHARS
 
 LUA_CHECKS = Path(__file__).resolve().parent / "haproxy" / "json_checks.lua"
 GRPC_SERVICE = "/inference.GRPCInferenceService/"
@@ -159,65 +160,35 @@ class ModelRoute:
     input_spec: str = ""  # "name:DATATYPE ..." of its inputs (the /generate checks read it)
 
 
-def _strip_comments(text: str) -> str:
-    lines = []
-    for line in text.splitlines():
-        in_string = False
-        for i, char in enumerate(line):
-            if char == '"':
-                in_string = not in_string
-            elif char == "#" and not in_string:
-                line = line[:i]
-                break
-        lines.append(line)
-    return "\n".join(lines)
-
-
-def _block(text: str, key: str) -> str:
-    """The text inside `key [ ... ]` (brackets matched), or ''."""
-    match = re.search(rf"\b{key}\s*\[", text)
-    if not match:
-        return ""
-    depth, start = 0, match.end() - 1
-    for i in range(start, len(text)):
-        depth += {"[": 1, "]": -1}.get(text[i], 0)
-        if depth == 0:
-            return text[start + 1 : i]
-    raise ValueError(f"unbalanced brackets after {key!r}")
-
-
 def config_parameters(config_path: Path) -> dict[str, str]:
     """A model's `parameters` (key -> string value) from its config.pbtxt."""
-    text = _strip_comments(Path(config_path).read_text())
-    return dict(re.findall(r'key\s*:\s*"([^"]+)"\s*,?\s*value\s*:\s*\{\s*string_value\s*:\s*"([^"]*)"', text))
+    return string_parameters(read_config_file(config_path))
 
 
 def model_route(config_path: Path, json_header_bytes: int) -> ModelRoute:
     """A model's route from its config.pbtxt: max_batch_size rows of every input at its largest
     (a -1 dimension bounded by `max_vocab_size` or `kv_budget_tokens`), times the JSON text factor
     for decoupled models, plus slack for the JSON header and scalars."""
-    text = _strip_comments(Path(config_path).read_text())
+    config = read_config_file(config_path)
     name = Path(config_path).parent.name  # Triton requires the folder's name
-    batch = re.search(r"\bmax_batch_size\s*:\s*(\d+)", text)
-    rows = max(1, int(batch.group(1)) if batch else 1)
-    decoupled = re.search(r"\bdecoupled\s*:\s*true\b", text) is not None
-    parameters = config_parameters(config_path)
+    rows = max(1, int(config.get("max_batch_size", 0)))
+    decoupled = is_decoupled(config)
+    parameters = string_parameters(config)
     bound = next((int(parameters[key]) for key in VARIABLE_DIM_BOUNDS if parameters.get(key, "").isdigit()), None)
+    spec = input_spec(config)
     row_bytes = 0
-    for entry in re.findall(r"\{([^{}]*)\}", _block(text, "input")):
-        data_type = re.search(r"data_type\s*:\s*(TYPE_\w+)", entry)
-        dims = re.search(r"dims\s*:\s*\[([^\]]*)\]", entry)
-        if not data_type or not dims:
+    for entry in config.get("input", []):
+        if "data_type" not in entry or not dims(entry):
             continue
         elements = 1
-        for dim in (int(d) for d in dims.group(1).replace(",", " ").split()):
+        for dim in dims(entry):
             if dim < 0 and bound is None:
-                return ModelRoute(name, decoupled, UNBOUNDED_MODEL_BODY_BYTES, input_spec(config_path))
+                return ModelRoute(name, decoupled, UNBOUNDED_MODEL_BODY_BYTES, spec)
             elements *= bound if dim < 0 else dim
-        row_bytes += elements * DTYPE_BYTES.get(data_type.group(1), 8)
+        row_bytes += elements * DTYPE_BYTES.get(entry["data_type"], 8)
     factor = JSON_TEXT_FACTOR if decoupled else 1
     body_limit = rows * row_bytes * factor + json_header_bytes + BODY_SLACK_BYTES
-    return ModelRoute(name, decoupled, body_limit, input_spec(config_path))
+    return ModelRoute(name, decoupled, body_limit, spec)
 
 
 def model_routes(repository: Path, json_header_bytes: int) -> list[ModelRoute]:
@@ -285,7 +256,7 @@ class ProxyPlan:
     @property
     def grpc_admin_header(self) -> str:
         """The header gRPC clients send the key in (Triton's restricted-protocol form)."""
-        return "triton-grpc-protocol-" + self.admin_header
+        return GRPC_RESTRICTED_PREFIX + self.admin_header
 
 
 def _seconds(value: float) -> str:
@@ -307,10 +278,12 @@ def _json_escape(message: str) -> str:
     return _quoted(json.dumps(message)[1:-1])
 
 
-def input_spec(config_path: Path) -> str:
-    """ "name:DATATYPE ..." for each input of a model's config.pbtxt (the /generate checks' argument)."""
-    text = _strip_comments(Path(config_path).read_text())
-    pairs = re.findall(r'name\s*:\s*"([^"]+)"\s*,?\s*data_type\s*:\s*TYPE_(\w+)', _block(text, "input"))
+def input_spec(config: dict) -> str:
+    """ "name:DATATYPE ..." for each input of a model config (the /generate checks' argument)."""
+    pairs = [
+        (entry["name"], entry.get("data_type", "TYPE_INVALID").removeprefix("TYPE_"))
+        for entry in config.get("input", [])
+    ]
     # the request parameter a control request carries its admin key in: a string beside the inputs
     pairs.append((ADMIN_KEY_PARAMETER, "STRING"))
     return " ".join(f"{name}:{'BYTES' if data_type == 'STRING' else data_type}" for name, data_type in pairs)

@@ -23,6 +23,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from ..sampling.admin import ADMIN_HEADER, GRPC_ADMIN_HEADER  # noqa: F401 (the launcher's names)
 from ..serving.admin_key import ADMIN_KEY_DIGEST_ENV, key_digest
 from . import settings
 from .allocator import with_allocator
@@ -36,14 +37,12 @@ PORT_NAMES = ("http", "grpc", "metrics")
 # The admin surfaces: anyone who reaches them can map host shared memory into the server, load
 # and unload models, or change what the server logs and traces (verbosity costs throughput).
 # Requests to them must carry ADMIN_HEADER: <key>; over gRPC Triton expects the header as
-# GRPC_ADMIN_HEADER. The client's copy is client.sampler_client.ADMIN_HEADER.
+# GRPC_ADMIN_HEADER (both from sampling.admin).
 ADMIN_APIS = ("shared-memory", "model-repository", "logging", "trace")
-ADMIN_HEADER = "triton-admin-key"
 # The characters tritonserver's restricted-API flags can carry in a key, and the shortest key a
 # user may choose (a short one is guessed; generated keys are 43 characters).
 ADMIN_KEY_CHARACTERS = "[A-Za-z0-9._~+/-]"
 MIN_ADMIN_KEY_CHARS = 32
-GRPC_ADMIN_HEADER = "triton-grpc-protocol-" + ADMIN_HEADER
 # tritonserver and its stubs create files for this user only (their /dev/shm regions need more:
 # the Python backend sets their mode explicitly, see ops.private_shm).
 SERVER_UMASK = 0o077
@@ -302,7 +301,7 @@ class TritonServer(LoopbackUrls):
     """A tritonserver child process on free ports, for tests and benchmarks (a context manager).
 
     With `admin_key` the shared-memory and model-repository APIs need that key (`admin_args`);
-    None leaves them open, as before. The stubs' /dev/shm regions carry this server's own prefix
+    None leaves them open. The stubs' /dev/shm regions carry this server's own prefix
     and `stop` removes the ones left behind."""
 
     def __init__(

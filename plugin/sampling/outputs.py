@@ -129,11 +129,6 @@ def to_wire(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {spec.name: np.asarray(arrays[spec.name]).astype(spec.dtype, copy=False) for spec in TOKEN_OUTPUTS}
 
 
-# The control protocol's names on the wire: the generate model's input that makes a request a
-# control request (answered in CONTROL_RESULT), and the request parameter carrying the admin key
-# (the proxy admits it beside the inputs).
-CONTROL_INPUT = "control"
-ADMIN_KEY_PARAMETER = "admin_key"
 WIRE_NEG_INF = float(np.finfo(np.float32).min)
 # The outputs whose -inf fill travels as WIRE_NEG_INF.
 NEG_INF_FILLED = frozenset(spec.name for spec in TOKEN_OUTPUTS if spec.fill == -np.inf)

@@ -3,7 +3,7 @@ turn them into what the sampler applies (one source of truth for each)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, make_dataclass, replace
 
 import numpy as np
 
@@ -12,11 +12,24 @@ TOP_K_ALL = -1  # top_k value meaning "the whole vocabulary"
 
 @dataclass(frozen=True)
 class ParamSpec:
-    """One optional per-row scalar input of the sampler: name, numpy dtype and default."""
+    """One optional per-row scalar input of both models: name, numpy dtype and default.
+
+    Everything per parameter is built from `PARAM_SPECS`: the fields of `RowParams` and their
+    defaults, the client's `SamplingParams`, the server's parsing and both clients' wire arrays.
+    """
 
     name: str
     dtype: type
-    default: object  # None: no default (the row draws from fresh entropy)
+    default: object  # None: no default; the row carries `has_<name>` saying whether it was given
+
+    @property
+    def presence(self) -> str | None:
+        """The RowParams field saying which rows carried this parameter (None: it has a default)."""
+        return f"has_{self.name}" if self.default is None else None
+
+    def filled(self, rows: int) -> np.ndarray:
+        """`rows` values of this parameter as rows that did not carry it read it (0 without a default)."""
+        return np.full(rows, 0 if self.default is None else self.default, self.dtype)
 
 
 TEMPERATURE = ParamSpec("temperature", np.float32, 1.0)
@@ -27,37 +40,20 @@ SEED = ParamSpec("seed", np.uint64, None)
 RETURN_SAMPLING_MASK = ParamSpec("return_sampling_mask", np.bool_, False)
 
 PARAM_SPECS = (TEMPERATURE, TOP_K, TOP_P, MIN_P, SEED, RETURN_SAMPLING_MASK)
+# RowParams' fields: one per parameter, then a presence flag for each one without a default.
+ROW_FIELDS = (*(spec.name for spec in PARAM_SPECS), *(spec.presence for spec in PARAM_SPECS if spec.presence))
 
 LOGITS = "logits"
 
 
-@dataclass
-class RowParams:
-    """Sampling parameters for a batch of rows, one numpy array of shape [rows] per field.
-
-    `has_seed[i]` says whether row i carried a seed; `seed[i]` is meaningless where it did not.
-    """
-
-    temperature: np.ndarray
-    top_k: np.ndarray
-    top_p: np.ndarray
-    min_p: np.ndarray
-    seed: np.ndarray
-    has_seed: np.ndarray
-    return_sampling_mask: np.ndarray
+class _RowParamsMethods:
+    """What RowParams does; its fields (one array per ROW_FIELDS entry) are made below."""
 
     @classmethod
     def defaults(cls, rows: int) -> RowParams:
         """Parameters of `rows` rows that carried no optional input."""
-        return cls(
-            temperature=np.full(rows, TEMPERATURE.default, TEMPERATURE.dtype),
-            top_k=np.full(rows, TOP_K.default, TOP_K.dtype),
-            top_p=np.full(rows, TOP_P.default, TOP_P.dtype),
-            min_p=np.full(rows, MIN_P.default, MIN_P.dtype),
-            seed=np.zeros(rows, SEED.dtype),
-            has_seed=np.zeros(rows, np.bool_),
-            return_sampling_mask=np.full(rows, RETURN_SAMPLING_MASK.default, RETURN_SAMPLING_MASK.dtype),
-        )
+        presence = {spec.presence: np.zeros(rows, np.bool_) for spec in PARAM_SPECS if spec.presence}
+        return cls(**{spec.name: spec.filled(rows) for spec in PARAM_SPECS}, **presence)
 
     @property
     def rows(self) -> int:
@@ -66,13 +62,11 @@ class RowParams:
     @classmethod
     def concatenate(cls, parts: list[RowParams]) -> RowParams:
         """Stack the rows of several requests, in order."""
-        fields = cls.__dataclass_fields__
-        return cls(**{f: np.concatenate([getattr(p, f) for p in parts]) for f in fields})
+        return cls(**{f: np.concatenate([getattr(p, f) for p in parts]) for f in ROW_FIELDS})
 
     def take(self, rows: np.ndarray) -> RowParams:
         """The subset of rows selected by an index or boolean array."""
-        fields = self.__dataclass_fields__
-        return RowParams(**{f: getattr(self, f)[rows] for f in fields})
+        return type(self)(**{f: getattr(self, f)[rows] for f in ROW_FIELDS})
 
     def with_seeds(self, fresh: np.ndarray) -> RowParams:
         """These rows, every one seeded: its own seed where it carried one, else `fresh` (uint64 [rows])."""
@@ -87,6 +81,14 @@ class RowParams:
         return replace(
             self, temperature=np.where(greedy, np.float32(1), self.temperature), top_k=np.where(greedy, 1, self.top_k)
         )
+
+
+RowParams = make_dataclass("RowParams", [(name, np.ndarray) for name in ROW_FIELDS], bases=(_RowParamsMethods,))
+RowParams.__module__ = __name__
+RowParams.__doc__ = """Sampling parameters for a batch of rows, one numpy array of shape [rows] per field:
+    one per `PARAM_SPECS` entry, named as it (`params.temperature`, ...), in its dtype, and for a
+    parameter without a default its presence flag (`has_seed[i]`: whether row i carried a seed;
+    `seed[i]` is meaningless where it did not)."""
 
 
 def effective_top_k(params: RowParams, vocab_size: int) -> np.ndarray:

@@ -21,7 +21,7 @@ each row group to the ops: `selection` ranks candidates, `normalisers` sum the r
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -52,22 +52,20 @@ class SamplingBatch:
 
     @classmethod
     def from_arrays(cls, logits: torch.Tensor, temperature, top_k, top_p, min_p, seed, want_mask) -> SamplingBatch:
-        """A batch from one array or tensor [B] per parameter; `seed` holds the uint64 seeds or
-        their int64 bit patterns, `want_mask` is return_sampling_mask."""
+        """A batch from one array or tensor [B] per parameter (any other parameter at its default);
+        `seed` holds the uint64 seeds or their int64 bit patterns, `want_mask` is return_sampling_mask."""
 
         def host(value, dtype):
             if isinstance(value, torch.Tensor):
                 value = value.detach().cpu().numpy()
             return np.ascontiguousarray(value).astype(dtype, copy=False)
 
-        params = RowParams(
-            temperature=host(temperature, TEMPERATURE.dtype),
-            top_k=host(top_k, TOP_K.dtype),
-            top_p=host(top_p, TOP_P.dtype),
-            min_p=host(min_p, MIN_P.dtype),
+        given = {TEMPERATURE: temperature, TOP_K: top_k, TOP_P: top_p, MIN_P: min_p, RETURN_SAMPLING_MASK: want_mask}
+        params = replace(
+            RowParams.defaults(logits.shape[0]),
+            **{spec.name: host(value, spec.dtype) for spec, value in given.items()},
             seed=host(seed, np.int64).view(SEED.dtype),
             has_seed=np.ones(logits.shape[0], np.bool_),
-            return_sampling_mask=host(want_mask, RETURN_SAMPLING_MASK.dtype),
         )
         return cls(logits, params)
 

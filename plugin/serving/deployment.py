@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..model_config import config_path, instance_device, load_model_config, output_width, string_parameter
+from ..model_config import config_path, load_model_config, output_width, string_parameter
 from ..sampling.backends import load_backend
 from ..sampling.batching import BatchSampler
 from ..sampling.outputs import SAMPLING_MASK, SAMPLING_MASK_LOGPROBS
@@ -37,6 +37,17 @@ def mask_policy(args: dict, model_config: dict, backend, exact_speculative: froz
         backend_builds_support=backend.builds_support,
         exact_speculative=exact_speculative,
     )
+
+
+# The logits dtypes a deployment may declare (config.pbtxt data_type -> torch dtype).
+LOGITS_DATA_TYPES = {"TYPE_FP32": torch.float32, "TYPE_BF16": torch.bfloat16, "TYPE_FP16": torch.float16}
+
+
+def instance_device(args: dict) -> torch.device:
+    """cuda:<model_instance_device_id> for KIND_GPU instances, else the CPU (Triton pins nothing)."""
+    if args.get("model_instance_kind") == "GPU":
+        return torch.device(f"cuda:{int(args.get('model_instance_device_id', 0))}")
+    return torch.device("cpu")
 
 
 def select_device(args: dict) -> torch.device:

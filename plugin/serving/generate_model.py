@@ -9,9 +9,6 @@ an empty final once it is cancelled.
 
 A request with the `control` input is a control request (weight updates, pause / continue, the
 weight version: `weight_control`), answered with one `control_result` response.
-
-The engine is the only generation loop. A config.pbtxt may still set the `scheduler` parameter,
-but only to "continuous"; any other value fails model load, naming the parameter and the file.
 """
 
 from __future__ import annotations
@@ -34,19 +31,6 @@ from .metrics import GenerateMetrics
 from .tracing import BATCH_SIZE, MASK_WIDTH, BatchSpans, ModelTracer, RequestSpans
 from .triton_io import chunk_response, error_response, parse_generation_request, wanted_outputs
 from .weight_control import CONTROL, ControlError, WeightControl, control_response
-
-SCHEDULER = "continuous"  # the only generation loop
-
-
-def check_scheduler(model_config: dict, config_file: str) -> None:
-    """Fail model load when config.pbtxt sets `scheduler` to anything but "continuous" (the engine
-    is the only generation loop; the parameter may be left out)."""
-    value = string_parameter(model_config, "scheduler", SCHEDULER)
-    if value != SCHEDULER:
-        raise ValueError(
-            f"config parameter 'scheduler' in {config_file} must be {SCHEDULER!r} or left out "
-            f"(the continuous engine is the only generation loop), got {value!r}"
-        )
 
 
 def build_drafter(model_config: dict, config_file: str) -> NgramDrafter | None:
@@ -187,7 +171,6 @@ class GenerateModel:
         self.logger = pb_utils.Logger
         deployment = load_deployment(args, exact_speculative=SPECULATIVE_ALGORITHMS)
         model_config = deployment.model_config
-        check_scheduler(model_config, deployment.config_file)
         threads = int_parameter(model_config, "cpu_threads", 0)
         if threads > 0:  # this stub process runs only this instance, so the setting stays local
             torch.set_num_threads(threads)

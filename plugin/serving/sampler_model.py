@@ -7,11 +7,11 @@ import traceback
 
 import numpy as np
 
-from ..model_config import LOGITS_DATA_TYPES, input_dtype, int_parameter
+from ..model_config import input_dtype, int_parameter
 from ..sampling.outputs import SAMPLING_MASK_LEN
 from ..sampling.validation import SamplingRequestError
 from . import metrics
-from .deployment import load_deployment
+from .deployment import LOGITS_DATA_TYPES, load_deployment
 from .tracing import BATCH_SIZE, MASK_WIDTH, OUTCOME, REASON, BatchSpans, ModelTracer
 from .triton_io import error_response, parse_request, sampler_response, wanted_outputs
 

@@ -13,8 +13,9 @@ import numpy as np
 import torch
 
 from ..generation.request import GenerationChunk, GenerationRequest, check_generation_request
+from ..sampling.inputs import IGNORE_EOS, INPUT_IDS, MAX_NEW_TOKENS, ROW, STOP_TOKEN_IDS, STREAM, InputSpec
 from ..sampling.outputs import FINISH_REASON, to_wire_values
-from ..sampling.params import LOGITS, PARAM_SPECS, SEED, RowParams
+from ..sampling.params import LOGITS, PARAM_SPECS, RowParams
 from ..sampling.validation import SamplingRequestError, check_vocab_size
 
 
@@ -76,8 +77,8 @@ def read_params(request, pb_utils, rows: int) -> RowParams:
                 f"{spec.name} must have shape [{rows}, 1] (one value per logits row), got {list(values.shape)}",
             )
         setattr(params, spec.name, values.reshape(rows))
-        if spec is SEED:
-            params.has_seed = np.ones(rows, np.bool_)
+        if spec.presence:
+            setattr(params, spec.presence, np.ones(rows, np.bool_))
     return params
 
 
@@ -125,42 +126,41 @@ def sampler_response(pb_utils, outputs: dict[str, np.ndarray], wanted: set[str] 
     return pb_utils.InferenceResponse(output_tensors=tensors)
 
 
-def _input(request, pb_utils, name: str, dtype, required: bool = False) -> np.ndarray | None:
-    """A request input as a flat numpy array of `dtype`, one per request (batch size 1)."""
-    values = read_input(request, pb_utils, name, dtype, required)
+def _input(request, pb_utils, spec: InputSpec) -> np.ndarray | None:
+    """A generate input as a flat numpy array of its table dtype, one per request (batch size 1);
+    None when an optional one is absent."""
+    values = read_input(request, pb_utils, spec.name, spec.dtype, spec.required)
     if values is None:
         return None
     if values.ndim < 1 or values.shape[0] != 1:
         raise SamplingRequestError(
-            name, f"{name}: generate takes one prompt per request (batch size 1), got shape {list(values.shape)}"
+            spec.name,
+            f"{spec.name}: generate takes one prompt per request (batch size 1), got shape {list(values.shape)}",
         )
-    return values.reshape(-1)
+    values = values.reshape(-1)
+    if spec.per == ROW and values.size != 1:
+        raise SamplingRequestError(spec.name, f"{spec.name} must hold one value, got {values.size}")
+    return values
 
 
-def _flag(request, pb_utils, name: str) -> bool:
-    values = _input(request, pb_utils, name, np.bool_)
-    if values is None:
-        return False
-    if values.size != 1:
-        raise SamplingRequestError(name, f"{name} must hold one value, got {values.size}")
-    return bool(values[0])
+def _flag(request, pb_utils, spec: InputSpec) -> bool:
+    values = _input(request, pb_utils, spec)
+    return False if values is None else bool(values[0])
 
 
 def parse_generation_request(request, pb_utils, vocab_size: int, context_length: int) -> GenerationRequest:
     """A GenerationRequest from a Triton request; raises SamplingRequestError naming a bad field."""
-    prompt = _input(request, pb_utils, "input_ids", np.int32, required=True).astype(np.int64)
-    budget = _input(request, pb_utils, "max_new_tokens", np.int32, required=True)
-    if budget.size != 1:
-        raise SamplingRequestError("max_new_tokens", f"max_new_tokens must hold one value, got {budget.size}")
-    stops = _input(request, pb_utils, "stop_token_ids", np.int32)
+    prompt = _input(request, pb_utils, INPUT_IDS).astype(np.int64)
+    budget = int(_input(request, pb_utils, MAX_NEW_TOKENS)[0])
+    stops = _input(request, pb_utils, STOP_TOKEN_IDS)
     stops = np.zeros(0, np.int64) if stops is None else stops.astype(np.int64)
-    check_generation_request(prompt, int(budget[0]), stops, vocab_size, context_length)
+    check_generation_request(prompt, budget, stops, vocab_size, context_length)
     return GenerationRequest(
         prompt=prompt,
-        max_new_tokens=int(budget[0]),
+        max_new_tokens=budget,
         stop_token_ids=stops,
-        ignore_eos=_flag(request, pb_utils, "ignore_eos"),
-        stream=_flag(request, pb_utils, "stream"),
+        ignore_eos=_flag(request, pb_utils, IGNORE_EOS),
+        stream=_flag(request, pb_utils, STREAM),
         params=read_params(request, pb_utils, rows=1),
     )
 

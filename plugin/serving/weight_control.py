@@ -34,7 +34,9 @@ from ..generation.weights import (
     copy_into,
     resolve_checkpoint,
 )
-from ..sampling.outputs import ADMIN_KEY_PARAMETER, CONTROL_INPUT, CONTROL_RESULT
+from ..sampling.admin import ADMIN_KEY_PARAMETER
+from ..sampling.inputs import CONTROL_INPUT
+from ..sampling.outputs import CONTROL_RESULT
 from .admin_key import ADMIN_KEY_DIGEST_ENV, key_matches
 
 CONTROL = CONTROL_INPUT
