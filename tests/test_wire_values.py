@@ -6,7 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from triton_sampling_mask.sampling.batching import outputs_to_numpy
 from triton_sampling_mask.sampling.outputs import from_wire_values, padding, to_wire, to_wire_values
+from triton_sampling_mask.sampling.results import HostResult
 
 LOWEST = np.float32(-3.4028235e38)  # float32's lowest finite value, written out
 
@@ -54,3 +56,30 @@ def test_to_wire_casts_without_copying_what_is_already_in_its_wire_dtype():
     wire = to_wire(arrays)
     assert wire["output_ids"].dtype == np.int32
     assert wire["sampling_logprobs"] is arrays["sampling_logprobs"]
+
+
+def test_a_sampler_result_goes_to_numpy_in_the_wire_dtypes_without_row_max():
+    arrays = {
+        "output_ids": np.array([3, 1], np.int64),
+        "output_logprobs": np.array([-0.5, -1.5]),
+        "sampling_mask": np.array([[3, -1], [1, 2]], np.int64),
+        "sampling_mask_len": np.array([1, 2], np.int64),
+        "sampling_logprobs": np.array([0.0, -0.25]),
+        "sampling_mask_logprobs": np.array([[0.0, -np.inf], [-0.25, -1.5]]),
+        "row_max": np.array([2.0, 4.0], np.float32),
+    }
+    wire = outputs_to_numpy(HostResult(arrays))
+    assert list(wire) == list(WIRE_DTYPES)
+    for name, dtype in WIRE_DTYPES.items():
+        assert wire[name].dtype == dtype, name
+        np.testing.assert_array_equal(wire[name], arrays[name].astype(dtype), err_msg=name)
+
+
+WIRE_DTYPES = {
+    "output_ids": np.int32,
+    "output_logprobs": np.float32,
+    "sampling_mask": np.int32,
+    "sampling_mask_len": np.int32,
+    "sampling_logprobs": np.float32,
+    "sampling_mask_logprobs": np.float32,
+}
