@@ -53,13 +53,47 @@ TESTS = {
         "tests/test_batching.py",
         "tests/test_sampling_params.py",
         "tests/test_output_contract.py",
+        "tests/test_generate_retries.py",
+        "tests/test_backends.py",
+        "tests/test_rejection_labels.py",
+        "tests/test_batch_sampler_rows.py",
+        "tests/test_wire_values.py",
+        "tests/test_host_arrays.py",
+        "tests/test_ranked_candidates_layouts.py",
+        "tests/test_top_p_mixed_batch.py",
     ),
     "generation": (
         "tests/test_generation.py",
         "tests/test_speculative.py",
         "tests/test_speculative_drafts.py",
+        "tests/test_weights.py",
     ),
 }
+# A test that runs this long under a mutant has hung (a loop that never stops): a failure, so a kill.
+TEST_TIMEOUT_S = 90
+# Appended to the staged tests' conftest: each mutant's tests run fastest first (by the durations of
+# mutmut's traced clean run), so a killed mutant usually fails within its first, cheapest tests; and
+# hypothesis tests draw at most MUTATION_MAX_EXAMPLES examples (a surviving mutant runs every test
+# that covers it: the float64 reference tests' hundreds of examples would cost minutes per survivor).
+ORDER_PLUGIN = """
+
+import pytest as _pytest
+
+
+@_pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items):
+    from mutmut.state import state
+
+    durations = state().duration_by_test
+    if durations:
+        items.sort(key=lambda item: durations.get(item.nodeid, float("inf")))
+    cap = int(os.environ.get("MUTATION_MAX_EXAMPLES", "0"))
+    for item in items if cap else ():
+        test = getattr(item, "obj", None)
+        chosen = getattr(test, "_hypothesis_internal_use_settings", None)
+        if chosen is not None and chosen.max_examples > cap:
+            test._hypothesis_internal_use_settings = settings(chosen, max_examples=cap)
+"""
 
 
 def stage(package: str, modules: list[str]) -> Path:
@@ -70,6 +104,8 @@ def stage(package: str, modules: list[str]) -> Path:
     ignore = shutil.ignore_patterns("__pycache__", "*.so")
     shutil.copytree(ROOT / "plugin", where / "src" / PACKAGE, ignore=ignore)
     shutil.copytree(ROOT / "tests", where / "tests", ignore=ignore)
+    conftest = where / "tests" / "conftest.py"
+    conftest.write_text(conftest.read_text() + ORDER_PLUGIN)
     shutil.copytree(ROOT / "model_repository", where / "model_repository", ignore=ignore)  # the contract tests read it
     paths = [f"src/{PACKAGE}/{module}" for module in modules]
     only = [path if path.endswith(".py") else f"{path.rstrip('/')}/*" for path in paths]
@@ -84,7 +120,7 @@ also_copy = ["model_repository"]
 
 [tool.pytest.ini_options]
 markers = ["gpu: needs a CUDA device", "slow: minutes each"]
-timeout = 600
+timeout = {TEST_TIMEOUT_S}
 """
     (where / "pyproject.toml").write_text(settings)
     return where
@@ -94,14 +130,17 @@ def _toml_list(values: list[str]) -> str:
     return "[" + ", ".join(f'"{value}"' for value in values) + "]"
 
 
-def run_mutmut(where: Path, children: int) -> int:
-    """mutmut run in the stage (its exit status); the mutated package is found first on sys.path
-    there, ahead of the editable install's plugin/."""
+def run_mutmut(where: Path, children: int, names: list[str], max_examples: int) -> int:
+    """mutmut run in the stage (its exit status), over `names` (mutant names or globs; none: every
+    mutant); the mutated package is found first on sys.path there, ahead of the editable install's
+    plugin/."""
     # One intra-op thread: mutmut forks a child per mutant from a process that has run torch, and an
     # OpenMP pool started before a fork hangs in the child.
     threads = {name: "1" for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
-    env = {**os.environ, **threads, "TRITON_INTERPRET": "1", "PYTHONDONTWRITEBYTECODE": "1"}
-    command = [sys.executable, "-m", "mutmut", "run", "--max-children", str(children)]
+    # CI=1: hypothesis draws the same examples in the clean run and under every mutant (tests/conftest.py).
+    env = {**os.environ, **threads, "TRITON_INTERPRET": "1", "PYTHONDONTWRITEBYTECODE": "1", "CI": "1"}
+    env["MUTATION_MAX_EXAMPLES"] = str(max_examples)
+    command = [sys.executable, "-m", "mutmut", "run", "--max-children", str(children), *names]
     return subprocess.run(command, cwd=where, env=env).returncode
 
 
@@ -213,7 +252,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--modules", nargs="+", default=list(PACKAGES), help="packages or modules under plugin/ (sampling/rng.py)"
     )
-    parser.add_argument("--max-children", type=int, default=max(1, (os.cpu_count() or 2) - 1))
+    parser.add_argument("--max-children", type=int, default=1, help="mutants run at once (one: the machine is shared)")
+    parser.add_argument("--mutants", nargs="+", default=[], help="mutmut names or globs to run (default: all)")
+    parser.add_argument(
+        "--max-examples", type=int, default=25, help="cap on each hypothesis test's examples (0: the tests' own)"
+    )
+    parser.add_argument("--keep-stage", action="store_true", help="resume the last staged run, do not restage")
     parser.add_argument("--report-only", action="store_true", help="report the last staged run, run nothing")
     parser.add_argument("--report", type=Path, default=REPORT)
     args = parser.parse_args(argv)
@@ -224,7 +268,11 @@ def main(argv: list[str] | None = None) -> int:
     if not args.report_only:
         for package, modules in by_package.items():
             if modules:
-                status = run_mutmut(stage(package, modules), args.max_children)
+                where = STAGE / package if args.keep_stage else stage(package, modules)
+                names = [name for name in args.mutants if f".{package}." in name]
+                if args.mutants and not names:
+                    continue
+                status = run_mutmut(where, args.max_children, names, args.max_examples)
                 if status:
                     print(f"mutmut run over {package} exited with {status}", file=sys.stderr)
     found = {}
