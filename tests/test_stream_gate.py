@@ -42,9 +42,9 @@ class Transport:
         return out
 
 
-def relay(max_open: int, max_message_bytes: int = 2**31 - 1) -> stream_gate.Relay:
+def relay(max_open: int, max_message_bytes: int = 2**31 - 1, cancellable: tuple[str, ...] = ()) -> stream_gate.Relay:
     """A relay with both sides connected and stream 1 opened by the proxy."""
-    gate = stream_gate.StreamGate("127.0.0.1:1", max_open, max_message_bytes)
+    gate = stream_gate.StreamGate("127.0.0.1:1", max_open, max_message_bytes, cancellable)
     relay = stream_gate.Relay(gate)
     relay.client.transport, relay.server.transport = Transport(), Transport()
     relay.client_data(stream_gate.PREFACE + frame(HEADERS, 0x4, STREAM, b"\x83"))
@@ -142,12 +142,20 @@ def _server_frames(gate: stream_gate.Relay) -> list[tuple[int, int, int, bytes]]
     return frames
 
 
-def test_an_abandoned_stream_with_open_requests_is_drained_not_reset():
-    """The client resets a stream with two requests open: tritonserver gets END_STREAM and an open
-    window (no RST_STREAM, which would leave its queued responses behind for good); the stream's
-    remaining responses are read and credited back, never passed to the client."""
+def _stall(gate: stream_gate.Relay) -> None:
+    """The server fills the stream's window toward the client, which reads nothing."""
+    gate.server_data(frame(DATA, 0, STREAM, b"\0" * 40000))
+    gate.server_data(frame(DATA, 0, STREAM, b"\0" * (stream_gate.DEFAULT_WINDOW - 40000)))
+
+
+def test_an_abandoned_stalled_stream_with_open_requests_is_drained_not_reset():
+    """The client resets a stream with two requests open and its window used up: tritonserver
+    gets END_STREAM and an open window (no RST_STREAM, which would leave its queued responses
+    behind for good); the stream's remaining responses are read and credited back, never passed
+    to the client."""
     gate = relay(max_open=4)
     gate.client_data(frame(DATA, 0, STREAM, grpc_message(b"a") + grpc_message(b"b")))
+    _stall(gate)
     _server_frames(gate)
     gate.client_data(frame(RST_STREAM, 0, STREAM, struct.pack(">I", 8)))
     sent = _server_frames(gate)
@@ -164,9 +172,38 @@ def test_an_abandoned_stream_with_open_requests_is_drained_not_reset():
     assert not gate.client.transport.written and STREAM not in gate.streams
 
 
+def _request_to(model: str) -> bytes:
+    return grpc_message(service_pb2.ModelInferRequest(model_name=model, id="r").SerializeToString())
+
+
+def test_a_reading_clients_reset_reaches_a_cancellable_model_as_a_cancellation():
+    """A client that read its responses (its window open) cancels a stream to a model that stops
+    cancelled requests: the reset passes, so the model sees its requests cancelled."""
+    gate = relay(max_open=4, cancellable=("generate",))
+    request = _request_to("generate")
+    gate.client_data(frame(DATA, 0, STREAM, request[:9]) + frame(DATA, 0, STREAM, request[9:]))  # name split
+    gate.server_data(frame(DATA, 0, STREAM, b"\0" * 40000))
+    gate.client_data(frame(stream_gate.WINDOW_UPDATE, 0, STREAM, struct.pack(">I", 40000)))
+    gate.client_data(frame(stream_gate.WINDOW_UPDATE, 0, 0, struct.pack(">I", 40000)))
+    _server_frames(gate)
+    gate.client_data(frame(RST_STREAM, 0, STREAM, struct.pack(">I", 8)))
+    sent = _server_frames(gate)
+    assert [f[0] for f in sent] == [RST_STREAM] and STREAM not in gate.streams
+
+
+def test_a_reset_stream_to_a_model_that_ignores_cancellation_is_drained_even_while_read():
+    gate = relay(max_open=4, cancellable=("generate",))
+    gate.client_data(frame(DATA, 0, STREAM, _request_to("sampler")))
+    _server_frames(gate)
+    gate.client_data(frame(RST_STREAM, 0, STREAM, struct.pack(">I", 8)))
+    sent = _server_frames(gate)
+    assert not [f for f in sent if f[0] == RST_STREAM] and (DATA, END_STREAM, STREAM, b"") in sent
+
+
 def test_a_lost_client_connection_drains_its_open_streams_then_closes():
     gate = relay(max_open=4)
     gate.client_data(frame(DATA, 0, STREAM, grpc_message(b"a")))
+    _stall(gate)
     _server_frames(gate)
     closed = []
     gate.server.transport.close = lambda: closed.append(True)

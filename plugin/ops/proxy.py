@@ -145,6 +145,8 @@ class FrontDoor:
             f"--upstream=127.0.0.1:{self.internal['grpc']}",
             f"--max-open={self.limits.stream_max_open}",
             f"--max-message-bytes={min(largest, 2**31 - 1)}",
+            # decoupled models stop a cancelled request at their next step (the generate engine)
+            *(f"--cancellable={route.name}" for route in self.plan().routes if route.decoupled),
         ]
 
     def api_command(self) -> list[str]:

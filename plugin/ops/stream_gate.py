@@ -22,9 +22,12 @@ tritonserver, and frames pass through as they are, except that
 - bytes the gate drops (held data of a reset stream, frames of a stream it ended) are credited
   back with WINDOW_UPDATE, so no connection's window leaks;
 - a stream the client abandons (RST_STREAM, or its connection lost) while requests are open is
-  not reset toward tritonserver: Triton 2.51 never frees the responses it had queued for a
-  cancelled stream. The gate ends the stream's requests (END_STREAM), opens its window and reads
-  the remaining responses to their end, dropping them, then closes (at most DRAIN_LIMIT_S).
+  not reset toward tritonserver: Triton 2.51 never frees the responses of a cancelled stream's
+  requests. The gate ends the stream's requests (END_STREAM), opens its window and reads the
+  remaining responses to their end, dropping them, then closes (at most DRAIN_LIMIT_S). Only a
+  stream to a model that honours cancellation (`--cancellable`: the decoupled `generate`, which
+  stops a cancelled request at its next step) whose client was reading (its flow-control window
+  above half of what the client grants) is reset as it was, so its requests are cancelled.
 Each response message's leading bytes are read to tell a final one; nothing is deserialised, and
 a streamed token costs a socket read, a write and a little frame parsing here (no grpc runtime).
 
@@ -47,7 +50,8 @@ PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 # Frame types and flags (RFC 9113).
 DATA, HEADERS, RST_STREAM, SETTINGS, PUSH_PROMISE, WINDOW_UPDATE, CONTINUATION = 0x0, 0x1, 0x3, 0x4, 0x5, 0x8, 0x9
 END_STREAM, END_HEADERS, PADDED, PRIORITY = 0x1, 0x4, 0x8, 0x20
-SETTINGS_HEADER_TABLE_SIZE = 0x1
+SETTINGS_HEADER_TABLE_SIZE, SETTINGS_INITIAL_WINDOW_SIZE = 0x1, 0x4
+DEFAULT_WINDOW = 65535  # RFC 9113's initial flow-control window, of a stream and of a connection
 CANCEL = 0x8
 # Every peer accepts frames this large (SETTINGS_MAX_FRAME_SIZE is at least this).
 MAX_FRAME_BYTES = 16384
@@ -59,6 +63,7 @@ COMPACT_BYTES = 65536  # held bytes already forwarded are dropped once past this
 REFUSED_MEMORY = 1024  # streams the gate ended, remembered to drop their late frames
 READ_BYTES = 65536  # one socket read at most
 STOP_GRACE_S = 2.0  # after SIGTERM, how long open connections may go on
+MODEL_NAME_BYTES = 256  # a first request's leading bytes read for its model's name
 DRAIN_LIMIT_S = 60.0  # how long an abandoned stream's remaining responses may take to be read
 DRAIN_WINDOW_BYTES = 2**30  # the window opened for them (a window may not pass 2**31 - 1)
 
@@ -133,12 +138,32 @@ def _unpad(flags: int, payload: bytes) -> bytes:
     return payload[start:end]
 
 
+def _read_model(stream: _Stream, data: bytes) -> None:
+    """Collect the first request's leading bytes until its model_name (ModelInferRequest field 1,
+    its first field as tritonclient and grpc write it) is read; b"" when it does not come first."""
+    stream.first += data[: MODEL_NAME_BYTES - len(stream.first)]
+    first = bytes(stream.first)
+    try:
+        if first[0] != 0x0A:
+            stream.model = b""
+            return
+        length, pos = _varint(first, 1)
+    except (IndexError, ValueError):
+        if len(first) >= MODEL_NAME_BYTES:
+            stream.model = b""
+        return
+    if pos + length <= len(first):
+        stream.model = first[pos : pos + length]
+    elif len(first) >= MODEL_NAME_BYTES:
+        stream.model = b""
+
+
 class _Stream:
     """What the gate tracks of one stream: its open requests and the message it is reading in
     each direction, the request bytes it holds back, whether the server has answered."""
 
     __slots__ = ("open", "request_head", "request_left", "held", "held_from", "held_end", "response_head")
-    __slots__ += ("response_left", "response_bytes", "answered", "sent_end", "draining")
+    __slots__ += ("response_left", "response_bytes", "answered", "sent_end", "draining", "window", "model", "first")
 
     def __init__(self):
         self.open = 0
@@ -153,6 +178,9 @@ class _Stream:
         self.answered = False  # the server has sent its response headers
         self.sent_end = False  # END_STREAM has gone to the server
         self.draining = False  # the client left: the server's responses are read and dropped
+        self.window = DEFAULT_WINDOW  # what the server may still send on it toward the client
+        self.model: bytes | None = None  # the model its first request names, once read
+        self.first = bytearray()  # that request's leading bytes, until the name is read
 
     @property
     def waiting(self) -> int:
@@ -222,6 +250,9 @@ class Relay:
         self.client_block_open = False
         self.pending: dict[int, None] = {}
         self.client_gone = False
+        # The flow-control windows the client (the proxy) grants the server: per stream on _Stream.
+        self.client_initial_window = DEFAULT_WINDOW
+        self.client_window = DEFAULT_WINDOW
         self.window_opened = False  # the connection's window opened for draining streams
         gate.relays.add(self)
 
@@ -284,12 +315,19 @@ class Relay:
         self._flush()
         asyncio.get_running_loop().call_later(DRAIN_LIMIT_S, self.close)
 
+    def _stalled(self, stream: _Stream) -> bool:
+        """Whether the stream's responses wait on its client: its window, or the connection's,
+        below half of what the client grants a stream (a reading client keeps them near full)."""
+        return min(stream.window, self.client_window) < self.client_initial_window // 2
+
     def _drain(self, stream_id: int, stream: _Stream) -> bool:
         """Whether the stream is drained instead of reset: it has open requests and none of them
         is half forwarded. Its requests are ended, held bytes dropped and its window opened."""
         if stream.draining:
             return True
         if not stream.open or stream.request_left or stream.request_head:
+            return False
+        if stream.model in self.gate.cancellable and not self._stalled(stream):
             return False
         stream.draining = True
         self.to_client.append(window_update(0, stream.waiting))
@@ -339,7 +377,8 @@ class Relay:
                 self.client_block_open = not flags & END_HEADERS
             if kind == HEADERS:
                 if stream is None and stream_id not in self.refused:
-                    self.streams[stream_id] = _Stream()
+                    stream = self.streams[stream_id] = _Stream()
+                    stream.window = self.client_initial_window
                 elif stream is not None and stream.waiting:
                     self._release(stream_id, stream, force=True)  # trailers end the requests: no bound left
             elif kind == RST_STREAM:
@@ -348,6 +387,12 @@ class Relay:
                 self._forget(stream_id)
             elif kind == SETTINGS and not flags & 1:
                 self._read_settings(payload)
+            elif kind == WINDOW_UPDATE and len(payload) == 4:
+                increment = struct.unpack(">I", payload)[0] & 0x7FFFFFFF
+                if stream_id == 0:
+                    self.client_window += increment
+                elif stream is not None:
+                    stream.window += increment
             self.to_server.append(raw)
             if self.pending and not self.client_block_open:
                 self._release_pending()
@@ -405,6 +450,8 @@ class Relay:
         while pos < size:
             if stream.request_left:
                 step = min(stream.request_left, size - pos)
+                if stream.model is None:
+                    _read_model(stream, data[pos : pos + step])
                 stream.request_left -= step
                 pos += step
                 continue
@@ -451,6 +498,10 @@ class Relay:
             key, value = struct.unpack_from(">HI", payload, pos)
             if key == SETTINGS_HEADER_TABLE_SIZE:  # what the server's encoder may now use
                 self.decoder.max_allowed_table_size = value
+            elif key == SETTINGS_INITIAL_WINDOW_SIZE:  # every open stream's window moves by the change
+                delta, self.client_initial_window = value - self.client_initial_window, value
+                for stream in self.streams.values():
+                    stream.window += delta
 
     # ---- server to client (proxy) ----
 
@@ -499,6 +550,9 @@ class Relay:
                 self.to_server.append(window_update(stream_id, len(payload)))
             return
         self.to_client.append(raw)
+        self.client_window -= len(payload)
+        if stream is not None:
+            stream.window -= len(payload)
         if stream is None:
             return
         data, pos, freed = _unpad(flags, payload), 0, False
@@ -562,10 +616,11 @@ class Relay:
 class StreamGate:
     """Relays ModelStreamInfer calls to `upstream`, each with at most `max_open` open requests."""
 
-    def __init__(self, upstream: str, max_open: int, max_message_bytes: int):
+    def __init__(self, upstream: str, max_open: int, max_message_bytes: int, cancellable: tuple[str, ...] = ()):
         self.upstream = upstream
         self.max_open = max_open
         self.max_message_bytes = max_message_bytes
+        self.cancellable = frozenset(name.encode() for name in cancellable)  # models a reset may cancel
         self.relays: set[Relay] = set()  # the connections open now
 
     async def serve(self, listen: str, stop: asyncio.Event) -> None:
@@ -587,7 +642,8 @@ async def _main(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    await StreamGate(args.upstream, args.max_open, args.max_message_bytes).serve(args.listen, stop)
+    gate = StreamGate(args.upstream, args.max_open, args.max_message_bytes, tuple(args.cancellable))
+    await gate.serve(args.listen, stop)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -596,6 +652,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--listen", required=True, help="host:port to serve ModelStreamInfer on")
     parser.add_argument("--upstream", required=True, help="tritonserver's gRPC host:port")
     parser.add_argument("--max-open", type=int, default=64, help="open requests per stream (default %(default)s)")
+    parser.add_argument(
+        "--cancellable", action="append", default=[], help="a model that stops cancelled requests (repeatable)"
+    )
     parser.add_argument(
         "--max-message-bytes", type=int, default=2**31 - 1, help="largest request message (default %(default)s)"
     )
