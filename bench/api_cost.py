@@ -212,14 +212,13 @@ def run(quick: bool, progress=print, rounds: int | None = None) -> dict:
     return cost
 
 
+# --quick and --rounds
+OPTION_HELP = ("1 and 4 streams, one short round: checks that it runs", "round pairs per stream count (default 4)")
+
+
 def main(argv: list[str] | None = None) -> dict:
     """This table alone."""
-    args = report.one_table_args(
-        __doc__,
-        argv,
-        quick="1 and 4 streams, one short round: checks that it runs",
-        rounds="round pairs per stream count (default 4)",
-    )
+    args = report.one_table_args(__doc__, argv, *OPTION_HELP)
     load_before = machine_facts()["load_average_1m"]
     cost = run(args.quick, rounds=args.rounds)
     cost["targets"] = verdicts(cost)

@@ -185,14 +185,13 @@ def run(quick: bool, progress=print, rounds: int | None = None) -> dict:
     return cost
 
 
+# --quick and --rounds
+OPTION_HELP = ("4 clients, one short round: checks that it runs", "round pairs (default 8; 1 with --quick)")
+
+
 def main(argv: list[str] | None = None) -> dict:
     """This table alone."""
-    args = report.one_table_args(
-        __doc__,
-        argv,
-        quick="4 clients, one short round: checks that it runs",
-        rounds="round pairs (default 8; 1 with --quick)",
-    )
+    args = report.one_table_args(__doc__, argv, *OPTION_HELP)
     cost = run(args.quick, rounds=args.rounds)
     return report.publish(cost, verdicts(cost), args.output)
 
