@@ -18,7 +18,6 @@ share the machine's CPUs: report figures with the load they ran under. `make ben
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import statistics
@@ -213,13 +212,13 @@ def run(quick: bool, progress=print, rounds: int | None = None) -> dict:
     return cost
 
 
+# --quick and --rounds
+OPTION_HELP = ("1 and 4 streams, one short round: checks that it runs", "round pairs per stream count (default 4)")
+
+
 def main(argv: list[str] | None = None) -> dict:
     """This table alone."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="1 and 4 streams, one short round: checks that it runs")
-    parser.add_argument("--rounds", type=int, default=None, help="round pairs per stream count (default 4)")
-    parser.add_argument("--output", type=Path, default=None, help="write the JSON here")
-    args = parser.parse_args(argv)
+    args = report.one_table_args(__doc__, argv, *OPTION_HELP)
     load_before = machine_facts()["load_average_1m"]
     cost = run(args.quick, rounds=args.rounds)
     cost["targets"] = verdicts(cost)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -272,6 +273,16 @@ def print_tables(results: dict) -> None:
         print_step_table(results["step_latency"])
     print("\nTargets")
     print_verdicts(results["targets"])
+
+
+def one_table_args(description: str, argv: list[str] | None, quick: str, rounds: str) -> argparse.Namespace:
+    """A one-table benchmark's command line: --quick (what it does, `quick`), --rounds (`rounds`)
+    and --output (the JSON)."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help=quick)
+    parser.add_argument("--rounds", type=int, default=None, help=rounds)
+    parser.add_argument("--output", type=Path, default=None, help="write the JSON here")
+    return parser.parse_args(argv)
 
 
 def publish(cost: dict, targets: dict, output: Path | None) -> dict:

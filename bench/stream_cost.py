@@ -15,7 +15,6 @@ least 1 / 1.10 of direct).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import statistics
 import tempfile
@@ -186,13 +185,13 @@ def run(quick: bool, progress=print, rounds: int | None = None) -> dict:
     return cost
 
 
+# --quick and --rounds
+OPTION_HELP = ("4 clients, one short round: checks that it runs", "round pairs (default 8; 1 with --quick)")
+
+
 def main(argv: list[str] | None = None) -> dict:
     """This table alone."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="4 clients, one short round: checks that it runs")
-    parser.add_argument("--rounds", type=int, default=None, help="round pairs (default 8; 1 with --quick)")
-    parser.add_argument("--output", type=Path, default=None, help="write the JSON here")
-    args = parser.parse_args(argv)
+    args = report.one_table_args(__doc__, argv, *OPTION_HELP)
     cost = run(args.quick, rounds=args.rounds)
     return report.publish(cost, verdicts(cost), args.output)
 

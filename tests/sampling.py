@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import strategies as st
 
 from triton_sampling_mask.sampling.sampler import SamplingBatch, sample
 
@@ -84,3 +85,35 @@ def run_sampler(
         "mask_logprobs": host["sampling_logprobs"],
         "support_logprobs": host["sampling_mask_logprobs"],
     }
+
+
+@st.composite
+def sampling_cases(draw, max_rows: int = 5, unbounded_top_k: bool = True, mask_widths: tuple[int, ...] = ()):
+    """Random batches: real-valued or tied integer logits (some -inf), mixed per-row parameters
+    (top_k -1 among them when `unbounded_top_k`; a `mask_width` drawn from `mask_widths` if any)."""
+    rows = draw(st.integers(1, max_rows))
+    vocab = draw(st.integers(1, 80))
+    tied = draw(st.booleans())
+    element = st.integers(-3, 3).map(float) if tied else st.floats(-30, 30, width=32)
+    logits = np.array(
+        draw(st.lists(st.lists(element, min_size=vocab, max_size=vocab), min_size=rows, max_size=rows)), np.float32
+    )
+    banned = np.array(
+        draw(st.lists(st.lists(st.booleans(), min_size=vocab, max_size=vocab), min_size=rows, max_size=rows))
+    )
+    banned[:, 0] = False  # keep at least one finite logit per row
+    logits[banned & draw(st.booleans())] = -np.inf
+    per_row = lambda strategy: draw(st.lists(strategy, min_size=rows, max_size=rows))  # noqa: E731
+    top_k = st.integers(1, vocab + 3)
+    case = dict(
+        logits=logits,
+        temperature=np.array(per_row(st.one_of(st.just(0.0), st.floats(0.0625, 4.0, width=32))), np.float32),
+        top_k=np.array(per_row(st.one_of(st.just(-1), top_k) if unbounded_top_k else top_k), np.int64),
+        top_p=np.array(per_row(st.one_of(st.just(1.0), st.floats(0.0078125, 1.0, width=32))), np.float32),
+        min_p=np.array(per_row(st.one_of(st.just(0.0), st.floats(0.0, 0.9375, width=32))), np.float32),
+        seed=np.array(per_row(st.integers(-(2**63), 2**63 - 1)), np.int64),
+        want_mask=np.array(per_row(st.booleans())),
+    )
+    if mask_widths:
+        case["mask_width"] = draw(st.sampled_from(mask_widths))
+    return case

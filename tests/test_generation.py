@@ -163,8 +163,12 @@ def submit_and_finish(running, handles, reqs, timeout_s: float) -> None:
 def generate(lm, reqs, timeout_s: float = 60) -> list[RecordingHandle]:
     """The requests run to their ends through an engine of their own, one handle each; queued
     before the loop starts, so they are admitted together in its first step."""
+    return run_to_end(engine(lm, start=False), reqs, timeout_s)
+
+
+def run_to_end(running, reqs, timeout_s: float) -> list[RecordingHandle]:
+    """Submit every request to a stopped engine, start it, wait for each to end, stop it."""
     handles = [RecordingHandle() for _ in reqs]
-    running = engine(lm, start=False)
     for handle, req in zip(handles, reqs):
         running.submit(req, handle)
     running.start()

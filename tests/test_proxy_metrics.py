@@ -3,44 +3,15 @@ checked on a hand-written exporter answer whose counts are chosen so each reason
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from prometheus_client.parser import text_string_to_metric_families
 
 from triton_sampling_mask.ops import proxy_metrics
 
 # fe_http: 3 own 503s (9 5xx, of which 6 came back through its backends), 10 denied + 2 intercepted
 # by rules; be_http_sampler: 4 queue timeouts, 2 waiting; fe_grpc: 5 trailers-only answers.
-EXPORTER = """\
-# TYPE haproxy_frontend_http_responses_total counter
-haproxy_frontend_http_responses_total{proxy="fe_http",code="5xx"} 9
-haproxy_frontend_http_responses_total{proxy="fe_http",code="2xx"} 70
-haproxy_frontend_http_responses_total{proxy="fe_grpc",code="2xx"} 40
-# TYPE haproxy_frontend_requests_denied_total counter
-haproxy_frontend_requests_denied_total{proxy="fe_http"} 10
-haproxy_frontend_requests_denied_total{proxy="fe_grpc"} 0
-# TYPE haproxy_frontend_intercepted_requests_total counter
-haproxy_frontend_intercepted_requests_total{proxy="fe_http"} 2
-haproxy_frontend_intercepted_requests_total{proxy="fe_grpc"} 5
-# TYPE haproxy_frontend_denied_connections_total counter
-haproxy_frontend_denied_connections_total{proxy="fe_http"} 7
-haproxy_frontend_denied_connections_total{proxy="fe_grpc"} 0
-# TYPE haproxy_frontend_denied_sessions_total counter
-haproxy_frontend_denied_sessions_total{proxy="fe_http"} 1
-# TYPE haproxy_frontend_request_errors_total counter
-haproxy_frontend_request_errors_total{proxy="fe_http"} 11
-# TYPE haproxy_frontend_http_requests_total counter
-haproxy_frontend_http_requests_total{proxy="fe_http"} 100
-haproxy_frontend_http_requests_total{proxy="fe_grpc"} 45
-# TYPE haproxy_backend_http_responses_total counter
-haproxy_backend_http_responses_total{proxy="be_http_sampler",code="5xx"} 4
-haproxy_backend_http_responses_total{proxy="be_http_other",code="5xx"} 2
-haproxy_backend_http_responses_total{proxy="be_grpc_infer",code="5xx"} 3
-# TYPE haproxy_backend_connection_errors_total counter
-haproxy_backend_connection_errors_total{proxy="be_http_sampler"} 4
-haproxy_backend_connection_errors_total{proxy="be_grpc_infer"} 3
-# TYPE haproxy_backend_current_queue gauge
-haproxy_backend_current_queue{proxy="be_http_sampler"} 2
-haproxy_backend_current_queue{proxy="be_grpc_infer"} 0
-"""
+EXPORTER = (Path(__file__).parent / "fixtures" / "haproxy_exporter.txt").read_text()
 
 
 def test_each_reason_is_read_from_its_counters():

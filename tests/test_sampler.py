@@ -7,11 +7,10 @@ import math
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 from scipy import stats
 
 from .reference import reference_row
-from .sampling import DEVICES, DISTRIBUTION_DRAWS, REFERENCE_EXAMPLES, run_sampler, use_device
+from .sampling import DEVICES, DISTRIBUTION_DRAWS, REFERENCE_EXAMPLES, run_sampler, sampling_cases, use_device
 
 
 @pytest.fixture(autouse=True, params=DEVICES)
@@ -23,33 +22,6 @@ def sampler_device(request):
 
 
 TOLERANCE = 1e-6
-
-
-@st.composite
-def sampling_cases(draw):
-    """Random batches: real-valued or tied integer logits (some -inf), mixed per-row parameters."""
-    rows = draw(st.integers(1, 5))
-    vocab = draw(st.integers(1, 80))
-    tied = draw(st.booleans())
-    element = st.integers(-3, 3).map(float) if tied else st.floats(-30, 30, width=32)
-    logits = np.array(
-        draw(st.lists(st.lists(element, min_size=vocab, max_size=vocab), min_size=rows, max_size=rows)), np.float32
-    )
-    banned = np.array(
-        draw(st.lists(st.lists(st.booleans(), min_size=vocab, max_size=vocab), min_size=rows, max_size=rows))
-    )
-    banned[:, 0] = False  # keep at least one finite logit per row
-    logits[banned & draw(st.booleans())] = -np.inf
-    per_row = lambda strategy: draw(st.lists(strategy, min_size=rows, max_size=rows))  # noqa: E731
-    return dict(
-        logits=logits,
-        temperature=np.array(per_row(st.one_of(st.just(0.0), st.floats(0.0625, 4.0, width=32))), np.float32),
-        top_k=np.array(per_row(st.one_of(st.just(-1), st.integers(1, vocab + 3))), np.int64),
-        top_p=np.array(per_row(st.one_of(st.just(1.0), st.floats(0.0078125, 1.0, width=32))), np.float32),
-        min_p=np.array(per_row(st.one_of(st.just(0.0), st.floats(0.0, 0.9375, width=32))), np.float32),
-        seed=np.array(per_row(st.integers(-(2**63), 2**63 - 1)), np.int64),
-        want_mask=np.array(per_row(st.booleans())),
-    )
 
 
 def _reference(case, row):

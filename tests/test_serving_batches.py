@@ -219,25 +219,39 @@ def test_a_mixed_batch_sends_only_its_small_k_rows_through_the_fused_kernels(mon
     check_rows(out, logits, params)
 
 
+@pytest.mark.parametrize("beside_a_top_p_row", [False, True], ids=["alone", "beside-top-p"])
 @pytest.mark.parametrize("device_path", ["cpu", "gpu"])
-def test_top_p_one_keeps_a_negligible_tail_token_whatever_the_float32_normaliser_rounds(device_path):
+def test_top_p_one_keeps_a_negligible_tail_token_whatever_the_float32_normaliser_rounds(
+    device_path, beside_a_top_p_row
+):
     # 999 near-equal logits and one e**-30 below them: the float32 normaliser may round below the
-    # float64 mass before the tail token. top_p = 1 turns the rule off, so the token stays.
+    # float64 mass before the tail token. top_p = 1 turns the rule off in its rows, so the token
+    # stays, also when a last row of top_p 0.5 makes the batch apply the rule.
     generator = np.random.default_rng(41)
-    rows, vocab = 16, 1000
+    rows, vocab = 16 + beside_a_top_p_row, 1000
     logits = (generator.standard_normal((rows, vocab)) * 0.01).astype(np.float32)
     logits[:, -1] = -30.0
+    top_p = np.ones(rows, np.float32)
+    if beside_a_top_p_row:
+        top_p[-1] = 0.5
     params = dict(
         temperature=np.ones(rows, np.float32),
         top_k=np.full(rows, vocab),
-        top_p=np.ones(rows, np.float32),
+        top_p=top_p,
         min_p=np.zeros(rows, np.float32),
         seed=np.arange(rows),
         want_mask=np.ones(rows, bool),
     )
     batch = SamplingBatch.from_arrays(torch.from_numpy(logits), **params)
     out = sample(batch, 1024, fused=False, device_path=device_path).host()
-    assert (out["sampling_mask_len"] == vocab).all(), out["sampling_mask_len"]
+    plain = 16
+    assert (out["sampling_mask_len"][:plain] == vocab).all(), out["sampling_mask_len"]
+    if beside_a_top_p_row:  # the top_p row's reference: the smallest prefix whose mass before its
+        # last token stays within half of the float64 total
+        row = logits[-1].astype(np.float64)
+        p = np.sort(np.exp(row - row.max()))[::-1]
+        before = np.cumsum(p) - p
+        assert abs(int(out["sampling_mask_len"][-1]) - int((before <= 0.5 * p.sum()).sum())) <= 1
 
 
 def test_the_cpu_epilogue_cuts_a_support_wider_than_w():

@@ -28,7 +28,7 @@ from triton_sampling_mask.sampling.batching import BatchSampler
 from triton_sampling_mask.sampling.params import RowParams
 
 from .lm_reference import replica
-from .test_generation import EOS, MASKED, BigramLM, RecordingHandle, policy, request
+from .test_generation import EOS, MASKED, BigramLM, RecordingHandle, policy, request, run_to_end
 
 COMPARED_EXACTLY = ("output_ids", "sampling_mask", "sampling_mask_len")
 COMPARED_CLOSELY = ("output_logprobs", "sampling_logprobs", "sampling_mask_logprobs")
@@ -92,16 +92,7 @@ def run(lm, reqs, drafter=None, timeout_s: float = 120, observer=None, **limits)
     sampler = BatchSampler(load_backend("torch"), policy(), torch.device("cpu"))
     observer = observer or SpeculationObserver()
     engine = ContinuousEngine(lm, sampler, EngineLimits(**limits), observer, drafter=drafter)
-    handles = [RecordingHandle() for _ in reqs]
-    for handle, req in zip(handles, reqs):
-        engine.submit(req, handle)
-    engine.start()
-    try:
-        for handle in handles:
-            assert handle.done.wait(timeout_s)
-    finally:
-        engine.stop()
-    return handles, observer
+    return run_to_end(engine, reqs, timeout_s), observer
 
 
 def assert_same_generation(spec, plain, logprob_atol: float = 0.0) -> None:

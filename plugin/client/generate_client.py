@@ -429,17 +429,7 @@ class AsyncGenerateClient(ReplicatedClient):
         timing outputs); either adds its outputs to `outputs` when that is given. The first failed
         request raises its GenerateError and cancels the others, unless `return_exceptions`, which
         puts the error in its place instead."""
-        jobs = await self._jobs(
-            prompts,
-            params,
-            max_new_tokens,
-            stop_token_ids,
-            ignore_eos,
-            outputs,
-            return_receipts,
-            return_timings,
-            stream=False,
-        )
+        jobs = await self._jobs(**{name: value for name, value in locals().items() if name in _JOB_ARGUMENTS})
         return await self._tracked(self._call(jobs, None, return_exceptions))
 
     def stream(self, prompts: Sequence, *args, **kwargs) -> AsyncGenerateStream:
@@ -502,7 +492,7 @@ class AsyncGenerateClient(ReplicatedClient):
         outputs,
         return_receipts,
         return_timings,
-        stream,
+        stream=False,
     ) -> list[_Job]:
         """Every request of a call, checked with the server's rules before anything is sent."""
         prompts = list(prompts)
@@ -845,3 +835,7 @@ class GenerateStream:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+# What generate hands its requests' builder: its own arguments of that name.
+_JOB_ARGUMENTS = frozenset(inspect.signature(AsyncGenerateClient._jobs).parameters) - {"self"}

@@ -60,7 +60,6 @@ TESTS = {
         "tests/test_wire_values.py",
         "tests/test_host_arrays.py",
         "tests/test_ranked_candidates_layouts.py",
-        "tests/test_top_p_mixed_batch.py",
     ),
     "generation": (
         "tests/test_generation.py",
