@@ -47,6 +47,9 @@ SIZES = {
 }
 PATHS = {"grpc": "gRPC client", "http": "/v1/completions"}
 
+# --quick and --rounds
+OPTION_HELP = ("1 and 4 streams, one short round: checks that it runs", "round pairs per stream count (default 4)")
+
 
 def cpu_seconds(pid: int) -> float:
     """CPU seconds a process's threads have run, to the nanosecond (/proc/PID/task/*/schedstat:
@@ -210,10 +213,6 @@ def run(quick: bool, progress=print, rounds: int | None = None) -> dict:
             f"{p['api_cpu_us_per_token']:.0f} us/token"
         )
     return cost
-
-
-# --quick and --rounds
-OPTION_HELP = ("1 and 4 streams, one short round: checks that it runs", "round pairs per stream count (default 4)")
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -91,6 +91,10 @@ async def one_round(clients: list[AsyncGenerateClient], budgets: np.ndarray, off
     return out
 
 
+# --quick and --rounds
+OPTION_HELP = ("4 clients, one short round: checks that it runs", "round pairs (default 8; 1 with --quick)")
+
+
 def _pooled(rounds: list[Round]) -> dict:
     ttft = [t for r in rounds for t in r.ttft_s]
     return {
@@ -183,10 +187,6 @@ def run(quick: bool, progress=print, rounds: int | None = None) -> dict:
         f"p99 x{ratios['ttft_p99']:.3f}, tokens/s straight / through x{ratios['tokens']:.3f}"
     )
     return cost
-
-
-# --quick and --rounds
-OPTION_HELP = ("4 clients, one short round: checks that it runs", "round pairs (default 8; 1 with --quick)")
 
 
 def main(argv: list[str] | None = None) -> dict:
