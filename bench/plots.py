@@ -13,8 +13,9 @@ results without measuring again:
 - `throughput.png`: rows/s against concurrency, per protocol, with the in-process rate for
   comparison; and the step-latency points' rows/s per path and B.
 - `speculative.png`: generate's tokens/s, plain decoding against "ngram" speculative decoding, per
-  workload and number of streams, from `python -m bench.load.speculative --output JSON` (drawn only
-  where that file exists: `make bench` itself does not run it).
+  workload and number of streams: `make bench` measures it (bench/load/speculative.py's `run`,
+  kept in the results JSON); `python -m bench.load.speculative --output JSON` writes the same
+  alone, which `--speculative JSON` draws instead.
 """
 
 from __future__ import annotations
@@ -214,7 +215,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prefix", default="", help="file name prefix (the gpu grid's: gpu_)")
     args = parser.parse_args(argv)
     results = json.loads(args.results.read_text())
-    speculative = json.loads(args.speculative.read_text()) if args.speculative.exists() else None
+    speculative = results.get("speculative")
+    if args.speculative.exists() and (speculative is None or args.speculative != RESULTS_DIR / "speculative.json"):
+        speculative = json.loads(args.speculative.read_text())  # named, or the only results there are
     for path in render(results, args.out, args.prefix, speculative):
         print(f"wrote {path}")
 

@@ -489,7 +489,7 @@ def write_json(results: dict, path: Path) -> None:
 def plot(results: dict, path: Path) -> list[Path]:
     """Bars of the three kernel ratios per case and the served/in-process fraction, with targets, at
     `path`; beside it bench/plots.py's figures (named with the same prefix: `gpu_` for gpu_ratios.png),
-    speculative decoding's from a `speculative.json` in that folder. The files written."""
+    speculative decoding's from the run's own results (`speculative_of`). The files written."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -560,9 +560,34 @@ def plot(results: dict, path: Path) -> list[Path]:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
-    speculative_path = path.parent / "speculative.json"
-    speculative = json.loads(speculative_path.read_text()) if speculative_path.exists() else None
-    return [path, *plots.render(results, path.parent, path.stem.removesuffix("ratios"), speculative)]
+    return [
+        path,
+        *plots.render(results, path.parent, path.stem.removesuffix("ratios"), speculative_of(results, path.parent)),
+    ]
+
+
+def speculative_of(results: dict, directory: Path) -> dict | None:
+    """The run's speculative-decoding results, else those of a `speculative.json` in `directory`
+    (written by `python -m bench.load.speculative --output`), else None."""
+    if results.get("speculative"):
+        return results["speculative"]
+    saved = Path(directory) / "speculative.json"
+    return json.loads(saved.read_text()) if saved.exists() else None
+
+
+def _speculative_rows(speculative: dict) -> list[list[str]]:
+    """A row per workload and number of streams: both algorithms' tokens/s and their ratio."""
+    rate = {(p["workload"], p["streams"], p["algorithm"]): p["tokens_per_s"] for p in speculative["points"]}
+    return [
+        [
+            r["workload"],
+            str(r["streams"]),
+            f"{rate[r['workload'], r['streams'], 'none']:.0f}",
+            f"{rate[r['workload'], r['streams'], 'ngram']:.0f}",
+            f"{r['ngram_over_none']:.2f}",
+        ]
+        for r in speculative.get("ratios", [])
+    ]
 
 
 def _markdown_table(title: str, header: list[str], rows: list[list[str]]) -> list[str]:
@@ -649,6 +674,13 @@ def markdown_summary(results: dict) -> str:
         lines += _markdown_table(_step_title(step) + ".", _step_header(step), _step_rows(step))
         if step.get("itl"):
             lines += ["", _itl_line(step["itl"], step["slow_ms"]) + "."]
+    speculative = results.get("speculative")
+    if speculative:
+        lines += _markdown_table(
+            'Speculative decoding (`generate`, "ngram" against plain decoding, streaming; bench/load/speculative.py).',
+            ["workload", "streams", "plain tokens/s", "ngram tokens/s", "ngram / plain (median of rounds)"],
+            _speculative_rows(speculative),
+        )
     lines += [
         "",
         "| target | case | measured (ratio of medians) | median of per-round ratios | best-of-rounds "

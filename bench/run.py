@@ -2,6 +2,7 @@
 
     python -m bench.run [--device cpu|cuda] [--grid cpu|gpu] [--tiny] [--skip-served] [--skip-top-p]
                         [--skip-served-call] [--skip-proxy-cost] [--skip-stream-cost] [--skip-api-cost]
+                        [--skip-speculative]
                         [--call-requests N]
                         [--no-perf-analyzer]
                         [--skip-step-latency] [--step-calls N] [--skip-itl]
@@ -18,7 +19,8 @@ the same server (bench/step_latency.py: 10,000 calls per point of B=1 and B=8 ro
 1/8/16, gRPC with and without shared memory, every call timed; generate's inter-token gaps at 32
 streams), what the front door (HAProxy) adds to the one call and to a B=1 step
 (bench/proxy_cost.py), what it adds to 32 streams of `generate` (bench/stream_cost.py), and what the
-HTTP API costs against the gRPC client at 1 and 32 streams (bench/api_cost.py).
+HTTP API costs against the gRPC client at 1 and 32 streams (bench/api_cost.py), and generate's
+tokens/s with "ngram" speculative decoding against plain decoding (bench/load/speculative.py).
 --tiny shrinks it all to seconds. The JSON is rewritten after every case ("complete": false
 until the end), so a run cut short keeps what finished.
 """
@@ -71,6 +73,11 @@ def main(argv: list[str] | None = None) -> dict:
         "--skip-api-cost",
         action="store_true",
         help="no HTTP API cost (bench/api_cost.py: /v1/completions beside the gRPC client)",
+    )
+    parser.add_argument(
+        "--skip-speculative",
+        action="store_true",
+        help="no speculative-decoding table (bench/load/speculative.py: generate's tokens/s, ngram vs plain)",
     )
     parser.add_argument(
         "--call-requests",
@@ -201,6 +208,13 @@ def main(argv: list[str] | None = None) -> dict:
 
         print("HTTP API cost (/v1/completions beside the gRPC client)", flush=True)
         results["api_cost"] = api_cost.run(args.tiny, progress)
+        report.write_json(results, output)
+    if not args.skip_served and not args.skip_speculative and device.type == "cpu":
+        from .load import speculative
+
+        print("speculative decoding against plain decoding (generate's tokens/s)", flush=True)
+        sizes = speculative.TINY if args.tiny else speculative.FULL
+        results["speculative"] = speculative.run(**sizes, progress=progress)
         report.write_json(results, output)
     results["targets"] = report.verdicts(results["kernel"], served, served_call, step)
     if results.get("proxy_cost"):

@@ -22,7 +22,7 @@ from testbed.server import MODEL_REPOSITORY, copy_model, set_parameter
 from triton_sampling_mask.client import GenerateClient, SamplerClient
 from triton_sampling_mask.client.sampling_params import SamplingParams
 from triton_sampling_mask.client.wire import sampler_inputs
-from triton_sampling_mask.ops import settings
+from triton_sampling_mask.ops import proxy_metrics, settings
 from triton_sampling_mask.ops.proxy import find_haproxy
 from triton_sampling_mask.ops.proxy_config import QUEUE_FULL, QUEUE_TIMEOUT, ProxyLimits
 
@@ -79,8 +79,15 @@ def burst(server, protocol: str, requests: int) -> list[str]:
         return list(pool.map(one, range(requests)))
 
 
+def refusal_counts(server, protocol: str) -> dict:
+    """The front door's refusal counters for the protocol's frontend, as its /metrics exports them."""
+    return proxy_metrics.refusals(proxy_metrics.scrape(server.front_door.stats_socket))[protocol]
+
+
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
 def test_a_burst_is_refused_at_once_beyond_the_queue_and_after_the_queue_timeout(slow_server, protocol):
+    counted = slow_server.front_door.stats_socket is not None  # haproxy has its exporter built in
+    before = refusal_counts(slow_server, protocol) if counted else {}
     outcomes = burst(slow_server, protocol, BURST)
     assert set(outcomes) <= {"ok", QUEUE_FULL, QUEUE_TIMEOUT}, outcomes
     admitted = outcomes.count("ok")
@@ -88,6 +95,17 @@ def test_a_burst_is_refused_at_once_beyond_the_queue_and_after_the_queue_timeout
     assert LIMITS.max_in_flight <= admitted <= LIMITS.max_in_flight + LIMITS.max_queue, outcomes
     assert outcomes.count(QUEUE_FULL) >= 1 and outcomes.count(QUEUE_TIMEOUT) >= 1, outcomes
     assert slow_server.process.poll() is None
+    if counted:  # each refusal is counted under its own reason, and nothing else is
+        after = refusal_counts(slow_server, protocol)
+        moved = {reason: after[reason] - before[reason] for reason in proxy_metrics.REASONS + ("received",)}
+        assert moved == {
+            "queue_full": outcomes.count(QUEUE_FULL),
+            "queue_timeout": outcomes.count(QUEUE_TIMEOUT),
+            "refused": 0,
+            "connection_cap": 0,
+            "bad_request": 0,
+            "received": BURST,
+        }, (moved, outcomes)
 
 
 def test_refused_requests_never_reach_the_server(slow_server):

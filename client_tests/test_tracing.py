@@ -2,7 +2,8 @@
 (ops.trace_flags, every request traced) exports its spans to an in-process OTLP/HTTP collector,
 and the models' child spans (serving.tracing) arrive there too, under the same trace: each
 model's span's parent is one of tritonserver's spans of that request, and its phases are its
-children, carrying the batch size, the mask width and the outcome or finish reason."""
+children, carrying the batch size, the mask width and the outcome or finish reason; a generate
+request's decoding holds one span per engine step."""
 
 from __future__ import annotations
 
@@ -113,3 +114,11 @@ def test_a_generate_request_has_its_queue_decode_and_response_under_tritons_span
     order = [by_name[f"generate.{phase}"] for phase in ("parse", "queue", "decode", "response")]
     assert all(a.end_ns <= b.start_ns + 1000 for a, b in zip(order, order[1:])), order
     assert request.start_ns <= order[0].start_ns and order[-1].end_ns <= request.end_ns
+    # decoding is the engine's steps, one span each: 4 tokens without drafts take 4 steps, the
+    # first at the start of decoding and the last at its end, carrying the step's batch and tokens
+    decode = by_name["generate.decode"]
+    steps = sorted((s for s in spans if s.parent_span_id == decode.span_id), key=lambda s: s.start_ns)
+    assert [s.name for s in steps] == ["generate.step"] * 4 and decode.attributes["steps"] == 4
+    assert steps[0].start_ns == decode.start_ns and steps[-1].end_ns == decode.end_ns
+    assert all(a.end_ns <= b.start_ns for a, b in zip(steps, steps[1:]))
+    assert [s.attributes for s in steps] == [{"batch_rows": 1, "tokens": 1, "drafted": 0, "accepted": 0}] * 4

@@ -176,7 +176,17 @@ def test_tiny_benchmark_writes_results(tmp_path):
         assert point["grpc"]["tokens"] == point["http"]["tokens"] > 0
         assert _positive_finite(point["api_cpu_us_per_token"]) and _positive_finite(point["http"]["ttft_p50_ms"])
     assert set(api_cost.TARGETS) <= set(results["targets"])
-    assert plot_args == ["--no-plot"] or plot.stat().st_size > 0
+    # Speculative decoding against plain: every workload x streams x algorithm point measured, a
+    # ratio per workload and streams, drawn as speculative.png beside the other figures.
+    speculative = results["speculative"]
+    measured = {(p["workload"], p["streams"], p["algorithm"]) for p in speculative["points"]}
+    assert measured == {(w, n, a) for w in ("repetitive", "non-repetitive") for n in (1, 2) for a in ("none", "ngram")}
+    assert all(_positive_finite(p["tokens_per_s"]) for p in speculative["points"])
+    assert len(speculative["ratios"]) == 4 and all(
+        _positive_finite(r["ngram_over_none"]) for r in speculative["ratios"]
+    )
+    assert "Speculative decoding" in output.with_suffix(".md").read_text()
+    assert plot_args == ["--no-plot"] or (plot.stat().st_size > 0 and (tmp_path / "speculative.png").stat().st_size > 0)
 
 
 @pytest.mark.timeout(120)

@@ -10,7 +10,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from triton_sampling_mask.ops import proxy_metrics
 
 # fe_http: 3 own 503s (9 5xx, of which 6 came back through its backends), 10 denied + 2 intercepted
-# by rules; be_http_sampler: 4 queue timeouts, 2 waiting; fe_grpc: 5 trailers-only answers.
+# by rules; be_http_sampler: 4 queue timeouts, 2 waiting; fe_grpc: 5 trailers-only answers of its
+# rules, and 7 more from the backend that answers full queues.
 EXPORTER = (Path(__file__).parent / "fixtures" / "haproxy_exporter.txt").read_text()
 
 
@@ -25,8 +26,8 @@ def test_each_reason_is_read_from_its_counters():
         "received": 100,
         "waiting": {"be_http_sampler": 2, "be_http_other": 0},
     }
-    assert got["grpc"]["queue_full"] == 0 and got["grpc"]["refused"] == 5 and got["grpc"]["queue_timeout"] == 3
-    assert got["grpc"]["waiting"] == {"be_grpc_infer": 0}
+    assert got["grpc"]["queue_full"] == 7 and got["grpc"]["refused"] == 5 and got["grpc"]["queue_timeout"] == 3
+    assert got["grpc"]["waiting"] == {"be_grpc_infer": 0}  # the answering backend queues nothing
 
 
 def test_the_exposition_is_prometheus_text_with_every_reason_per_frontend():

@@ -12,14 +12,18 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from triton_sampling_mask.generation.drafting import NgramDrafter
+from triton_sampling_mask.generation.engine import ContinuousEngine, EngineLimits
 from triton_sampling_mask.sampling import rng
+from triton_sampling_mask.sampling.backends import load_backend
+from triton_sampling_mask.sampling.batching import BatchSampler
 
 from .copying_lm import CopyingLM, greedy_continuation
 from .reference import reference_row
-from .test_generation import WIDTH, request
-from .test_speculative import SpeculationObserver, assert_same_generation
+from .test_generation import WIDTH, RecordingHandle, request
+from .test_speculative import SpeculationObserver, assert_same_generation, policy
 from .test_speculative import run as run_engine
 
 CYCLE = [20, 21, 22, 23, 24, 25, 26]  # distinct tokens: the LM continues the cycle greedily
@@ -175,3 +179,54 @@ def test_unusable_logits_at_a_drafted_position_fail_as_plain_decoding_does(kind,
     assert greedy_continuation(lm, prompt + CYCLE[: 1 + position], 1) == [CYCLE[1 + position]]  # the draft
     assert_same_generation(spec, plain)
     assert observer.steps == [(1, DRAFTED, position)], observer.steps
+
+
+
+class TracedHandle(RecordingHandle):
+    """A handle whose request is traced: the engine hands it the request's steps on its final chunk."""
+
+    traces_steps = True
+
+
+def run_traced(reqs, traced: list[bool]) -> tuple[list[RecordingHandle], StepObserver]:
+    """The requests through one drafting engine, those where `traced` is true with TracedHandles."""
+    sampler = BatchSampler(load_backend("torch"), policy(), torch.device("cpu"))
+    observer = StepObserver()
+    drafter = NgramDrafter(num_tokens=DRAFTED)
+    engine = ContinuousEngine(CopyingLM(copy_bonus=5.0), sampler, EngineLimits(), observer, drafter=drafter)
+    handles = [TracedHandle() if on else RecordingHandle() for on in traced]
+    for handle, req in zip(handles, reqs):
+        engine.submit(req, handle)
+    engine.start()
+    try:
+        assert all(handle.done.wait(120) for handle in handles)
+    finally:
+        engine.stop()
+    return handles, observer
+
+
+def test_a_traced_request_gets_every_step_it_took_with_its_drafts():
+    reqs = mixed_requests()
+    handles, observer = run_traced(reqs, [True] * len(reqs))
+    for handle, req in zip(handles, reqs):
+        steps = handle.chunks[-1].steps
+        assert all(c.steps is None for c in handle.chunks[:-1])  # only the final chunk carries them
+        assert sum(s.emitted for s in steps) == req.max_new_tokens == len(handle.ids())
+        # every step but the last emits its accepted drafts and one sampled token
+        assert all(s.emitted == 1 + s.accepted and s.accepted <= s.drafted for s in steps[:-1])
+        assert all(s.start_ns <= s.end_ns for s in steps)
+        assert all(a.end_ns <= b.start_ns for a, b in zip(steps, steps[1:])), "steps overlap"
+        assert steps[0].batch_rows == len(reqs)  # every request joined the first step
+        assert [s.batch_rows for s in steps] == sorted((s.batch_rows for s in steps), reverse=True)
+    # Summed over every request, the steps' drafts are the engine's own counts of those steps.
+    every = [s for handle in handles for s in handle.chunks[-1].steps]
+    assert sum(s.drafted for s in every) == observer.drafted > 0
+    assert sum(s.accepted for s in every) == observer.accepted > 0
+    # the last request to finish took part in every step the engine ran (all joined its first)
+    assert max(len(handle.chunks[-1].steps) for handle in handles) == len(observer.kept_masses)
+
+
+def test_only_traced_requests_get_their_steps():
+    reqs = mixed_requests()[:4]
+    handles, _ = run_traced(reqs, [True, False, False, True])
+    assert [h.chunks[-1].steps is not None for h in handles] == [True, False, False, True]

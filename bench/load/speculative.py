@@ -23,12 +23,14 @@ rounds' ratios), and the acceptance rate
 and accepted tokens per drafted step from the server's counters. The outputs of both models are
 the same token for token (client_tests/test_speculative.py checks it), so only speed differs.
 `--tiny` is a smoke run (streams 1 and 2, one short request each), not a measurement. `--output
-JSON` also writes the tokens/s per point, which bench/plots.py draws as speculative.png.
+JSON` also writes the tokens/s per point, which bench/plots.py draws as speculative.png; `make
+bench` runs the same measurement (`run`) and draws it with its other figures.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 from pathlib import Path
@@ -122,53 +124,91 @@ def row(label: str, runs: list[tuple[LoadStats, list]]) -> str:
     return line + (f"  ERRORS: {len(errors)} e.g. {errors[0]}" if errors else "")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
-    parser.add_argument("--requests-per-stream", type=int, default=4)
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per point (order swapped each)")
-    parser.add_argument("--tiny", action="store_true", help="a smoke run: streams 1 2, one 48-token request each")
-    parser.add_argument("--output", type=Path, help="also write the tokens/s as JSON (bench/plots.py draws it)")
-    args = parser.parse_args()
-    points = []
-    if args.tiny:
-        args.streams, args.requests_per_stream, args.max_new_tokens, args.rounds = [1, 2], 1, 48, 2
+# The sizes of a run: the documented measurement, and the smoke run of --tiny.
+FULL = dict(streams=(1, 8, 32), requests_per_stream=4, max_new_tokens=128, rounds=3)
+TINY = dict(streams=(1, 2), requests_per_stream=1, max_new_tokens=48, rounds=2)
+
+
+def run(
+    streams=FULL["streams"],
+    requests_per_stream: int = FULL["requests_per_stream"],
+    max_new_tokens: int = FULL["max_new_tokens"],
+    rounds: int = FULL["rounds"],
+    progress=print,
+) -> dict:
+    """Measure every workload at every number of streams (see the module docstring), printing a
+    line per point; returns {"timestamp", "points": [{workload, streams, algorithm, tokens_per_s,
+    round_tokens_per_s}], "ratios": [{workload, streams, ngram_over_none, rounds}]}, which
+    bench/plots.py draws as speculative.png."""
+    points, ratios = [], []
     with serving(
-        build_repository, f"streaming clients x {args.requests_per_stream} requests of {args.max_new_tokens} tokens"
+        build_repository, f"streaming clients x {requests_per_stream} requests of {max_new_tokens} tokens"
     ) as server:
         for workload_name, (_, workload) in WORKLOADS.items():  # warm-up
             for algorithm in ALGORITHMS:
                 closed_loop(server.grpc_url, model_name(workload_name, algorithm), np.full((2, 1), 8), True, **workload)
         header = f"{'workload / streams / algorithm':<34} {'tokens/s':>9} {'ITL p50':>8} {'ITL p99':>8} {'ITL mean':>8}"
-        print(header + "  (ms)")
+        progress(header + "  (ms)")
         for workload_name, (_, workload) in WORKLOADS.items():
-            for streams in args.streams:
-                budgets = np.full((streams, args.requests_per_stream), args.max_new_tokens)
+            for count in streams:
+                budgets = np.full((count, requests_per_stream), max_new_tokens)
                 runs = {algorithm: [] for algorithm in ALGORITHMS}
-                for round_ in range(args.rounds):  # interleaved, the order swapped every round
+                for round_ in range(rounds):  # interleaved, the order swapped every round
                     for algorithm in ALGORITHMS[:: 1 if round_ % 2 == 0 else -1]:
                         runs[algorithm].append(measure(server, model_name(workload_name, algorithm), budgets, workload))
                 for algorithm in ALGORITHMS:
-                    print(row(f"{workload_name} / {streams} / {algorithm}", runs[algorithm]), flush=True)
+                    progress(row(f"{workload_name} / {count} / {algorithm}", runs[algorithm]))
                     rates = [rate(stats) for stats, _ in runs[algorithm]]
                     points.append(
                         {
                             "workload": workload_name,
-                            "streams": streams,
+                            "streams": count,
                             "algorithm": algorithm,
                             "tokens_per_s": float(np.median(rates)),
                             "round_tokens_per_s": rates,
                         }
                     )
-                ratios = [rate(ngram[0]) / rate(none[0]) for none, ngram in zip(runs["none"], runs["ngram"])]
-                print(
-                    f"{workload_name} / {streams}: ngram/none tokens/s x{np.median(ratios):.2f} "
-                    f"(median of {len(ratios)} interleaved rounds: {', '.join(f'{r:.2f}' for r in ratios)})"
+                round_ratios = [rate(ngram[0]) / rate(none[0]) for none, ngram in zip(runs["none"], runs["ngram"])]
+                ratios.append(
+                    {
+                        "workload": workload_name,
+                        "streams": count,
+                        "ngram_over_none": float(np.median(round_ratios)),
+                        "rounds": round_ratios,
+                    }
                 )
+                progress(
+                    f"{workload_name} / {count}: ngram/none tokens/s x{np.median(round_ratios):.2f} "
+                    f"(median of {len(round_ratios)} interleaved rounds: {', '.join(f'{r:.2f}' for r in round_ratios)})"
+                )
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime())
+    return {"timestamp": stamp, "points": points, "ratios": ratios}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--streams", type=int, nargs="+", default=list(FULL["streams"]))
+    parser.add_argument("--requests-per-stream", type=int, default=FULL["requests_per_stream"])
+    parser.add_argument("--max-new-tokens", type=int, default=FULL["max_new_tokens"])
+    parser.add_argument(
+        "--rounds", type=int, default=FULL["rounds"], help="interleaved rounds per point (order swapped each)"
+    )
+    parser.add_argument("--tiny", action="store_true", help="a smoke run: streams 1 2, one 48-token request each")
+    parser.add_argument("--output", type=Path, help="also write the tokens/s as JSON (bench/plots.py draws it)")
+    args = parser.parse_args()
+    sizes = (
+        dict(TINY)
+        if args.tiny
+        else {
+            "streams": args.streams,
+            "requests_per_stream": args.requests_per_stream,
+            "max_new_tokens": args.max_new_tokens,
+            "rounds": args.rounds,
+        }
+    )
+    results = run(**sizes, progress=functools.partial(print, flush=True))
     if args.output:
-        stamp = time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime())
-        args.output.write_text(json.dumps({"timestamp": stamp, "points": points}, indent=2) + "\n")
+        args.output.write_text(json.dumps(results, indent=2) + "\n")
         print(f"wrote {args.output}")
 
 

@@ -95,7 +95,10 @@ class EngineLimits:
 
 
 class RequestHandle(Protocol):
-    """Where one request's results go (called from the engine thread)."""
+    """Where one request's results go (called from the engine thread).
+
+    A handle whose `traces_steps` attribute is true (optional; false when absent) also gets the
+    request's `StepSpan`s on its final chunk (`GenerationChunk.steps`), for its trace."""
 
     def is_cancelled(self) -> bool: ...
 
@@ -104,6 +107,20 @@ class RequestHandle(Protocol):
     def cancelled(self, tokens: int) -> None: ...
 
     def fail(self, message: str, code_name: str = "INTERNAL") -> None: ...
+
+
+@dataclass(frozen=True)
+class StepSpan:
+    """One engine step as one traced request saw it: when the step began and when its sampling
+    ended (epoch ns, as OpenTelemetry's), how many rows the step ran, and this request's tokens
+    emitted, drafted and accepted in it."""
+
+    start_ns: int
+    end_ns: int
+    batch_rows: int
+    emitted: int
+    drafted: int
+    accepted: int
 
 
 @dataclass(frozen=True)
@@ -153,6 +170,7 @@ class _Sequence:
     last_token_at: float = 0.0  # when its latest token was sampled
     tokens: list = field(default_factory=list)  # ids generated so far (to recompute the cache after an update)
     parts: list = field(default_factory=list)  # per step: dict of that step's tokens' outputs (non-streamed)
+    steps: list[StepSpan] | None = None  # the steps it took part in, when its handle traces them
 
     @cached_property
     def stop_set(self) -> frozenset[int]:  # for membership tests in Python, once per emitted token
@@ -221,6 +239,8 @@ class ContinuousEngine:
         if never is not None:
             raise SamplingRequestError("max_new_tokens", never)
         sequence = _Sequence(request, handle, time.monotonic(), stop_ids(request, self.lm.eos_token_ids))
+        if getattr(handle, "traces_steps", False):
+            sequence.steps = []
         prompt_tokens = int(request.prompt.size)
         with self._cv:
             if self._stopping:
@@ -387,6 +407,7 @@ class ContinuousEngine:
         return newcomers
 
     def _step(self, newcomers: list[_Sequence]) -> None:
+        started_ns = time.time_ns()  # a traced request's step span begins here
         # One cancellation query per request per step (the backend has no batch query).
         cancelled = [s.handle.is_cancelled() for s in self._rows]
         self._drop(np.array(cancelled, bool), cancel=True)
@@ -406,7 +427,7 @@ class ContinuousEngine:
         drafted = np.zeros(len(self._rows), np.int64)  # fresh rows draft nothing in their first step
         if drafts is not None:
             drafted[:in_flight] = (drafts != PAD).sum(axis=1)
-        self._emit(torch.cat(logits) if len(logits) > 1 else logits[0], drafts, drafted)
+        self._emit(torch.cat(logits) if len(logits) > 1 else logits[0], drafts, drafted, started_ns)
 
     def _draft(self) -> np.ndarray | None:
         """Each in-flight row's drafted tokens (at most what its budget can still use), or None when
@@ -426,7 +447,7 @@ class ContinuousEngine:
         lengths = torch.from_numpy(1 + (drafts != PAD).sum(axis=1))
         return self.lm.decode_many(self._state, tokens, lengths)
 
-    def _emit(self, logits: torch.Tensor, drafts: np.ndarray | None, drafted: np.ndarray) -> None:
+    def _emit(self, logits: torch.Tensor, drafts: np.ndarray | None, drafted: np.ndarray, started_ns: int) -> None:
         """Sample every position of every row in one call, keep each row's drafts up to the first
         one plain decoding would not have drawn, send the tokens, retire finished rows and roll
         the rejected drafts out of the cache."""
@@ -459,7 +480,7 @@ class ContinuousEngine:
         finished = np.zeros(rows, bool)
         ended = np.zeros(rows, bool)  # finished with a reason (not failed)
         stopped_rows = np.zeros(rows, bool)
-        now = time.monotonic()
+        now, now_ns = time.monotonic(), time.time_ns()
         for i, (sequence, tokens) in enumerate(zip(self._rows, sampled.tolist())):
             count = min(int(usable[i]), sequence.request.max_new_tokens - sequence.step)
             # Generation ends at the first stop token, as plain decoding would: later ones are dropped.
@@ -472,6 +493,9 @@ class ContinuousEngine:
                 if sequence.step == 0:
                     sequence.first_token_at = now
                 sequence.last_token_at = now
+            if sequence.steps is not None:  # before _send: a final chunk carries its steps
+                kept = int(min(accepted[i], count))
+                sequence.steps.append(StepSpan(started_ns, now_ns, rows, count, int(drafted[i]), kept))
             self._send(
                 sequence, arrays, int(first[i]), count, (FINISH_STOP if stopped else FINISH_LENGTH) if done else ""
             )
@@ -508,9 +532,11 @@ class ContinuousEngine:
             for position in range(start, start + count):
                 row = {name: value[position : position + 1] for name, value in arrays.items()}
                 last = position == start + count - 1
+                chunk = GenerationChunk(row, finish_reason if last else "")
                 if done and last:
                     row.update(_timings(sequence))
-                sequence.handle.send(GenerationChunk(row, finish_reason if last else ""), final=done and last)
+                    chunk.steps = sequence.steps
+                sequence.handle.send(chunk, final=done and last)
             return
         if count:  # copies: a view would keep the whole step's arrays alive
             masked = sequence.request.params.return_sampling_mask[0]
@@ -623,7 +649,7 @@ def _whole(sequence: _Sequence, finish_reason: str, width: int) -> GenerationChu
         if name not in arrays:
             arrays[name] = padding(name, len(arrays[OUTPUT_IDS.name]), width)
     outputs = {name: arrays[name] for name in GENERATION_TOKEN_OUTPUT_NAMES}
-    return GenerationChunk({**outputs, **_timings(sequence)}, finish_reason)
+    return GenerationChunk({**outputs, **_timings(sequence)}, finish_reason, sequence.steps)
 
 
 def _timings(sequence: _Sequence) -> dict[str, np.ndarray]:

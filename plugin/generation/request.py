@@ -39,6 +39,7 @@ class GenerationChunk:
 
     outputs: dict[str, np.ndarray]
     finish_reason: str
+    steps: list | None = None  # the final chunk of a request whose steps are traced: its engine.StepSpans
 
     def __getitem__(self, name: str) -> np.ndarray:
         return self.outputs[name]

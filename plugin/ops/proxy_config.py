@@ -321,18 +321,22 @@ def _table(name: str) -> list[str]:
     return [f"backend {name}", "    stick-table type ip size 100k expire 60s store conn_cur", ""]
 
 
+# The backend that answers a gRPC call refused because its route's queue is full (trailers-only, so
+# HAProxy's frontend counters cannot tell it from the other refusals; its own request count can).
+GRPC_QUEUE_FULL_BACKEND = "be_grpc_queue_full"
 # The model routes' backends, each with a table counting every address's requests there (its share).
 SHARED_BACKENDS = ("be_http_sampler", "be_http_generate", "be_grpc_infer", "be_grpc_stream", "be_api")
 
 
-def _share_rules(backend_acls: dict[str, str], refuse: str, limit: int) -> list[str]:
+def _share_rules(backend_acls: dict[str, str], refuse: str, limit: int, unless: str = "") -> list[str]:
     """An address's requests at each model route are counted (sc2, while each lasts: waiting in the
-    proxy or in tritonserver); past `limit` at one route the next is refused (`refuse`, an action)."""
+    proxy or in tritonserver); past `limit` at one route the next is refused (`refuse`, an action),
+    unless the condition `unless` holds (another answer was chosen for it)."""
     lines = ["    # one address's share of each model route"]
     lines += [
         f"    http-request track-sc2 src table st_share_{backend} if {acl}" for backend, acl in backend_acls.items()
     ]
-    lines.append(f"    {refuse} if {{ sc2_trackers gt {limit} }}")
+    lines.append(f"    {refuse} if {{ sc2_trackers gt {limit} }}" + (f" !{unless}" if unless else ""))
     return lines
 
 
@@ -628,14 +632,18 @@ def render(plan: ProxyPlan) -> str:
         f"    http-request wait-for-body time {_seconds(limits.request_timeout_s)} if !g_stream",
         f"    http-request wait-for-body time {_seconds(limits.request_timeout_s)} at-least 5 if g_stream",
         "    # refusals come once the call's message is in: answered before it, a client still sending",
-        "    # may read the proxy's reset of its stream (CANCELLED) instead of the refusal",
-        "    " + _grpc_error(14, QUEUE_FULL) + f" if g_infer {{ queue(be_grpc_infer) ge {limits.max_queue} }}",
-        "    " + _grpc_error(14, QUEUE_FULL) + f" if g_stream {{ queue(be_grpc_stream) ge {limits.max_queue} }}",
+        "    # may read the proxy's reset of its stream (CANCELLED) instead of the refusal; a full queue",
+        f"    # is answered by {GRPC_QUEUE_FULL_BACKEND}, whose request count tells it from the other refusals",
+        "    http-request set-var(txn.queue_full) bool(true)"
+        f" if g_infer {{ queue(be_grpc_infer) ge {limits.max_queue} }}"
+        f" or g_stream {{ queue(be_grpc_stream) ge {limits.max_queue} }}",
         *_share_rules(
             {"be_grpc_infer": "g_infer", "be_grpc_stream": "g_stream"},
             _grpc_error(8, over_share(limits.requests_per_ip)),
             limits.requests_per_ip,
+            unless="{ var(txn.queue_full) -m bool }",
         ),
+        f"    use_backend {GRPC_QUEUE_FULL_BACKEND} if {{ var(txn.queue_full) -m bool }}",
         "    use_backend be_grpc_infer if g_infer",
         "    use_backend be_grpc_stream if g_stream",
         "    default_backend be_grpc_other",
@@ -659,6 +667,7 @@ def render(plan: ProxyPlan) -> str:
     lines += _shed_backend(
         "be_grpc_other", internal["grpc"], limits, limits.queue_timeout_s, h2=True, extra=(reuse, grpc_503)
     )
+    lines += [f"backend {GRPC_QUEUE_FULL_BACKEND}", "    " + _grpc_error(14, QUEUE_FULL), ""]
 
     # ---- the HTTP API (OpenAI and SGLang dialects): its own route, the same kinds of limits ----
     if public.get("api"):

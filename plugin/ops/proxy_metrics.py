@@ -8,12 +8,13 @@ answers counters only. The supervisor serves `render(socket)` at GET :TRITON_PRO
 
 - `proxy_requests_refused_total{frontend, reason}`, a counter by why the front door answered a
   request itself instead of passing it on:
-  `queue_full` (its route already had PROXY_MAX_QUEUE waiting: 503 at once; HTTP and the HTTP API,
-  whose rules give no other 5xx), `queue_timeout` (it waited PROXY_QUEUE_TIMEOUT_S for a slot, or
-  tritonserver was not there: 503 / UNAVAILABLE), `refused` (every other answer of the rules: a
-  failed check, a wrong or missing key, an unknown route; on gRPC also its full-queue refusals,
-  which HAProxy counts with its other trailers-only answers), `connection_cap` (connections over
-  the per-address or total cap) and `bad_request` (malformed heads, head timeouts);
+  `queue_full` (its route already had PROXY_MAX_QUEUE waiting: 503 / UNAVAILABLE at once; on HTTP
+  and the HTTP API the frontend's own 5xx, which its rules give for nothing else; on gRPC the
+  requests of the backend that answers them, since every gRPC refusal is a 200 with trailers),
+  `queue_timeout` (it waited PROXY_QUEUE_TIMEOUT_S for a slot, or tritonserver was not there: 503 /
+  UNAVAILABLE), `refused` (every other answer of the rules: a failed check, a wrong or missing
+  key, an unknown route), `connection_cap` (connections over the per-address or total cap) and
+  `bad_request` (malformed heads, head timeouts);
 - `proxy_requests_total{frontend}`: every HTTP request (gRPC call) the frontend received;
 - `proxy_queue_waiting{frontend, backend}`: requests waiting in the proxy now, per model route.
 """
@@ -26,6 +27,8 @@ import socket
 import subprocess
 from collections import defaultdict
 from pathlib import Path
+
+from .proxy_config import GRPC_QUEUE_FULL_BACKEND
 
 EXPORTER_QUERY = "/metrics?scope=frontend&scope=backend"
 # The public frontends whose rules answer 5xx only when a route's queue is full.
@@ -107,6 +110,7 @@ def refusals(exporter_text: str) -> dict[str, dict]:
         elif name.startswith("haproxy_backend_") and proxy.startswith("be_"):
             be[proxy][key] += value
     out = {}
+    answering = be.pop(GRPC_QUEUE_FULL_BACKEND, {})  # no server behind it: nothing waits there
     for frontend, counters in fe.items():
         backends = {b: c for b, c in be.items() if _frontend_of(b, set(fe)) == frontend}
         own_5xx = counters["haproxy_frontend_http_responses_total:5xx"] - sum(
@@ -116,10 +120,13 @@ def refusals(exporter_text: str) -> dict[str, dict]:
             counters["haproxy_frontend_requests_denied_total"] + counters["haproxy_frontend_intercepted_requests_total"]
         )
         queue_full = max(0.0, own_5xx) if frontend in QUEUE_FULL_BY_5XX else 0.0
+        refused = max(0.0, answered - queue_full)  # a backend's answer is not the frontend's interception
+        if _frontend_of(GRPC_QUEUE_FULL_BACKEND, set(fe)) == frontend:
+            queue_full = answering.get("haproxy_backend_http_requests_total", 0.0)
         out[frontend] = {
             "queue_full": queue_full,
             "queue_timeout": sum(c["haproxy_backend_connection_errors_total"] for c in backends.values()),
-            "refused": max(0.0, answered - queue_full),
+            "refused": refused,
             "connection_cap": counters["haproxy_frontend_denied_connections_total"]
             + counters["haproxy_frontend_denied_sessions_total"],
             "bad_request": counters["haproxy_frontend_request_errors_total"],

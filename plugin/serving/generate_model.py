@@ -116,6 +116,11 @@ class _RequestHandle:
     def is_cancelled(self) -> bool:
         return self.broken or self.request.is_cancelled()
 
+    @property
+    def traces_steps(self) -> bool:
+        """Whether the engine records this request's steps (tritonserver traces it)."""
+        return self.spans is not None
+
     def send(self, chunk: GenerationChunk, final: bool) -> None:
         self.done = self.done or final
         self.outbox.put(self._send_now, chunk, final)
@@ -131,7 +136,7 @@ class _RequestHandle:
                 chunk_response(self.model.pb_utils, chunk, self._wanted), flags=self.final_flag if final else 0
             )
             if sending_ns:
-                self.spans.finish(chunk.outputs, chunk.finish_reason, sending_ns, time.time_ns())
+                self.spans.finish(chunk.outputs, chunk.finish_reason, sending_ns, time.time_ns(), chunk.steps)
         except Exception as exc:  # e.g. the client went away: fail this request only
             self.model.logger.log_error(
                 f"generate: response for one request not sent ({type(exc).__name__}: {exc}); dropping it"

@@ -27,6 +27,10 @@ MASK_WIDTH = "mask_width"
 FINISH_REASON = "finish_reason"
 OUTCOME = "outcome"
 REASON = "reason"  # with OUTCOME: the refused field, as the sampler's metrics label it
+# A generate request's engine steps, one `step` span each under its `decode` span, up to this many
+# (the first ones); its decode span says how many steps there were in all.
+MAX_STEP_SPANS = 256
+STEPS = "steps"
 
 
 class ModelTracer:
@@ -64,16 +68,14 @@ class ModelTracer:
             return None
 
     def span(self, parent, name: str, start_ns: int, end_ns: int, attributes: dict, children=()) -> None:
-        """Record a finished span `name` under `parent` with its `children`, (name, start, end, attributes)."""
+        """Record a finished span `name` under `parent` with its `children`, each (name, start, end,
+        attributes) or (name, start, end, attributes, its own children)."""
         span = self.tracer.start_span(
             f"{self.model_name}.{name}", context=parent, start_time=start_ns, attributes=attributes
         )
         inner = self.context_of_span(span)
-        for child_name, child_start, child_end, child_attributes in children:
-            child = self.tracer.start_span(
-                f"{self.model_name}.{child_name}", context=inner, start_time=child_start, attributes=child_attributes
-            )
-            child.end(end_time=child_end)
+        for child in children:
+            self.span(inner, *child)
         span.end(end_time=end_ns)
 
     def shutdown(self) -> None:
@@ -114,8 +116,9 @@ class BatchSpans:
 class RequestSpans:
     """One decoupled request's spans, recorded when its final response is sent: parse (its execute
     call's), queue (submission to admission), decode (admission to its last token) and response
-    (sending the final), under one `request` span. The engine's durations come from the request's
-    timing outputs (engine clock), placed after the moment it was submitted."""
+    (sending the final), under one `request` span, and under decode one `step` span per engine step
+    it took part in (the first MAX_STEP_SPANS), from the engine's StepSpans; without those the
+    engine's durations come from the request's timing outputs, placed after its submission."""
 
     def __init__(self, tracer: ModelTracer, parent, batch: BatchSpans, shared: dict):
         self.tracer, self.parent, self.shared = tracer, parent, shared
@@ -131,8 +134,9 @@ class RequestSpans:
         parent = batch.tracer.parent_of(request)
         return None if parent is None else cls(batch.tracer, parent, batch, shared)
 
-    def finish(self, outputs: dict, finish_reason: str, send_start_ns: int, send_end_ns: int) -> None:
-        """Record the spans; `outputs` holds the final response's timing outputs (seconds). Never raises."""
+    def finish(self, outputs: dict, finish_reason: str, send_start_ns: int, send_end_ns: int, steps=None) -> None:
+        """Record the spans; `outputs` holds the final response's timing outputs (seconds), `steps`
+        the engine's StepSpans of the request (a `step` span each under `decode`). Never raises."""
         try:
             queue_s = float(outputs["queue_time_s"][0]) if "queue_time_s" in outputs else 0.0
             generation_s = float(outputs["generation_time_s"][0]) if "generation_time_s" in outputs else 0.0
@@ -142,10 +146,28 @@ class RequestSpans:
             decode = {**self.shared, FINISH_REASON: finish_reason}
             if "time_to_first_token_s" in outputs:
                 decode["time_to_first_token_s"] = float(outputs["time_to_first_token_s"][0])
+            steps = steps or []
+            if steps:  # the engine's own clock: the decode span runs from its first step to its last
+                admitted_ns, last_token_ns = steps[0].start_ns, steps[-1].end_ns
+                decode[STEPS] = len(steps)
+            step_spans = [
+                (
+                    "step",
+                    step.start_ns,
+                    step.end_ns,
+                    {
+                        "batch_rows": step.batch_rows,
+                        "tokens": step.emitted,
+                        "drafted": step.drafted,
+                        "accepted": step.accepted,
+                    },
+                )
+                for step in steps[:MAX_STEP_SPANS]
+            ]
             children = [
                 ("parse", self.started_ns, parsed_ns, self.shared),
-                ("queue", self.submitted_ns, admitted_ns, self.shared),
-                ("decode", admitted_ns, last_token_ns, decode),
+                ("queue", self.submitted_ns, steps[0].start_ns if steps else admitted_ns, self.shared),
+                ("decode", admitted_ns, last_token_ns, decode, step_spans),
                 ("response", send_start_ns, send_end_ns, self.shared),
             ]
             attributes = {**self.shared, FINISH_REASON: finish_reason}
