@@ -11,6 +11,12 @@ the reviewed equivalent mutants of tests/mutation/equivalent.txt (each with why 
     python -m tests.mutation.mutate                     # both packages
     python -m tests.mutation.mutate --modules sampling/sampler.py generation/engine.py
     python -m tests.mutation.mutate --report-only       # the report of the last staged run
+    python -m tests.mutation.mutate --rerun-survivors   # after adding tests: only the last run's survivors
+
+A rerun stages afresh beside the run (build/mutation/<package>-rerun, with the test list as it is
+now) and runs only the mutants the run left alive; the report takes each mutant's status from the
+rerun where it ran there, else from the run. The source must be the run's (mutant names number the
+mutations of each function): it refuses to rerun when plugin/ differs from the run's copy.
 
 Not part of the test suite: a full run takes hours on two cores. Run it before a release.
 """
@@ -66,6 +72,7 @@ TESTS = {
         "tests/test_speculative.py",
         "tests/test_speculative_drafts.py",
         "tests/test_weights.py",
+        "tests/test_weight_manifests.py",
     ),
 }
 # A test that runs this long under a mutant has hung (a loop that never stops): a failure, so a kill.
@@ -95,10 +102,10 @@ def pytest_collection_modifyitems(items):
 """
 
 
-def stage(package: str, modules: list[str]) -> Path:
-    """A fresh build/mutation/<package>/: the package as src/triton_sampling_mask, the tests and the
-    settings that mutate `modules` (paths under plugin/) against that package's tests."""
-    where = STAGE / package
+def stage(package: str, modules: list[str], where: Path | None = None) -> Path:
+    """A fresh build/mutation/<package>/ (or `where`): the package as src/triton_sampling_mask, the
+    tests and the settings that mutate `modules` (paths under plugin/) against that package's tests."""
+    where = where or STAGE / package
     shutil.rmtree(where, ignore_errors=True)
     ignore = shutil.ignore_patterns("__pycache__", "*.so")
     shutil.copytree(ROOT / "plugin", where / "src" / PACKAGE, ignore=ignore)
@@ -127,6 +134,23 @@ timeout = {TEST_TIMEOUT_S}
 
 def _toml_list(values: list[str]) -> str:
     return "[" + ", ".join(f'"{value}"' for value in values) + "]"
+
+
+def rerun_stage(package: str) -> Path:
+    return STAGE / f"{package}-rerun"
+
+
+def alive(found: dict[str, tuple[str, Path]]) -> list[str]:
+    """The mutants of a run that no test killed (survived, no tests, ...), not counting unrun ones."""
+    return sorted(name for name, (status, _) in found.items() if status not in KILLED and status not in NOT_RUN)
+
+
+def same_source(package: str) -> bool:
+    """Whether plugin/<package> is still the source the staged run mutated."""
+    staged = STAGE / package / "src" / PACKAGE / package
+    here = ROOT / "plugin" / package
+    files = sorted(p.relative_to(here) for p in here.rglob("*.py"))
+    return all((staged / f).exists() and (staged / f).read_bytes() == (here / f).read_bytes() for f in files)
 
 
 def run_mutmut(where: Path, children: int, names: list[str], max_examples: int) -> int:
@@ -258,15 +282,34 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--keep-stage", action="store_true", help="resume the last staged run, do not restage")
     parser.add_argument("--report-only", action="store_true", help="report the last staged run, run nothing")
+    parser.add_argument(
+        "--rerun-survivors",
+        action="store_true",
+        help="run only the last run's survivors, with the tests as they are now",
+    )
     parser.add_argument("--report", type=Path, default=REPORT)
     args = parser.parse_args(argv)
     by_package = {package: [m for m in args.modules if m.split("/")[0] == package] for package in PACKAGES}
     unknown = [m for m in args.modules if m.split("/")[0] not in PACKAGES]
     if unknown:
         parser.error(f"not under plugin/sampling or plugin/generation: {unknown}")
-    if not args.report_only:
+    if args.rerun_survivors:
+        for package, modules in by_package.items():
+            if not modules:
+                continue
+            if not same_source(package):
+                parser.error(f"plugin/{package} changed since its staged run: run it again instead")
+            names = alive(results(STAGE / package))
+            if names:
+                where = stage(package, modules, rerun_stage(package))
+                status = run_mutmut(where, args.max_children, names, args.max_examples)
+                if status:
+                    print(f"mutmut rerun over {package} exited with {status}", file=sys.stderr)
+    elif not args.report_only:
         for package, modules in by_package.items():
             if modules:
+                if not args.keep_stage:  # a new run: an earlier run's rerun no longer applies
+                    shutil.rmtree(rerun_stage(package), ignore_errors=True)
                 where = STAGE / package if args.keep_stage else stage(package, modules)
                 names = [name for name in args.mutants if f".{package}." in name]
                 if args.mutants and not names:
@@ -278,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     for package, modules in by_package.items():
         if modules:
             found |= results(STAGE / package)
+            rerun = {name: got for name, got in results(rerun_stage(package)).items() if got[0] not in NOT_RUN}
+            found |= {name: got for name, got in rerun.items() if name in found}
     text = report(found, args.modules)
     args.report.write_text(text)
     print(text)
