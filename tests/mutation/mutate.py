@@ -63,6 +63,8 @@ TESTS = {
         "tests/test_unranked_draw.py",
         "tests/test_margin_top_k_run_at_k.py",
         "tests/test_input_table.py",
+        "tests/test_log_prob_rounding.py",
+        "tests/test_normaliser_blocks.py",
     ),
     "generation": (
         "tests/test_generation.py",
