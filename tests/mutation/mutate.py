@@ -66,6 +66,11 @@ TESTS = {
         "tests/test_wire_values.py",
         "tests/test_host_arrays.py",
         "tests/test_ranked_candidates_layouts.py",
+        "tests/test_unranked_draw.py",
+        "tests/test_margin_top_k_run_at_k.py",
+        "tests/test_input_table.py",
+        "tests/test_log_prob_rounding.py",
+        "tests/test_normaliser_blocks.py",
     ),
     "generation": (
         "tests/test_generation.py",
