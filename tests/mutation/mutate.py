@@ -78,6 +78,11 @@ TESTS = {
         "tests/test_speculative_drafts.py",
         "tests/test_weights.py",
         "tests/test_weight_manifests.py",
+        "tests/test_weight_groups.py",
+        "tests/test_weight_sources.py",
+        "tests/test_generation_requests.py",
+        "tests/test_cache_layout.py",
+        "tests/test_engine_pause.py",
     ),
 }
 # A test that runs this long under a mutant has hung (a loop that never stops): a failure, so a kill.
