@@ -82,3 +82,21 @@ def test_tokens_after_an_update_carry_its_version_as_python_bytes(lm):
         assert versions.tolist() == [b"step-7"] * 3
     finally:
         running.stop()
+
+
+def test_an_abort_empties_the_waiting_prompt_tokens_it_ends(lm):
+    # Requests that wait while the engine is paused are ended by an abort, and their prompt tokens
+    # no longer count against max_waiting_tokens: the next requests may fill it exactly.
+    running = engine(lm, max_waiting_tokens=2 * len(PROMPT))
+    try:
+        running.pause(IN_PLACE)
+        waiting = [RecordingHandle() for _ in range(2)]
+        for handle in waiting:
+            running.submit(request(PROMPT, 4, ignore_eos=True, **MASKED), handle)
+        running.resume()
+        running.pause(ABORT)  # may end them in flight or still waiting: either way they are gone
+        assert all(handle.done.wait(30) for handle in waiting)
+        for _ in range(2):  # exactly max_waiting_tokens: both are taken while the engine holds
+            running.submit(request(PROMPT, 4, ignore_eos=True, **MASKED), RecordingHandle())
+    finally:
+        running.stop()
