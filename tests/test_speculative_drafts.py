@@ -181,7 +181,6 @@ def test_unusable_logits_at_a_drafted_position_fail_as_plain_decoding_does(kind,
     assert observer.steps == [(1, DRAFTED, position)], observer.steps
 
 
-
 class TracedHandle(RecordingHandle):
     """A handle whose request is traced: the engine hands it the request's steps on its final chunk."""
 
