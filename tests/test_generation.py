@@ -273,6 +273,10 @@ def test_step_records_time_each_request_and_the_kept_mass_of_masked_tokens():
     total = timing["queue_time_s"] + timing["generation_time_s"]
     np.testing.assert_allclose(np.sort(total), np.sort(e2e), rtol=1e-5)
     assert all(name not in chunk.outputs for name in TIMING_NAMES for chunk in handles[2].chunks[:-1])
+    # each as its output declares it: one float32 of seconds (the wire sends the array's own dtype)
+    assert all(
+        chunk[name].dtype == np.float32 and chunk[name].shape == (1,) for chunk in finals for name in TIMING_NAMES
+    )
     assert sum(step.finished["stop"] for step in observer.steps) == 0
     # log(kept mass) of every token of the masked requests, against the float64 reference.
     expected = []

@@ -71,6 +71,7 @@ TESTS = {
         "tests/test_input_table.py",
         "tests/test_log_prob_rounding.py",
         "tests/test_normaliser_blocks.py",
+        "tests/test_row_plans.py",
     ),
     "generation": (
         "tests/test_generation.py",
