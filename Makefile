@@ -107,7 +107,8 @@ bench: setup
 # Mutation testing of plugin/sampling/ and plugin/generation/ against their unit tests (mutmut, from the
 # `mutate` extra, installed here only): kill rate, survivors and the reviewed equivalent mutants in
 # bench/results/mutation.md (tests/mutation/). Hours on two cores: run before a release, not in CI.
-# MUTATE_ARGS="--modules sampling/sampler.py generation/engine.py" narrows the run.
+# MUTATE_ARGS="--modules sampling/sampler.py generation/engine.py" narrows the run; after adding
+# tests, MUTATE_ARGS=--rerun-survivors runs only the last run's survivors against them.
 MUTATE_ARGS ?=
 mutate: setup
 	$(PYTHON) -c "import mutmut" 2>/dev/null || $(PYTHON) -m pip install --quiet -e '.[mutate]'
