@@ -94,22 +94,23 @@ def test_a_missing_dtype_is_refused_as_none():
     assert refused(manifest_entry, bad, 0, False) == f"tensors[0] ('w'): dtype must be one of {DTYPE_NAMES}, got None"
 
 
-@pytest.mark.parametrize("shape", [(2, 3), [2, -1], [-1], ["2"], [2.0], None, "23", {"0": 2}])
+@pytest.mark.parametrize("shape", [(2, 3), [2, -1], [-1], ["2"], [2.0], None, "23", {"0": 2}, [True, 3], [False]])
 def test_a_shape_not_a_list_of_sizes_is_refused(shape):
     assert refused(manifest_entry, entry(shape=shape), 2, False) == (
         "tensors[2] ('w'): shape must be a list of sizes >= 0"
     )
 
 
-@pytest.mark.parametrize("offset", [-1, -64, "8", 8.0, None])
+@pytest.mark.parametrize("offset", [-1, -64, "8", 8.0, None, True, False])
 def test_a_bad_offset_is_refused_where_offsets_are_read(offset):
     assert refused(manifest_entry, entry(offset=offset), 0, True) == (
         "tensors[0] ('w'): offset must be an integer >= 0"
     )
 
 
-def test_offsets_are_not_checked_where_they_are_not_read():
-    assert manifest_entry(entry(offset=-8), 0, False)[:3] == ("w", torch.float32, (2, 3))
+@pytest.mark.parametrize("offset", [-8, 8, "x", None, 8.5, [1], True])
+def test_offsets_are_ignored_where_they_are_not_read(offset):
+    assert manifest_entry(entry(offset=offset), 0, False) == ("w", torch.float32, (2, 3), 0)
 
 
 # _entries: the whole manifest.

@@ -40,12 +40,19 @@ def manifest_entry(entry: object, index: int, with_offset: bool) -> tuple[str, t
             f"{where} ({name!r}): dtype must be one of {sorted(DTYPES)}, got {entry.get('dtype')!r}"
         )
     shape = entry.get("shape")
-    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+    if not isinstance(shape, list) or not all(_is_size(d) for d in shape):
         raise WeightUpdateError(f"{where} ({name!r}): shape must be a list of sizes >= 0")
+    if not with_offset:  # a group's entries carry no bytes of their own: any offset is ignored
+        return name, dtype, tuple(shape), 0
     offset = entry.get("offset", 0)
-    if with_offset and (not isinstance(offset, int) or offset < 0):
+    if not _is_size(offset):
         raise WeightUpdateError(f"{where} ({name!r}): offset must be an integer >= 0")
-    return name, dtype, tuple(shape), int(offset)
+    return name, dtype, tuple(shape), offset
+
+
+def _is_size(value: object) -> bool:
+    """A JSON integer >= 0 (JSON's true and false are not sizes, though Python's bool is an int)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _entries(manifest: object, with_offset: bool) -> list[tuple[str, torch.dtype, tuple[int, ...], int]]:
