@@ -15,6 +15,8 @@ import uvicorn
 
 from triton_sampling_mask.api.app import create_app, main
 from triton_sampling_mask.api.config import ApiConfig
+from triton_sampling_mask.api.schemas import CompletionRequest, GenerateRequest, SGLangSamplingParams
+from triton_sampling_mask.api.service import sampling_knobs
 from triton_sampling_mask.ops.server_process import free_port
 
 KEY = "s3cret-key"
@@ -72,3 +74,23 @@ def test_a_bad_command_line_exits_non_zero(argv, capsys):
     with pytest.raises(SystemExit) as exited:
         main(["--triton-url", "127.0.0.1:1", *argv] if argv != [] else ["--port", "1"])
     assert exited.value.code == 2
+
+
+SENT = dict(temperature=0.5, top_k=7, top_p=0.9, min_p=0.125, return_sampling_mask=True)
+
+
+def test_every_sampling_parameter_is_read_from_the_openai_fields():
+    request = CompletionRequest(prompt="x", seed=3, **SENT)
+    assert sampling_knobs(request) == dict(SENT, seed=3)
+    assert sampling_knobs(CompletionRequest(prompt="x")) == dict.fromkeys(SENT, None) | {
+        "seed": None,
+        "return_sampling_mask": False,
+    }
+
+
+def test_every_sampling_parameter_is_read_from_sglangs_fields_and_the_request():
+    knobs = {k: v for k, v in SENT.items() if k != "return_sampling_mask"}
+    request = GenerateRequest(text="x", sampling_params={**knobs, "sampling_seed": 9}, return_sampling_mask=True)
+    fields = SGLangSamplingParams(**request.sampling_params)
+    read = sampling_knobs(fields, {"seed": "sampling_seed"}, return_sampling_mask=request.return_sampling_mask)
+    assert read == dict(SENT, seed=9)

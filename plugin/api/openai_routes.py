@@ -14,7 +14,7 @@ import uuid
 from .errors import ApiError, bad_request
 from .schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from .sequences import Delta, SequenceRequest, SequenceResult
-from .service import ApiService, Knobs
+from .service import ApiService, sampling_knobs
 from .sglang_routes import meta_info
 from .text import ChatTemplateError, render_chat
 from .timings import openai_timings
@@ -34,12 +34,6 @@ def _neutral(request: SamplingFields) -> None:
             raise bad_request(f"{field} is not supported (the generate model samples without penalties)", field)
     if request.logit_bias:
         raise bad_request("logit_bias is not supported", "logit_bias")
-
-
-def _knobs(request: SamplingFields) -> Knobs:
-    return Knobs(
-        request.temperature, request.top_k, request.top_p, request.min_p, request.seed, request.return_sampling_mask
-    )
 
 
 def _prompts(prompt, service: ApiService) -> list[list[int]]:
@@ -69,7 +63,7 @@ def _sequences(
             raise bad_request(f"prompt {i} is empty: it must hold at least one token", fields[0])
     stops = service.stop_strings(request.stop, "stop")
     stop_ids = tuple(request.stop_token_ids or ())
-    params = service.sampling_params(_knobs(request), request.n, OPENAI_NAMES)
+    params = service.sampling_params(sampling_knobs(request), request.n, OPENAI_NAMES)
     max_tokens = getattr(request, "max_completion_tokens", None)
     max_tokens = request.max_tokens if request.max_tokens is not None else max_tokens
     return [

@@ -4,10 +4,11 @@ stop-list bounds, the sampling rules of plugin/sampling/validation.py through Sa
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
 
 from ..client import AsyncGenerateClient, GenerateError
 from ..client.sampling_params import SamplingParams
+from ..sampling.params import PARAM_SPECS, SEED
 from ..sampling.validation import SamplingRequestError
 from .config import ApiConfig
 from .errors import ApiError, bad_request, from_generate_error, from_sampling_error
@@ -17,16 +18,15 @@ from .text import context_length, load_tokenizer
 _UINT64 = 2**64
 
 
-@dataclass(frozen=True)
-class Knobs:
-    """One request's sampling parameters as the client sent them (None: the server's default)."""
-
-    temperature: float | None = None
-    top_k: int | None = None
-    top_p: float | None = None
-    min_p: float | None = None
-    seed: int | None = None
-    return_sampling_mask: bool = False
+def sampling_knobs(fields: object, renames: Mapping[str, str] | None = None, **given: object) -> dict[str, object]:
+    """One request's sampling parameters as the client sent them, one per `PARAM_SPECS` entry
+    (None: the server's default): read from `fields` under this dialect's name (`renames` maps a
+    parameter to it, else its own), or taken from `given`."""
+    renames = renames or {}
+    return {
+        spec.name: given[spec.name] if spec.name in given else getattr(fields, renames.get(spec.name, spec.name), None)
+        for spec in PARAM_SPECS
+    }
 
 
 class ApiService:
@@ -54,15 +54,17 @@ class ApiService:
                 code="model_not_found",
             )
 
-    def sampling_params(self, knobs: Knobs, choices: int, names: dict[str, str]) -> list[SamplingParams]:
+    def sampling_params(self, knobs: dict[str, object], choices: int, names: dict[str, str]) -> list[SamplingParams]:
         """One SamplingParams per choice, checked with the server's rules; choice j of a seeded
         request with several choices is seeded with seed + j (mod 2**64), so each differs and
-        each can be replayed alone. `names` renames fields for this dialect's messages."""
-        values = {k: v for k, v in vars(knobs).items() if v is not None and k != "seed"}
+        each can be replayed alone. `knobs` is `sampling_knobs`' answer; `names` renames fields for
+        this dialect's messages."""
+        values = {k: v for k, v in knobs.items() if v is not None and k != SEED.name}
+        seed = knobs.get(SEED.name)
         try:
-            if knobs.seed is not None and not -(2**63) <= knobs.seed < _UINT64:
-                raise SamplingRequestError("seed", f"seed must be a 64-bit integer, got {knobs.seed}")
-            seeds = [None] * choices if knobs.seed is None else [(knobs.seed + j) % _UINT64 for j in range(choices)]
+            if seed is not None and not -(2**63) <= seed < _UINT64:
+                raise SamplingRequestError("seed", f"seed must be a 64-bit integer, got {seed}")
+            seeds = [None] * choices if seed is None else [(seed + j) % _UINT64 for j in range(choices)]
             return [SamplingParams(**values, seed=seed) for seed in seeds]
         except SamplingRequestError as error:
             raise from_sampling_error(error, names) from None

@@ -22,7 +22,7 @@ from ..client import SampleResult, concatenate_tokens
 from .errors import bad_request, from_validation_error
 from .schemas import GenerateRequest, SGLangSamplingParams
 from .sequences import FINISH_LENGTH, SequenceRequest, SequenceResult
-from .service import ApiService, Knobs
+from .service import ApiService, sampling_knobs
 from .timings import sglang_timings
 from .token_fields import finite, sglang_mask_fields, token_ids
 
@@ -156,7 +156,7 @@ class GenerateHandler:
         service.check_choices(count, "sampling_params.n")
         sequences = []
         for ids, p in zip(prompts, per_prompt):
-            knobs = Knobs(p.temperature, p.top_k, p.top_p, p.min_p, p.sampling_seed, request.return_sampling_mask)
+            knobs = sampling_knobs(p, {"seed": "sampling_seed"}, return_sampling_mask=request.return_sampling_mask)
             rows = service.sampling_params(knobs, p.n, SGLANG_NAMES)
             default = min(SGLANG_DEFAULT_MAX_NEW_TOKENS, max(service.context_length - len(ids), 1))
             budget = service.budget(len(ids), p.max_new_tokens, default, (field, "sampling_params.max_new_tokens"))
