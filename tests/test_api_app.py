@@ -17,6 +17,7 @@ from triton_sampling_mask.api.app import create_app, main
 from triton_sampling_mask.api.config import ApiConfig
 from triton_sampling_mask.api.schemas import CompletionRequest, GenerateRequest, SGLangSamplingParams
 from triton_sampling_mask.api.service import sampling_knobs
+from triton_sampling_mask.api.sglang_routes import SGLANG_NAMES, SGLANG_RENAMES
 from triton_sampling_mask.ops.server_process import free_port
 
 KEY = "s3cret-key"
@@ -92,5 +93,16 @@ def test_every_sampling_parameter_is_read_from_sglangs_fields_and_the_request():
     knobs = {k: v for k, v in SENT.items() if k != "return_sampling_mask"}
     request = GenerateRequest(text="x", sampling_params={**knobs, "sampling_seed": 9}, return_sampling_mask=True)
     fields = SGLangSamplingParams(**request.sampling_params)
-    read = sampling_knobs(fields, {"seed": "sampling_seed"}, return_sampling_mask=request.return_sampling_mask)
+    read = sampling_knobs(fields, SGLANG_RENAMES, return_sampling_mask=request.return_sampling_mask)
     assert read == dict(SENT, seed=9)
+
+
+def test_sglang_messages_name_each_sampling_parameter_where_sglang_carries_it():
+    assert SGLANG_NAMES == {
+        "temperature": "sampling_params.temperature",
+        "top_k": "sampling_params.top_k",
+        "top_p": "sampling_params.top_p",
+        "min_p": "sampling_params.min_p",
+        "seed": "sampling_params.sampling_seed",
+        "max_new_tokens": "sampling_params.max_new_tokens",
+    }

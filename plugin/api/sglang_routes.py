@@ -19,6 +19,7 @@ import uuid
 from pydantic import ValidationError
 
 from ..client import SampleResult, concatenate_tokens
+from ..sampling.params import PARAM_SPECS, RETURN_SAMPLING_MASK
 from .errors import bad_request, from_validation_error
 from .schemas import GenerateRequest, SGLangSamplingParams
 from .sequences import FINISH_LENGTH, SequenceRequest, SequenceResult
@@ -28,8 +29,14 @@ from .token_fields import finite, sglang_mask_fields, token_ids
 
 # SGLang's default budget when max_new_tokens is absent.
 SGLANG_DEFAULT_MAX_NEW_TOKENS = 128
-SGLANG_NAMES = {"seed": "sampling_params.sampling_seed", "max_new_tokens": "sampling_params.max_new_tokens"}
-SGLANG_NAMES.update({k: f"sampling_params.{k}" for k in ("temperature", "top_k", "top_p", "min_p")})
+# Where SGLang carries each field a message may name: the sampling parameters and the budget in
+# `sampling_params` (the seed as `sampling_seed`), return_sampling_mask at the top level.
+SGLANG_RENAMES = {"seed": "sampling_seed"}
+SGLANG_NAMES = {
+    spec.name: f"sampling_params.{SGLANG_RENAMES.get(spec.name, spec.name)}"
+    for spec in PARAM_SPECS
+    if spec is not RETURN_SAMPLING_MASK
+} | {"max_new_tokens": "sampling_params.max_new_tokens"}
 
 
 def _finish_reason(result) -> dict | None:
@@ -156,7 +163,7 @@ class GenerateHandler:
         service.check_choices(count, "sampling_params.n")
         sequences = []
         for ids, p in zip(prompts, per_prompt):
-            knobs = sampling_knobs(p, {"seed": "sampling_seed"}, return_sampling_mask=request.return_sampling_mask)
+            knobs = sampling_knobs(p, SGLANG_RENAMES, return_sampling_mask=request.return_sampling_mask)
             rows = service.sampling_params(knobs, p.n, SGLANG_NAMES)
             default = min(SGLANG_DEFAULT_MAX_NEW_TOKENS, max(service.context_length - len(ids), 1))
             budget = service.budget(len(ids), p.max_new_tokens, default, (field, "sampling_params.max_new_tokens"))
