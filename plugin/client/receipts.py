@@ -17,7 +17,7 @@ precisions; one outside it means the trainer's logits are not the ones the serve
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -179,7 +179,8 @@ def rederive_tokens(logits: torch.Tensor, receipts: SamplingReceipts, token_ids)
     if served.size and (served.min() < 0 or served.max() >= vocab):
         raise ValueError(f"token_ids must lie in [0, {vocab})")
     params = receipts.params.greedy_applied()
-    noise_seed = receipts.noise_seed.view(np.int64)
+    seeds = receipts.noise_seed
+    noise_seed = seeds.view(np.int64)
     drawn = np.empty(tokens, np.int64)
     pair_logits = np.empty((tokens, 2), np.float64)  # the served and the drawn token's logits
     row_max = np.empty(tokens, np.float64)
@@ -190,15 +191,14 @@ def rederive_tokens(logits: torch.Tensor, receipts: SamplingReceipts, token_ids)
         if block.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             block = block.to(torch.float32)
         rows = slice(start, stop)
-        batch = SamplingBatch.from_arrays(
-            block,
-            receipts.params.temperature[rows],
-            receipts.params.top_k[rows],
-            receipts.params.top_p[rows],
-            receipts.params.min_p[rows],
-            noise_seed[rows],
-            np.zeros(stop - start, np.bool_),
+        # every parameter as served (a new one included), each token's noise seed, no mask
+        block_params = replace(
+            receipts.params.take(np.arange(start, stop)),
+            seed=seeds[rows],
+            has_seed=np.ones(stop - start, np.bool_),
+            return_sampling_mask=np.zeros(stop - start, np.bool_),
         )
+        batch = SamplingBatch(block, block_params)
         result = sample(batch, mask_width=0).host()
         drawn[rows] = result["output_ids"]
         row_max[rows] = result["row_max"]
