@@ -84,6 +84,7 @@ TESTS = {
         "tests/test_generation_requests.py",
         "tests/test_cache_layout.py",
         "tests/test_engine_pause.py",
+        "tests/test_lm_loading.py",
     ),
 }
 # A test that runs this long under a mutant has hung (a loop that never stops): a failure, so a kill.
