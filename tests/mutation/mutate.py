@@ -85,6 +85,7 @@ TESTS = {
         "tests/test_cache_layout.py",
         "tests/test_engine_pause.py",
         "tests/test_lm_loading.py",
+        "tests/test_engine_bookkeeping.py",
     ),
 }
 # A test that runs this long under a mutant has hung (a loop that never stops): a failure, so a kill.
