@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import os
 import re
 import shutil
@@ -37,6 +38,8 @@ ROOT = Path(__file__).resolve().parents[2]
 STAGE = ROOT / "build" / "mutation"
 PACKAGE = "triton_sampling_mask"
 EQUIVALENT = Path(__file__).with_name("equivalent.txt")
+# Reviewed survivors that do change behaviour, but where no unit test here can see it (same format).
+EXPLAINED = Path(__file__).with_name("survivors.txt")
 REPORT = ROOT / "bench" / "results" / "mutation.md"
 PACKAGES = ("sampling", "generation")
 # Never mutated: Triton kernels (mutmut's trampolines would replace the @triton.jit functions it
@@ -213,7 +216,8 @@ def module_of(name: str) -> str:
 
 
 def read_equivalent(path: Path = EQUIVALENT) -> dict[tuple[str, str], str]:
-    """The reviewed equivalent mutants: (function, mutated line) -> why it changes no behaviour."""
+    """The reviewed mutants of `path`: (function, mutated line) -> why it changes no behaviour
+    (equivalent.txt) or why no test here catches it (survivors.txt)."""
     equivalent = {}
     for line in path.read_text().splitlines():
         if line.strip() and not line.startswith("#"):
@@ -228,9 +232,14 @@ KILLED = ("killed", "timeout", "segfault", "caught by type check")
 NOT_RUN = ("not checked", "check was interrupted by user")
 
 
+def _percent(part: int, whole: int) -> float:
+    """part / whole in percent, rounded down to 0.1 (a rate short of 100% never reads 100.0%)."""
+    return math.floor(1000 * part / max(1, whole)) / 10
+
+
 def report(found: dict[str, tuple[str, Path]], modules: list[str]) -> str:
     """The Markdown report: kill rate per module and overall, then every survivor's diff."""
-    equivalent = read_equivalent()
+    equivalent, explained = read_equivalent(), read_equivalent(EXPLAINED)
     statuses = {name: status for name, (status, _) in found.items()}
     survivors, matched = {}, {}
     for name, status in sorted(statuses.items()):
@@ -240,7 +249,7 @@ def report(found: dict[str, tuple[str, Path]], modules: list[str]) -> str:
             if key in equivalent:
                 matched[name] = equivalent[key]
             else:
-                survivors[name] = (status, diff)
+                survivors[name] = (status, diff, explained.get(key))
     unchecked = {n for n, status in statuses.items() if status in NOT_RUN}
     rows = []
     for module in sorted({module_of(name) for name in statuses}):
@@ -252,7 +261,7 @@ def report(found: dict[str, tuple[str, Path]], modules: list[str]) -> str:
     total = sum(r[1] for r in rows)
     killed = sum(r[2] for r in rows)
     equivalents = sum(r[3] for r in rows)
-    rate = 100.0 * killed / max(1, total - equivalents)
+    rate = _percent(killed, total - equivalents)
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     lines = [
@@ -273,13 +282,15 @@ def report(found: dict[str, tuple[str, Path]], modules: list[str]) -> str:
     ]
     for module, count, dead, same, not_run in rows:
         alive = count - dead - same
-        rate = 100.0 * dead / max(1, count - same)
+        rate = _percent(dead, count - same)
         lines.append(f"| {module} | {count} | {dead} | {same} | {alive} | {rate:.1f}% | {not_run} |")
     lines += ["", "## Surviving mutants", ""]
     if not survivors:
         lines.append("None.")
-    for name, (status, diff) in survivors.items():
-        lines += [f"### `{name}` ({status})", "", "```diff", *diff.splitlines()[2:], "```", ""]
+    for name, (status, diff, why) in survivors.items():
+        lines += [f"### `{name}` ({status})", ""]
+        lines += [f"Why it survives (tests/mutation/survivors.txt): {why}", ""] if why else []
+        lines += ["```diff", *diff.splitlines()[2:], "```", ""]
     return "\n".join(lines).rstrip() + "\n"
 
 
