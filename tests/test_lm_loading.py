@@ -201,6 +201,24 @@ def test_the_default_model_is_the_configs_eager_llama_without_its_comment():
     assert "_comment" not in model.config.to_dict()
 
 
+def test_building_the_default_model_leaves_every_global_generator_alone(monkeypatch):
+    reseeded = []
+    for module in (torch.cuda, torch.mps, torch.xpu):  # what torch.manual_seed reseeds beside the CPU
+        if hasattr(module, "manual_seed_all"):
+            monkeypatch.setattr(module, "manual_seed_all", lambda seed, name=module.__name__: reseeded.append(name))
+    if hasattr(torch.mps, "manual_seed"):
+        monkeypatch.setattr(torch.mps, "manual_seed", lambda seed: reseeded.append("torch.mps"))
+    generator = torch.default_generator
+    generator.manual_seed(1234)
+    expected_next = torch.rand(4)
+    generator.manual_seed(1234)
+    first, second = build_default_model(), build_default_model()
+    assert torch.equal(torch.rand(4), expected_next)  # the CPU generator is where it was
+    assert reseeded == []  # no accelerator's generator reseeded (on a GPU host, it would stay so)
+    # the weights depend on the config's seed only
+    assert all(torch.equal(a, b) for a, b in zip(first.state_dict().values(), second.state_dict().values()))
+
+
 def test_a_config_without_comment_or_attention_builds_with_the_default_attention(tmp_path):
     path = _write_config(tmp_path / "plain.json", _comment=None, attn_implementation=None)
     model = build_default_model(path)

@@ -281,8 +281,10 @@ def build_default_model(config_path: Path = DEFAULT_LM_CONFIG):
     attention = settings.pop("attn_implementation", None)
     config = AutoConfig.for_model(**settings)
     # A private RNG scope: the weights depend on the seed only, and global RNG state is untouched.
+    # The weights are drawn on the CPU: seed its generator alone (torch.manual_seed would also reseed
+    # every GPU's generator, which fork_rng(devices=[]) does not restore).
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+        torch.default_generator.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, **({"attn_implementation": attention} if attention else {}))
     return model
 
