@@ -26,7 +26,7 @@ from triton_sampling_mask.sampling.outputs import OUTPUT_LOGPROBS, SAMPLING_LOGP
 from triton_sampling_mask.sampling.params import RowParams
 
 from .copying_lm import CopyingLM
-from .test_generation import BigramLM, RecordingHandle, engine, generate, policy, request
+from .test_generation import BigramLM, RecordingHandle, engine, generate, policy, request, run_to_end
 
 CYCLE = [20, 21, 22, 23, 24, 25, 26]  # CopyingLM continues a repeated cycle greedily: it drafts
 
@@ -151,15 +151,8 @@ def test_a_waiting_request_is_admitted_exactly_when_the_rows_that_left_free_its_
     observer = EventObserver(log)
     running = build(CopyingLM(), observer, kv_budget_tokens=27)
     prompts = {"A": ([1], 2), "B": ([2, 3], 19), "C": ([4, 5, 6, 7], 2), "D": ([8, 9, 10, 11, 12, 13, 14, 15], 2)}
-    handles = {name: LoggedHandle(name, log) for name in prompts}
-    for name, (prompt, budget) in prompts.items():
-        running.submit(request(prompt, budget), handles[name])
-    running.start()
-    try:
-        for handle in handles.values():
-            assert handle.done.wait(10)
-    finally:
-        running.stop()
+    reqs = [request(prompt, budget) for prompt, budget in prompts.values()]
+    handles = dict(zip(prompts, run_to_end(running, reqs, 10, [LoggedHandle(name, log) for name in prompts])))
     assert log == [
         ("admitted", 3),
         ("final", "A"),
@@ -201,15 +194,8 @@ def test_each_step_counts_the_rows_that_drafted_one_token_each():
     observer = EventObserver()
     running = build(CopyingLM(), observer, NgramDrafter(num_tokens=1))
     reqs = [request(CYCLE * 2, 4, temperature=0.0), request(CYCLE * 2, 14, temperature=0.0)]
-    handles = [RecordingHandle() for _ in reqs]
-    for handle, req in zip(handles, reqs):
-        running.submit(req, handle)
-    running.start()
-    try:
-        for handle in handles:
-            assert handle.done.wait(10) and not handle.errors
-    finally:
-        running.stop()
+    handles = run_to_end(running, reqs, 10)
+    assert not any(handle.errors for handle in handles)
     assert observer.speculation and all(drafts == drafted for drafts, drafted, _ in observer.speculation)
     assert (1, 1, 1) in observer.speculation  # the step where only the long request drafted
     assert sum(accepted for _, _, accepted in observer.speculation) > 0

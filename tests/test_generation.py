@@ -166,9 +166,10 @@ def generate(lm, reqs, timeout_s: float = 60) -> list[RecordingHandle]:
     return run_to_end(engine(lm, start=False), reqs, timeout_s)
 
 
-def run_to_end(running, reqs, timeout_s: float) -> list[RecordingHandle]:
-    """Submit every request to a stopped engine, start it, wait for each to end, stop it."""
-    handles = [RecordingHandle() for _ in reqs]
+def run_to_end(running, reqs, timeout_s: float, handles=None) -> list[RecordingHandle]:
+    """Submit every request to a stopped engine, start it, wait for each to end, stop it
+    (`handles`: one per request, by default a RecordingHandle each)."""
+    handles = [RecordingHandle() for _ in reqs] if handles is None else list(handles)
     for handle, req in zip(handles, reqs):
         running.submit(req, handle)
     running.start()

@@ -193,7 +193,7 @@ def rederive_tokens(logits: torch.Tensor, receipts: SamplingReceipts, token_ids)
         rows = slice(start, stop)
         # every parameter as served (a new one included), each token's noise seed, no mask
         block_params = replace(
-            receipts.params.take(np.arange(start, stop)),
+            receipts.params.take(rows),
             seed=seeds[rows],
             has_seed=np.ones(stop - start, np.bool_),
             return_sampling_mask=np.zeros(stop - start, np.bool_),
