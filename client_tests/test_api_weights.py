@@ -57,7 +57,9 @@ def server(tmp_path_factory, weights_root):
     variant = {MODEL: {"lm_dtype": "float64", "weights_root": str(weights_root)}}
     repository = build_engine_repository(tmp_path_factory.mktemp("api_weights_models"), variant)
     log = tmp_path_factory.mktemp("api_weights_logs") / "tritonserver.log"
-    with TritonServer(repository, log_path=log, admin_key=ADMIN_KEY) as triton:
+    # the front door's client-address header forwarded to the model, as loopback_args() does
+    forward = [f"--grpc-header-forward-pattern={CLIENT_ADDRESS_PARAMETER}"]
+    with TritonServer(repository, forward, log_path=log, admin_key=ADMIN_KEY) as triton:
         yield triton
 
 
@@ -313,3 +315,33 @@ def test_the_version_routes_answer_in_sglangs_shape(server, api):
     status, body = post(api, "/pause_generation", {"mode": "in_place"}, keyed())
     assert status == 200 and body["status"] == "ok" and body["success"] is True
     assert post(api, "/continue_generation", {"torch_empty_cache": True}, keyed())[0] == 200
+
+
+def test_the_front_doors_address_header_wins_over_one_the_client_wrote(server, api):
+    """What the door sets as a gRPC header reaches the model after the request's own parameters:
+    a client blocked at 10.6.0.1 (above) cannot name another address itself, nor hide its own."""
+    import queue
+
+    import tritonclient.grpc as grpcclient
+
+    def through_door(door_address: str, written: str | None) -> str:
+        client = grpcclient.InferenceServerClient(server.grpc_url)
+        answers = queue.Queue()
+        client.start_stream(
+            lambda result, error: answers.put(error or result), headers={CLIENT_ADDRESS_PARAMETER: door_address}
+        )
+        try:
+            wire = control_request({"op": "pause_generation", "mode": "in_place"}, ADMIN_KEY)
+            control = grpcclient.InferInput("control", [1, 1], "BYTES")
+            control.set_data_from_numpy(wire.inputs["control"][0])
+            parameters = {**wire.parameters, **({CLIENT_ADDRESS_PARAMETER: written} if written else {})}
+            client.async_stream_infer(MODEL, [control], parameters=parameters)
+            answer = answers.get(timeout=60)
+        finally:
+            client.stop_stream()
+            client.close()
+        return str(answer) if not hasattr(answer, "as_numpy") else "answered"
+
+    assert "too many wrong admin keys" in through_door("10.6.0.1", "10.7.7.7")
+    assert through_door("10.7.7.7", "10.6.0.1") == "answered"
+    assert post(api, "/continue_generation", {}, keyed("10.7.7.7"))[0] == 200
