@@ -334,7 +334,8 @@ class WeightControl:
             ) from None
         if not 0 < port < 65536:
             raise ControlError(f"master_port must be 1 to 65535, got {port}")
-        group_name, backend = _group_name(command), command.get("backend", "gloo")
+        group_name = _group_name(command)
+        backend = command.get("backend") or ("nccl" if self._device().type == "cuda" else "gloo")
         timeout_s = command.get("timeout_s", 120.0)
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s <= 3600:
             raise ControlError("timeout_s must be a number of seconds in (0, 3600]")
