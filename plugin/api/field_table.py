@@ -107,7 +107,6 @@ FIELD_RULES: tuple[FieldRule, ...] = tuple(
             "return_tokens_as_token_ids": "log-prob tokens as `token_id:N`",
             "return_weight_versions": "each choice's weight_versions spans (streamed: on its last chunk)",
             "request_id": "the response id's suffix",
-            "best_of": "must equal n",
         },
     )
     + _honoured(
@@ -157,7 +156,14 @@ FIELD_RULES: tuple[FieldRule, ...] = tuple(
             "logprobs": "0: the sampled token's log-prob (top_logprobs lists it alone); more is refused",
         },
     )
-    + _honoured(COMPLETIONS, "vLLM", {"add_special_tokens": "encode string prompts with special tokens (default true)"})
+    + _honoured(
+        COMPLETIONS,
+        "vLLM",
+        {
+            "add_special_tokens": "encode string prompts with special tokens (default true)",
+            "best_of": "must equal n",
+        },
+    )
     + _rules(COMPLETIONS, "OpenAI", NEUTRAL, "the prompt is not echoed", "echo", FALSE)
     + _rules(COMPLETIONS, "OpenAI", NEUTRAL, "no suffix insertion", "suffix", (None, ""))
     + _rules(COMPLETIONS, "vLLM", NEUTRAL, _NO_MEDIA, "prompt_embeds", NULL)
