@@ -355,6 +355,17 @@ def test_token_route_returns_masks_for_a_bounded_support_without_a_request_field
         assert all(len(m) == 1 for m in mask) and [m[0] for m in mask] == answer["choices"][0]["token_ids"]
 
 
+def test_prime_rls_return_sampling_mask_on_the_token_route(api_server, ids):
+    """prime-rl's orchestrator puts `return_sampling_mask` in sampling_params (notes/frameworks.md)."""
+    url = f"{api_server.url}/inference/v1/generate"
+    body = {"token_ids": list(ids), "sampling_params": {"max_tokens": 2, "top_k": 8, "return_sampling_mask": False}}
+    code, answer, _ = post(url, body)
+    assert code == 200 and answer["choices"][0]["sampling_mask"] is None, answer
+    body["sampling_params"] |= {"top_k": -1, "return_sampling_mask": True}
+    code, refused, _ = post(url, body)
+    assert code == 400 and refused["error"]["param"] == "sampling_params.top_k", refused
+
+
 def test_token_route_streams_deltas_ending_with_the_whole_answer(api_server, ids):
     body = {
         "token_ids": list(ids),

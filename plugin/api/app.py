@@ -2,8 +2,10 @@
 OpenAI's shape, Server-Sent Events, and `main` (uvicorn, SIGTERM drains requests in flight).
 
 Routes: GET /health (200 while the generate model is ready, else 503), GET /v1/models,
-POST /v1/completions, POST /v1/chat/completions, POST /generate. With an API key every route
-but /health needs `Authorization: Bearer <key>`.
+POST /v1/completions, POST /v1/chat/completions, POST /generate, POST /inference/v1/generate
+(vLLM's token route), SGLang's weight routes (weight_routes) and worker routes (info_routes:
+server and model info, flush_cache, the aborts). With an API key every route but /health needs
+`Authorization: Bearer <key>`.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from .openai_routes import OPENAI_NAMES, CompletionStream, OpenAIHandlers
 from .schemas import ChatCompletionRequest, CompletionRequest, GenerateRequest, TokenGenerateRequest
 from .service import ApiService
 from .sglang_routes import SGLANG_NAMES, GenerateHandler, SequenceSoFar
-from .token_route import TokenHandler
+from .token_route import TOKEN_NAMES, TokenHandler
 from .weight_routes import add_weight_routes
 
 logger = logging.getLogger("triton_sampling_mask.api")
@@ -235,7 +237,7 @@ def create_app(config: ApiConfig, service: ApiService | None = None) -> FastAPI:
             raise
         except Exception as error:
             aborts.release()
-            raise service.api_error(error, OPENAI_NAMES, "token_ids") from None
+            raise service.api_error(error, TOKEN_NAMES, "token_ids") from None
         finally:
             if not request.stream:
                 aborts.release()

@@ -358,6 +358,14 @@ FIELD_RULES: tuple[FieldRule, ...] = tuple(
             "include_stop_str_in_output": "accepted (token ids are returned whole either way)",
         },
     )
+    + _honoured(
+        TOKENS_SAMPLING,
+        "prime-rl",
+        {
+            "return_sampling_mask": "true: masks, refused for an unbounded support (no finite top_k); false: none; "
+            "absent: masks whenever the support is bounded"
+        },
+    )
     + _rules(
         TOKENS_SAMPLING, "vLLM", IGNORED, "answers carry token ids; text is decoded for stop strings only", "detokenize"
     )

@@ -161,6 +161,9 @@ class TokenSamplingParams(BaseModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # prime-rl's orchestrator sends it in sampling_params: true asks for masks (refused where the
+    # support is unbounded), false for none; absent, a bounded support has masks (vLLM's flag).
+    return_sampling_mask: bool | None = None
 
 
 class TokenGenerateRequest(BaseModel):

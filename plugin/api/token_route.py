@@ -105,7 +105,7 @@ class TokenHandler:
         stop_ids = tuple(params.stop_token_ids or ())
         check_min_tokens(params.min_tokens, params.ignore_eos, stop_ids, "sampling_params.min_tokens")
         top_k = vllm_top_k(params.top_k)
-        masks = _bounded(params, top_k)
+        masks = _bounded(params, top_k) if params.return_sampling_mask is None else params.return_sampling_mask
         knobs = sampling_knobs(params, top_k=top_k, return_sampling_mask=masks)
         rows = service.sampling_params(knobs, params.n, TOKEN_NAMES)
         budget = service.budget(
