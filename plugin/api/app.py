@@ -2,8 +2,10 @@
 OpenAI's shape, Server-Sent Events, and `main` (uvicorn, SIGTERM drains requests in flight).
 
 Routes: GET /health (200 while the generate model is ready, else 503), GET /v1/models,
-POST /v1/completions, POST /v1/chat/completions, POST /generate. With an API key every route
-but /health needs `Authorization: Bearer <key>`.
+POST /v1/completions, POST /v1/chat/completions, POST /generate, POST /inference/v1/generate
+(vLLM's token route), SGLang's weight routes (weight_routes) and worker routes (info_routes:
+server and model info, flush_cache, the aborts). With an API key every route but /health needs
+`Authorization: Bearer <key>`.
 """
 
 from __future__ import annotations
@@ -20,16 +22,21 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ValidationError
+from pydantic_core import from_json
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..client.generate_transport import GrpcConnection
 from .config import ApiConfig, build_parser, config_from_args, forwarded_allow_ips
 from .encoding import JsonBody, sse_event
-from .errors import ApiError, from_validation_error
+from .errors import ApiError, bad_request, from_validation_error
+from .field_table import CHAT, COMPLETIONS, GENERATE, TOKENS, accept
+from .in_flight import InFlight
+from .info_routes import add_info_routes
 from .openai_routes import OPENAI_NAMES, CompletionStream, OpenAIHandlers
-from .schemas import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from .schemas import ChatCompletionRequest, CompletionRequest, GenerateRequest, TokenGenerateRequest
 from .service import ApiService
 from .sglang_routes import SGLANG_NAMES, GenerateHandler, SequenceSoFar
+from .token_route import TOKEN_NAMES, TokenHandler
 from .weight_access import WeightAccess
 from .weight_routes import add_weight_routes
 
@@ -42,13 +49,21 @@ _KEEP_ALIVE_S = 75
 _OPEN_PATHS = ("/health",)
 
 
-async def _body(request: Request, model: type[BaseModel], limit: int) -> BaseModel:
-    """The request body parsed strictly into `model` (a 400 naming each problem, 413 past `limit`)."""
+async def _body(request: Request, model: type[BaseModel], limit: int, route: str) -> BaseModel:
+    """The request body parsed into `model` as `route`'s upstream parses it: the route's neutral and
+    ignored fields checked and taken out first (field_table), a 400 naming each problem, 413 past
+    `limit`."""
     raw = await request.body()
     if len(raw) > limit:
         raise ApiError(413, f"the body is {len(raw)} bytes; at most {limit} are accepted", None, code="body_too_large")
     try:
-        return model.model_validate_json(raw)
+        data = from_json(raw)
+    except ValueError as error:
+        raise bad_request(f"the body is not valid JSON: {error}") from None
+    if not isinstance(data, dict):
+        raise bad_request("the body must be a JSON object")
+    try:
+        return model.model_validate(accept(route, data))
     except ValidationError as error:
         raise from_validation_error(error) from None
 
@@ -91,6 +106,8 @@ def create_app(config: ApiConfig, service: ApiService | None = None) -> FastAPI:
     service = service or ApiService(config)
     openai = OpenAIHandlers(service)
     sglang = GenerateHandler(service)
+    tokens = TokenHandler(service)
+    in_flight = InFlight()
 
     @asynccontextmanager
     async def lifespan(_app):
@@ -123,6 +140,7 @@ def create_app(config: ApiConfig, service: ApiService | None = None) -> FastAPI:
 
     access = WeightAccess(config.api_key, config.admin_key, config.trusted_networks)
     add_weight_routes(app, config.triton_url, config.triton_model, access, config.max_body_bytes)
+    add_info_routes(app, service, in_flight)
 
     @app.get("/health")
     async def health():
@@ -157,25 +175,29 @@ def create_app(config: ApiConfig, service: ApiService | None = None) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(raw: Request):
-        request = await _body(raw, CompletionRequest, config.max_body_bytes)
+        request = await _body(raw, CompletionRequest, config.max_body_bytes, COMPLETIONS)
         prompts, sequences = openai.completion_sequences(request)
         return await run_openai(request, prompts, sequences, openai.completion_body)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request):
-        request = await _body(raw, ChatCompletionRequest, config.max_body_bytes)
+        request = await _body(raw, ChatCompletionRequest, config.max_body_bytes, CHAT)
         prompts, sequences = openai.chat_sequences(request)
         return await run_openai(request, prompts, sequences, openai.chat_body)
 
     @app.post("/generate")
     async def generate(raw: Request):
-        request = await _body(raw, GenerateRequest, config.max_body_bytes)
+        request = await _body(raw, GenerateRequest, config.max_body_bytes, GENERATE)
         sequences, batch, rids = sglang.sequences(request)
         started = time.monotonic()
+        aborts = in_flight.register([*rids, *([request.rid] if isinstance(request.rid, str) else [])])
         try:
             if not request.stream:
-                results = await service.runner.generate(sequences)
-                items = [sglang.item(request, r, rid, started) for r, rid in zip(results, rids)]
+                results = await aborts.run(service.runner.generate(sequences))
+                if results is None:  # aborted by /abort_request
+                    return JsonBody(sglang.aborted(request, sequences, rids, started, batch))
+                now = await service.weight_version() if any(not r.weight_versions for r in results) else None
+                items = [sglang.item(request, r, rid, started, now) for r, rid in zip(results, rids)]
                 return JsonBody(items if batch else items[0])
             so_far = [SequenceSoFar(s) for s in sequences]
 
@@ -185,19 +207,51 @@ def create_app(config: ApiConfig, service: ApiService | None = None) -> FastAPI:
                     item["index"] = delta.index
                 return item
 
-            return await _streamed(service.runner.stream(sequences), [], event, list)
+            def closing():
+                return sglang.aborted_events(request, so_far, rids, started, batch) if aborts.aborted else []
+
+            deltas = aborts.stream(service.runner.stream(sequences))
+            return await _streamed(deltas, [], event, closing, aborts.release)
         except ApiError:
+            aborts.release()
             raise
         except Exception as error:
+            aborts.release()
             raise service.api_error(error, SGLANG_NAMES, "input_ids") from None
+        finally:
+            if not request.stream:
+                aborts.release()
+
+    @app.post("/inference/v1/generate")
+    async def inference_generate(raw: Request):
+        request = await _body(raw, TokenGenerateRequest, config.max_body_bytes, TOKENS)
+        job = tokens.job(request)
+        aborts = in_flight.register([job.request_id])
+        try:
+            if not request.stream:
+                results = await aborts.run(service.runner.generate(job.sequences))
+                return JsonBody(tokens.body(job, results, aborted=results is None))
+            stream = tokens.stream(job, aborts)
+            deltas = aborts.stream(service.runner.stream(job.sequences))
+            return await _streamed(deltas, [], stream.chunk, stream.closing, aborts.release)
+        except ApiError:
+            aborts.release()
+            raise
+        except Exception as error:
+            aborts.release()
+            raise service.api_error(error, TOKEN_NAMES, "token_ids") from None
+        finally:
+            if not request.stream:
+                aborts.release()
 
     return app
 
 
-async def _streamed(deltas, opening: list[dict], render, closing) -> StreamingResponse:
+async def _streamed(deltas, opening: list[dict], render, closing, done=None) -> StreamingResponse:
     """An SSE response of `deltas`; the first is awaited before answering, so a request refused
     before its first token gets its 4xx, not a 200 stream. A failure later in the stream is sent
-    as an `{"error": ...}` event; a client that leaves cancels the generation."""
+    as an `{"error": ...}` event; a client that leaves cancels the generation. `done` is called
+    when the stream ends, however it ends."""
     iterator = deltas.__aiter__()
     try:
         first = await iterator.__anext__()
@@ -220,6 +274,8 @@ async def _streamed(deltas, opening: list[dict], render, closing) -> StreamingRe
             yield sse_event("[DONE]")
         finally:
             await iterator.aclose()
+            if done is not None:
+                done()
 
     return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 

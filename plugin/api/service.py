@@ -107,8 +107,16 @@ class ApiService:
             )
         return wanted
 
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=True)
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    async def weight_version(self) -> str | None:
+        """The generate model's weight version now (for an answer with no token to carry one)."""
+        try:
+            versions = await self.client.get_weight_version()
+        except GenerateError:
+            return None
+        return next(iter(versions.values()), None)
 
     def api_error(self, error: Exception, names: dict[str, str], prompt_field: str) -> ApiError:
         """A failure of a generation as the ApiError it is answered with (re-raises the unexpected)."""
