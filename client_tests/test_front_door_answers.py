@@ -83,6 +83,68 @@ def test_a_malformed_or_wrongly_typed_infer_body_is_a_400_naming_the_problem(por
     assert says in error_of(answer)
 
 
+def with_parameters(request=None, logits=None, output=None, output_name="output_ids") -> bytes:
+    """A sampler /infer body whose request, logits input and one requested output carry these parameters."""
+    body = {"inputs": [{**LOGITS_4, **({"parameters": logits} if logits else {})}]}
+    if request:
+        body["parameters"] = request
+    if output:
+        body["outputs"] = [{"name": output_name, "parameters": output}]
+    return json.dumps(body).encode()
+
+
+# Parameters tritonserver's HTTP frontend reads with a type: each wrongly typed one was its 500.
+@pytest.mark.parametrize(
+    "body, says",
+    [
+        (
+            with_parameters(output={"binary_data": "yes"}),
+            "output 'output_ids': parameter 'binary_data' must be a boolean",
+        ),
+        (with_parameters(output={"binary_data": 1}, output_name="nope"), "output 'nope': parameter 'binary_data'"),
+        (with_parameters(output={"classification": -1}), "parameter 'classification' must be a non-negative integer"),
+        (with_parameters(output={"classification": 2.5}), "'classification'"),
+        (with_parameters(output={"shared_memory_region": 5, "shared_memory_byte_size": 8}), "'shared_memory_region'"),
+        (with_parameters(output={"shared_memory_byte_size": "8"}), "'shared_memory_byte_size'"),
+        (with_parameters(output={"shared_memory_offset": -1}), "'shared_memory_offset'"),
+        (with_parameters(request={"binary_data_output": 1}), "the request: parameter 'binary_data_output'"),
+        (with_parameters(request={"sequence_start": "yes"}), "'sequence_start' must be a boolean"),
+        (with_parameters(request={"sequence_end": 0}), "'sequence_end' must be a boolean"),
+        (with_parameters(request={"priority": -1}), "'priority' must be a non-negative integer"),
+        (with_parameters(request={"timeout": 1.5}), "'timeout'"),
+        (with_parameters(request={"sequence_id": 1.5}), "'sequence_id' must be a string or a non-negative integer"),
+        (with_parameters(request={"sequence_id": True}), "'sequence_id'"),
+        (with_parameters(request={"sequence_id": 2**64}), "'sequence_id'"),
+        (with_parameters(logits={"shared_memory_offset": "0"}), "input 'logits': parameter 'shared_memory_offset'"),
+        (
+            with_parameters(logits={"shared_memory_byte_size": "16"}),
+            "input 'logits': parameter 'shared_memory_byte_size'",
+        ),
+    ],
+)
+def test_a_wrongly_typed_parameter_tritonserver_reads_is_a_400_naming_it(port, body, says):
+    answer = send(port, "POST", SAMPLER, body)
+    assert answer[0] == 400, answer
+    assert says in error_of(answer)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        with_parameters(output={"binary_data": False, "classification": 0}),
+        with_parameters(output={"classification": 2}),
+        with_parameters(
+            request={"sequence_id": "abc", "priority": 0, "timeout": 2**63 + 5, "binary_data_output": False}
+        ),
+        with_parameters(request={"sequence_id": 2**64 - 1, "sequence_start": False, "sequence_end": False}),
+        with_parameters(request={"anything": "else"}, output={"unread": 1.5}, logits={"unread": True}),
+    ],
+)
+def test_parameters_of_the_types_tritonserver_reads_pass(port, body):
+    status, _, text = send(port, "POST", SAMPLER, body)
+    assert status == 200, text
+
+
 @pytest.mark.parametrize(
     "body, says",
     [
