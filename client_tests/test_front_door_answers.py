@@ -75,6 +75,13 @@ def error_of(answer) -> str:
         (b'{"inputs": [{"name": "logits", "shape": [1], "datatype": "FP32", "data": [1]}], "extra": 1}', "extra"),
         (b'{"inputs": [{"name": "\xff", "shape": [1], "datatype": "FP32", "data": [1]}]}', "UTF-8"),
         (b"[" * 40 + b"]" * 40, "levels deep"),
+        # numbers past a double: tritonserver's JSON parser answers them with a 500, wherever they are
+        (b'{"inputs": [{"name": "logits", "shape": [1, 2], "datatype": "FP32", "data": [1e400, 2]}]}', "too large"),
+        (b'{"inputs": [], "parameters": {"x": -1e400}}', "a number too large for a double at byte 35"),
+        (
+            b'{"inputs": [{"name": "logits", "shape": [1, 1], "datatype": "FP32", "data": [1%s]}]}' % (b"0" * 400),
+            "large",
+        ),
     ],
 )
 def test_a_malformed_or_wrongly_typed_infer_body_is_a_400_naming_the_problem(port, body, says):
@@ -153,6 +160,7 @@ def test_parameters_of_the_types_tritonserver_reads_pass(port, body):
         (b'{"input_ids": "abc", "max_new_tokens": 2}', "INT32"),
         (b'{"input_ids": [1, 2], "max_new_tokens": 2, "temperature": "hot"}', "FP32"),
         (b'{"input_ids": [1, 2], "max_tokens": 2}', "unknown field 'max_tokens'"),
+        (b'{"input_ids": [1, 2], "max_new_tokens": 2, "temperature": 1e309}', "a number too large for a double"),
         (b'{"input_ids": [1, 2], "max_new_tokens": 2, "stream": true}', "generate_stream"),
     ],
 )

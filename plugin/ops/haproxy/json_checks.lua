@@ -136,15 +136,20 @@ local function parse(text)
       p, integral = stop, false
     end
     local raw = text:sub(start, p - 1)
+    local number = tonumber(raw)
+    if number == math.huge or number == -math.huge then -- tritonserver's parser refuses it with a 500
+      pos = start -- the message names where it begins
+      bad("a number too large for a double")
+    end
     pos = p
     if integral then
-      local value = math.tointeger(tonumber(raw))
+      local value = math.tointeger(number)
       if value ~= nil and tostring(value) == raw:gsub("^%-0$", "0") then
         return value
       end
       return setmetatable({ raw = raw }, BIG)
     end
-    return tonumber(raw) + 0.0
+    return number + 0.0
   end
 
   local parse_value
