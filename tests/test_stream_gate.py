@@ -6,6 +6,7 @@ offsets computed from the requests' sizes (the reference), for any split of the 
 from __future__ import annotations
 
 import asyncio
+import stat
 import struct
 
 import hpack
@@ -306,6 +307,7 @@ def test_the_counters_are_served_on_their_unix_socket(tmp_path):
         while not (tmp_path / "gate.sock").exists():
             await asyncio.sleep(0.01)
         read = await asyncio.to_thread(proxy_metrics.gate_counters, tmp_path / "gate.sock")
+        assert stat.S_IMODE((tmp_path / "gate.sock").stat().st_mode) == 0o600
         stop.set()
         await serving
         return read

@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import signal
 import struct
 from collections import OrderedDict
@@ -724,7 +725,10 @@ class StreamGate:
         host, port = listen.rsplit(":", 1)
         loop = asyncio.get_running_loop()
         server = await loop.create_server(lambda: Relay(self).client, host, int(port))
-        counters = await asyncio.start_unix_server(self._answer_counters, counters_socket) if counters_socket else None
+        counters = None
+        if counters_socket:
+            counters = await asyncio.start_unix_server(self._answer_counters, counters_socket)
+            os.chmod(counters_socket, 0o600)  # this user's only, as HAProxy's exporter socket (in a 0700 directory)
         await stop.wait()
         server.close()  # no new connections; those open get STOP_GRACE_S to finish
         if counters is not None:
