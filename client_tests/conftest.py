@@ -63,6 +63,7 @@ def _place(item, external: ExternalTritonServer | None) -> str:
             "client_tests/test_speculative.py",
             "client_tests/test_checkpoints.py",
             "client_tests/test_weight_updates.py",
+            "client_tests/test_api_weights.py",
             "client_tests/test_tracing.py",
         )
     ):

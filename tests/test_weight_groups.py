@@ -1,13 +1,15 @@
 """Weights over a torch.distributed process group (weight_transfer): the group a trainer's rank 0 and
 a server instance both open (gloo on CPU, on a free loopback port), tensors broadcast from rank 0
 arriving bit-exact in manifest order, and every bad argument refused with its message before any
-connection is tried. The other rank of each group is opened here with torch.distributed itself, in
-a thread, so only one side runs the code under test."""
+connection is tried. The other rank of each group is opened as the RL frameworks open theirs
+(SGLang's init_custom_process_group), in a process of its own (torch.distributed keeps one group
+per name in a process), so only one side runs the code under test."""
 
 from __future__ import annotations
 
+import io
+import multiprocessing
 import socket
-import threading
 from datetime import timedelta
 
 import pytest
@@ -16,6 +18,7 @@ import torch.distributed as dist
 
 from triton_sampling_mask.generation.weight_transfer import (
     broadcast_tensors,
+    close_process_group,
     manifest_of,
     open_process_group,
     receive_tensors,
@@ -25,7 +28,6 @@ from triton_sampling_mask.generation.weights import WeightUpdateError
 HOST = "127.0.0.1"
 TIMEOUT_S = 8.0  # every group here: a mutant that never connects fails in seconds, not minutes
 GROUP = "weights-update-test"
-TCP_STORE = dist.TCPStore  # the peers' own, whatever a test records
 
 
 def free_port() -> int:
@@ -93,82 +95,77 @@ def test_a_bad_manifest_is_refused_before_anything_is_received():
     assert group.calls == []
 
 
-class Peer(threading.Thread):
-    """The group's other rank, opened with torch.distributed directly; runs `action(group)`."""
+def sglang_peer(port: int, rank: int, tensors: dict, results) -> None:
+    """The group's other rank, in a process of its own, opened as SGLang's init_custom_process_group
+    opens it (AReaL and SkyRL carry copies): a tcp:// rendezvous, PrefixStore(group name), torch's
+    group constructor. Rank 0 broadcasts `tensors`; another rank receives into buffers of 9s and
+    puts them in `results`."""
+    from torch.distributed.distributed_c10d import (
+        Backend,
+        PrefixStore,
+        _new_process_group_helper,
+        _world,
+        rendezvous,
+    )
 
-    def __init__(self, port: int, rank: int, world_size: int, action):
-        super().__init__(daemon=True)
-        self.port, self.rank, self.world_size, self.action = port, rank, world_size, action
-        self.error: BaseException | None = None
-        self.result = None
-
-    def run(self) -> None:
-        try:
-            timeout = timedelta(seconds=TIMEOUT_S)
-            store = TCP_STORE(HOST, self.port, self.world_size, self.rank == 0, timeout=timeout)
-            group = dist.ProcessGroupGloo(dist.PrefixStore(GROUP, store), self.rank, self.world_size, timeout)
-            self.result = self.action(group)
-        except BaseException as exc:  # reported by finish()
-            self.error = exc
-
-    def finish(self):
-        self.join(TIMEOUT_S * 3)
-        assert not self.is_alive(), "the peer rank never finished"
-        if self.error is not None:
-            raise self.error
-        return self.result
+    timeout = timedelta(seconds=TIMEOUT_S)
+    try:
+        store, rank, world = next(rendezvous(f"tcp://{HOST}:{port}", rank, 2, timeout=timeout))
+        store.set_timeout(timeout)
+        group, _ = _new_process_group_helper(
+            world, rank, [], Backend("gloo"), PrefixStore(GROUP, store), group_name=GROUP, timeout=timeout
+        )
+        _world.pg_group_ranks[group] = {i: i for i in range(world)}
+        if rank == 0:
+            for tensor in tensors.values():
+                dist.broadcast(tensor.clone(), 0, group=group)
+            results.put("sent")
+        else:
+            buffers = {name: torch.full(t.shape, 9, dtype=t.dtype) for name, t in tensors.items()}
+            for buffer in buffers.values():
+                dist.broadcast(buffer, 0, group=group)
+            saved = io.BytesIO()  # bytes: a tensor sent through a queue outlives its process badly
+            torch.save(buffers, saved)
+            results.put(saved.getvalue())
+    except BaseException as exc:  # reported by the test
+        results.put(repr(exc))
 
 
 @pytest.fixture
-def peers():
-    """Starts peers, and waits for each at teardown even when the test failed: a thread left inside
-    gloo when the interpreter exits aborts the process."""
+def peer():
+    """Starts the peer process; kills it at teardown if the test left it waiting."""
     started = []
+    context = multiprocessing.get_context("spawn")
 
-    def start(port: int, rank: int, world_size: int, action) -> Peer:
-        peer = Peer(port, rank, world_size, action)
-        peer.start()
-        started.append(peer)
-        return peer
+    def start(port: int, rank: int, tensors: dict):
+        results = context.Queue()
+        process = context.Process(target=sglang_peer, args=(port, rank, tensors, results))
+        process.start()
+        started.append(process)
+        return lambda: results.get(timeout=TIMEOUT_S * 4)
 
     yield start
-    for peer in started:
-        peer.join(TIMEOUT_S * 3)
+    for process in started:
+        process.join(TIMEOUT_S * 2)
+        if process.is_alive():
+            process.kill()
 
 
-@pytest.fixture
-def recorded_stores(monkeypatch):
-    """Every TCPStore made while the test runs (the real ones, to read their settings)."""
-    made = []
-
-    def recording(*args, **kwargs):
-        store = TCP_STORE(*args, **kwargs)
-        made.append(store)
-        return store
-
-    monkeypatch.setattr(dist, "TCPStore", recording)
-    return made
-
-
-def test_a_server_rank_receives_the_trainers_tensors_bit_exact(peers, recorded_stores):
+def test_a_server_rank_receives_a_framework_trainers_tensors_bit_exact(peer):
+    """Fails with a group made any other way than the frameworks make theirs: their store keys
+    differ, and both ranks wait for each other until the timeout."""
     tensors = sent_tensors()
     port = free_port()
-
-    def trainer(group):
-        for tensor in tensors.values():
-            group.broadcast(tensor.clone(), 0).wait()
-
-    peer = peers(port, 0, 2, trainer)
+    outcome = peer(port, 0, tensors)
     group = open_process_group(HOST, port, 1, 2, GROUP, timeout_s=TIMEOUT_S)
-    assert isinstance(group, dist.ProcessGroupGloo)
-    assert (group.rank(), group.size()) == (1, 2)
-    assert group.options._timeout == timedelta(seconds=TIMEOUT_S)
-    [store] = recorded_stores
-    assert (store.host, store.port, store.timeout) == (HOST, port, timedelta(seconds=TIMEOUT_S))
-    # Over a group the manifest's offsets (a shared-memory field) are not checked.
-    manifest = [{**entry, "offset": -1} for entry in manifest_of(tensors)]
-    received = receive_tensors(group, manifest, torch.device("cpu"))
-    peer.finish()
+    try:
+        assert (group.rank(), group.size()) == (1, 2)
+        # Over a group the manifest's offsets (a shared-memory field) are not checked.
+        manifest = [{**entry, "offset": -1} for entry in manifest_of(tensors)]
+        received = receive_tensors(group, manifest, torch.device("cpu"))
+        assert outcome() == "sent"
+    finally:
+        close_process_group(group)
     assert received.label == "the weights update group"
     assert received.complete is False
     assert list(received.tensors) == list(tensors)
@@ -177,57 +174,61 @@ def test_a_server_rank_receives_the_trainers_tensors_bit_exact(peers, recorded_s
         assert received.tensors[name].device.type == "cpu"
 
 
-def test_the_trainers_rank_0_hosts_the_group_and_broadcasts_in_order(peers, recorded_stores):
+def test_the_trainers_rank_0_hosts_the_group_and_broadcasts_in_order(peer):
     tensors = sent_tensors()
     manifest = manifest_of(tensors)
     port = free_port()
-
-    def server(group):
-        buffers = [torch.full(t.shape, 9, dtype=t.dtype) for t in tensors.values()]
-        for buffer in buffers:
-            group.broadcast(buffer, 0).wait()
-        return buffers
-
-    peer = peers(port, 1, 2, server)
+    outcome = peer(port, 1, tensors)
     group = open_process_group(HOST, port, 0, 2, GROUP, backend="gloo", timeout_s=TIMEOUT_S)
-    assert (group.rank(), group.size()) == (0, 2)
-    [store] = recorded_stores
-    assert (store.port, store.timeout) == (port, timedelta(seconds=TIMEOUT_S))
-    sent = [t.clone() for t in tensors.values()]
-    broadcast_tensors(group, sent)
-    buffers = peer.finish()
-    for name, tensor, buffer, mine in zip(tensors, tensors.values(), buffers, sent):
-        assert same_bits(buffer, tensor), name
+    try:
+        assert (group.rank(), group.size()) == (0, 2)
+        sent = [t.clone() for t in tensors.values()]
+        broadcast_tensors(group, sent)
+        buffers = outcome()
+    finally:
+        close_process_group(group)
+    assert isinstance(buffers, bytes), buffers
+    buffers = torch.load(io.BytesIO(buffers))
+    for (name, tensor), mine in zip(tensors.items(), sent):
+        assert same_bits(buffers[name], tensor), name
         assert same_bits(mine, tensor), name  # the sender's own tensors are left as they were
     assert [e["name"] for e in manifest] == list(tensors)
 
 
-def test_a_group_of_one_opens_with_gloo_and_two_minutes_by_default():
-    group = open_process_group(HOST, free_port(), 0, 1, GROUP)
-    assert isinstance(group, dist.ProcessGroupGloo)
-    assert (group.rank(), group.size()) == (0, 1)
-    assert group.options._timeout == timedelta(seconds=120)
-    tensor = torch.arange(4.0)
-    broadcast_tensors(group, [tensor])
-    assert tensor.tolist() == [0.0, 1.0, 2.0, 3.0]
+def test_a_group_of_one_opens_with_gloo_and_two_minutes_by_default_and_reopens_once_closed():
+    for _ in range(2):  # a closed group's name may be opened again (a trainer that restarts)
+        group = open_process_group(HOST, free_port(), 0, 1, GROUP)
+        try:
+            assert (group.rank(), group.size()) == (0, 1)
+            gloo = group._get_backend(torch.device("cpu"))
+            assert isinstance(gloo, dist.ProcessGroupGloo)
+            assert gloo.options._timeout == timedelta(seconds=120)
+            tensor = torch.arange(4.0)
+            broadcast_tensors(group, [tensor])
+            assert tensor.tolist() == [0.0, 1.0, 2.0, 3.0]
+        finally:
+            close_process_group(group)
 
 
-class FakeNCCL:
-    """Stands in for ProcessGroupNCCL (absent from CPU builds of torch): what it is given."""
+def test_nccl_groups_are_asked_of_torch_under_the_groups_own_name_and_store(monkeypatch):
+    made = {}
 
-    def __init__(self, store, rank, size):
-        self.store, self.rank, self.size = store, rank, size
+    def constructor(size, rank, ranks, backend, store, group_name, **options):
+        made.update(size=size, rank=rank, backend=str(backend), group_name=group_name, store=store)
+        return object(), None
 
-
-def test_nccl_groups_get_the_groups_own_store_rank_and_size(monkeypatch):
+    monkeypatch.setattr(dist.distributed_c10d, "_new_process_group_helper", constructor)
     port = free_port()
-    timeout = timedelta(seconds=TIMEOUT_S)
-    master = dist.TCPStore(HOST, port, 2, True, timeout=timeout, wait_for_workers=False)
-    monkeypatch.setattr(dist, "ProcessGroupNCCL", FakeNCCL, raising=False)
+    master = dist.TCPStore(HOST, port, 2, True, timeout=timedelta(seconds=TIMEOUT_S), wait_for_workers=False)
     group = open_process_group(HOST, port, 1, 2, "nccl-group", backend="nccl", timeout_s=TIMEOUT_S)
-    assert isinstance(group, FakeNCCL)
-    assert (group.rank, group.size) == (1, 2)
-    group.store.set("key", "value")  # under the group's prefix, on the host's store
+    dist.distributed_c10d._world.pg_group_ranks.pop(group)
+    assert {k: made[k] for k in ("size", "rank", "backend", "group_name")} == {
+        "size": 2,
+        "rank": 1,
+        "backend": "nccl",
+        "group_name": "nccl-group",
+    }
+    made["store"].set("key", "value")  # under the group's prefix, on the host's store
     assert master.get("nccl-group/key") == b"value"
 
 

@@ -23,13 +23,14 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..client.generate_transport import GrpcConnection
-from .config import ApiConfig, build_parser, config_from_args
+from .config import ApiConfig, build_parser, config_from_args, forwarded_allow_ips
 from .encoding import JsonBody, sse_event
 from .errors import ApiError, from_validation_error
 from .openai_routes import OPENAI_NAMES, CompletionStream, OpenAIHandlers
 from .schemas import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from .service import ApiService
 from .sglang_routes import SGLANG_NAMES, GenerateHandler, SequenceSoFar
+from .weight_access import WeightAccess
 from .weight_routes import add_weight_routes
 
 logger = logging.getLogger("triton_sampling_mask.api")
@@ -120,7 +121,8 @@ def create_app(config: ApiConfig, service: ApiService | None = None) -> FastAPI:
         logger.exception("unexpected error")
         return ApiError(500, f"internal error: {type(error).__name__}", None, "internal_error").response()
 
-    add_weight_routes(app, service.client, config.api_key)
+    access = WeightAccess(config.api_key, config.admin_key, config.trusted_networks)
+    add_weight_routes(app, config.triton_url, config.triton_model, access, config.max_body_bytes)
 
     @app.get("/health")
     async def health():
@@ -259,4 +261,7 @@ def main(argv: list[str] | None = None) -> None:
         log_level=args.log_level,
         timeout_graceful_shutdown=10,
         timeout_keep_alive=_KEEP_ALIVE_S,
+        # the client address (weight_access): X-Forwarded-For only from these proxies
+        proxy_headers=True,
+        forwarded_allow_ips=forwarded_allow_ips(args),
     )

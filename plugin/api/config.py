@@ -11,7 +11,14 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from .weight_access import Network, parse_networks
+
 API_KEY_ENV = "TRITON_API_KEY"
+# Names of ops.settings' variables (the API cannot import ops; tests/test_settings.py checks them).
+ADMIN_KEY_ENV = "TRITON_ADMIN_KEY"
+TRUSTED_NETWORKS_ENV = "TRITON_API_TRUSTED_NETWORKS"
+FORWARDED_ALLOW_IPS_ENV = "TRITON_API_FORWARDED_ALLOW_IPS"
+DEFAULT_FORWARDED_ALLOW_IPS = "127.0.0.1"  # the front door, on loopback
 DEFAULT_PORT = 9000  # Triton's own OpenAI frontend listens here too
 DEFAULT_SERVED_MODEL = "generate"
 
@@ -32,6 +39,8 @@ class ApiConfig:
     busy_timeout_s: float = 5.0
     retry_after_s: int = 1
     max_model_len: int | None = None  # None: the checkpoint's own context length
+    admin_key: str | None = None  # sent for keyless weight calls from trusted_networks
+    trusted_networks: tuple[Network, ...] = ()
 
 
 def _positive_int(text: str) -> int:
@@ -82,6 +91,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="how long a request the model refuses as busy is retried before the API answers 503",
     )
     parser.add_argument("--max-model-len", type=_positive_int, default=None, help="context length (default: the LM's)")
+    parser.add_argument(
+        "--admin-key-file",
+        type=Path,
+        default=None,
+        help=f"a file holding the server's admin key (else ${ADMIN_KEY_ENV}), used only for keyless weight calls "
+        f"from ${TRUSTED_NETWORKS_ENV}",
+    )
+    parser.add_argument(
+        "--trusted-networks",
+        default=None,
+        help=f"CIDRs whose weight calls need no admin key (default ${TRUSTED_NETWORKS_ENV}; none)",
+    )
+    parser.add_argument(
+        "--forwarded-allow-ips",
+        default=None,
+        help="proxies whose X-Forwarded-For names the client (default "
+        f"${FORWARDED_ALLOW_IPS_ENV}, else {DEFAULT_FORWARDED_ALLOW_IPS}: the front door)",
+    )
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return parser
 
@@ -99,9 +126,38 @@ def read_api_key(path: Path | None) -> str | None:
     return os.environ.get(API_KEY_ENV, "").strip() or None
 
 
+def read_admin_key(path: Path | None) -> str | None:
+    """The admin key from `path`, else from $TRITON_ADMIN_KEY; None when neither is set."""
+    if path is not None:
+        try:
+            return path.read_text().strip() or None
+        except OSError as error:
+            raise ValueError(f"--admin-key-file {path}: {error.strerror}") from None
+    return os.environ.get(ADMIN_KEY_ENV, "").strip() or None
+
+
+def forwarded_allow_ips(args: argparse.Namespace) -> str:
+    """Whose X-Forwarded-For uvicorn believes (its `forwarded_allow_ips`)."""
+    given = args.forwarded_allow_ips
+    if given is None:
+        given = os.environ.get(FORWARDED_ALLOW_IPS_ENV, "").strip() or DEFAULT_FORWARDED_ALLOW_IPS
+    return given
+
+
 def config_from_args(args: argparse.Namespace) -> ApiConfig:
-    """The ApiConfig of parsed arguments (raises ValueError for a bad key file)."""
+    """The ApiConfig of parsed arguments (raises ValueError for a bad key file or network, or for
+    trusted networks without an admin key to send for them)."""
     name = args.served_model_name or (Path(args.model_path).name if args.model_path else DEFAULT_SERVED_MODEL)
+    text = args.trusted_networks if args.trusted_networks is not None else os.environ.get(TRUSTED_NETWORKS_ENV, "")
+    try:
+        networks = parse_networks(text)
+    except ValueError as error:
+        raise ValueError(f"--trusted-networks / ${TRUSTED_NETWORKS_ENV}: {error}") from None
+    admin_key = read_admin_key(args.admin_key_file) if networks else None
+    if networks and not admin_key:
+        raise ValueError(
+            f"${TRUSTED_NETWORKS_ENV} needs the admin key to send for those networks: --admin-key-file or ${ADMIN_KEY_ENV}"
+        )
     return ApiConfig(
         triton_url=args.triton_url,
         model_path=args.model_path,
@@ -113,4 +169,6 @@ def config_from_args(args: argparse.Namespace) -> ApiConfig:
         max_body_bytes=args.max_body_bytes,
         busy_timeout_s=args.busy_timeout_s,
         max_model_len=args.max_model_len,
+        admin_key=admin_key,
+        trusted_networks=networks,
     )

@@ -26,10 +26,11 @@ PAUSE_MODES = ("abort", "finish", "in_place")
 _ALIGN = 64  # each tensor starts on a cache line
 
 
-def control_request(command: dict, admin_key: str | None) -> WireRequest:
-    """The wire request of one control command."""
+def control_request(command: dict, admin_key: str | None, extra_parameters: Mapping[str, str] = {}) -> WireRequest:
+    """The wire request of one control command (`extra_parameters`: e.g. the HTTP API's client
+    address, sampling.admin.CLIENT_ADDRESS_PARAMETER)."""
     payload = np.array([[json.dumps(command).encode()]], dtype=object)
-    parameters = {ADMIN_KEY_PARAMETER: admin_key} if admin_key is not None else {}
+    parameters = {**extra_parameters, **({ADMIN_KEY_PARAMETER: admin_key} if admin_key is not None else {})}
     return WireRequest(
         f"control-{uuid.uuid4().hex}", False, {CONTROL: (payload, INPUTS_BY_NAME[CONTROL].datatype)}, None, parameters
     )
@@ -42,14 +43,20 @@ def check_pause_mode(mode: str, field: str = "pause_mode") -> str:
     return mode
 
 
-async def on_every_replica(connect, urls: Sequence[str], commands: Sequence[dict], admin_key: str | None) -> dict:
+async def on_every_replica(
+    connect,
+    urls: Sequence[str],
+    commands: Sequence[dict],
+    admin_key: str | None,
+    extra_parameters: Mapping[str, str] = {},
+) -> dict:
     """Send `commands[i]` to replica `urls[i]`, all at once; {url: control_result}. Raises the
     first replica's GenerateError (naming the replica) after every one has answered."""
 
     async def one(url: str, command: dict):
         connection = connect(url)
         try:
-            return await connection.control(control_request(command, admin_key))
+            return await connection.control(control_request(command, admin_key, extra_parameters))
         finally:
             await connection.close()
 

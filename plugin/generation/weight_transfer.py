@@ -132,20 +132,43 @@ def open_process_group(
     timeout_s: float = 120.0,
 ):
     """A process group of `world_size` ranks on its own TCP store (rank 0 hosts it), apart from any
-    default group the process has: what the trainer's rank 0 and each server instance both open
-    (SGLang's init_custom_process_group). Blocks until every rank has joined."""
+    default group the process has: what the trainer's rank 0 and each server instance both open.
+    It is opened as SGLang's `init_custom_process_group` opens it (and AReaL's and SkyRL's copies
+    of it): a `tcp://` rendezvous, the store under the prefix `group_name`, then torch's own group
+    constructor, whose store keys a group made any other way does not share. Blocks until every
+    rank has joined."""
     if backend not in GROUP_BACKENDS:
         raise WeightUpdateError(f"backend must be one of {list(GROUP_BACKENDS)}, got {backend!r}")
     if not 0 <= rank < world_size:
         raise WeightUpdateError(f"rank {rank} is outside a world of {world_size}")
-    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
 
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(master_address, int(master_port), world_size, rank == 0, timeout=timeout)
-    store = dist.PrefixStore(group_name, store)
-    if backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
-    return dist.ProcessGroupNCCL(store, rank, world_size)
+    host = f"[{master_address}]" if ":" in master_address else master_address
+    store, rank, world_size = next(
+        c10d.rendezvous(f"tcp://{host}:{int(master_port)}", rank, world_size, timeout=timeout)
+    )
+    store.set_timeout(timeout)
+    group, _ = c10d._new_process_group_helper(
+        world_size,
+        rank,
+        [],
+        c10d.Backend(backend),
+        c10d.PrefixStore(group_name, store),
+        group_name=group_name,
+        timeout=timeout,
+        group_desc=group_name,
+    )
+    # as SGLang does: its ranks are the world's, which torch.distributed's collectives look up
+    c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return group
+
+
+def close_process_group(group) -> None:
+    """Leave a group opened by open_process_group (its name may then be opened again)."""
+    import torch.distributed as dist
+
+    dist.destroy_process_group(group)
 
 
 def broadcast_tensors(group, tensors: list[torch.Tensor], src: int = 0) -> None:

@@ -119,20 +119,33 @@ def _check_finite(name: str, source: WeightSource) -> None:
             raise WeightUpdateError(f"{source.label}: tensor {name!r} holds NaN or infinite values")
 
 
-@torch.no_grad()
-def copy_into(model: torch.nn.Module, source: WeightSource) -> int:
-    """Check `source` whole (names, shapes, dtypes, then every value finite), then copy each of its
-    tensors into `model`'s own, one at a time; returns the tensors written. Raises
-    WeightUpdateError, with nothing written, for a source that cannot replace them."""
+def checked_plan(model: torch.nn.Module, source: WeightSource) -> dict[str, str]:
+    """Check `source` whole against `model` (names, shapes, dtypes, then every value finite) and
+    return which target each of its tensors replaces; raises WeightUpdateError naming the first bad
+    tensor. Nothing is written: a caller checks before it pauses anything (write_plan writes)."""
     targets, aliases = weight_tensors(model)
     plan = check_infos(targets, aliases, source.infos(), source)
     for name in plan:  # one piece in memory at a time: read, checked, dropped
         _check_finite(name, source)
+    return plan
+
+
+@torch.no_grad()
+def write_plan(model: torch.nn.Module, source: WeightSource, plan: Mapping[str, str]) -> int:
+    """Copy each tensor of a checked `source` into `model`'s own, one at a time; the tensors written."""
+    targets, _ = weight_tensors(model)
     for name, target_name in plan.items():
         target = targets[target_name]
         for rows, values in source.pieces(name):
             (target if rows is None else target[rows]).copy_(values)
     return len(plan)
+
+
+def copy_into(model: torch.nn.Module, source: WeightSource) -> int:
+    """Check `source` whole, then copy it into `model` (checked_plan, then write_plan); returns the
+    tensors written. Raises WeightUpdateError, with nothing written, for a source that cannot
+    replace them."""
+    return write_plan(model, source, checked_plan(model, source))
 
 
 class CheckpointDirectory(WeightSource):

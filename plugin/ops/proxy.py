@@ -175,6 +175,12 @@ class FrontDoor:
             "--host=127.0.0.1",
             f"--port={self.internal['api']}",
             *([f"--model-path={model_path}"] if model_path else []),
+            # the admin key only where it is sent for trusted networks' keyless weight calls
+            *(
+                [f"--admin-key-file={self.directory / 'admin.key'}"]
+                if self.admin_key is not None and settings.TRITON_API_TRUSTED_NETWORKS.value()
+                else []
+            ),
         ]
 
     def serves_api(self) -> bool:

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field, make_dataclass, replace
 from pathlib import Path
 
 from ..model_config import dims, is_decoupled, read_config_file, string_parameters
-from ..sampling.admin import ADMIN_HEADER, ADMIN_KEY_PARAMETER, GRPC_RESTRICTED_PREFIX
+from ..sampling.admin import ADMIN_HEADER, ADMIN_KEY_PARAMETER, GRPC_RESTRICTED_PREFIX, WRONG_KEYS_PER_MINUTE
 from ..sampling.refusals import RETRY_MARKER
 from . import settings
 from .server_process import ADMIN_KEY_CHARACTERS, MIN_ADMIN_KEY_CHARS
@@ -136,9 +136,8 @@ SIDE_PORT_CONNECTIONS_PER_IP = 8
 SIDE_PORT_REQUEST_TIMEOUT_S = 2.0
 # What an admin key may look like (the characters tritonserver's flags carry, at least the
 # shortest key the launcher accepts): anything else, a NUL included, never matches. Wrong keys
-# from one address: at most this many a minute.
+# from one address: at most sampling.admin.WRONG_KEYS_PER_MINUTE a minute.
 ADMIN_KEY_PATTERN = rf"^{ADMIN_KEY_CHARACTERS}{{{MIN_ADMIN_KEY_CHARS},512}}$"
-WRONG_KEYS_PER_MINUTE = 10
 # HAProxy's buffer per direction of a connection, taken only while data passes, and the HTTP/2
 # window it grants each stream: with 2.6's defaults (16 KiB, 64 KiB) a large gRPC call spends most
 # of its extra time through the proxy waiting on window updates and buffer turns. Memory stays

@@ -23,7 +23,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from ..sampling.admin import ADMIN_HEADER, GRPC_ADMIN_HEADER  # noqa: F401 (the launcher's names)
+from ..sampling.admin import ADMIN_HEADER, CLIENT_ADDRESS_PARAMETER, GRPC_ADMIN_HEADER  # noqa: F401 (the launcher's names)
 from ..serving.admin_key import ADMIN_KEY_DIGEST_ENV, key_digest
 from . import settings
 from .allocator import with_allocator
@@ -252,8 +252,15 @@ def hardening_args(
 
 
 def loopback_args() -> list[str]:
-    """The flags that keep tritonserver's HTTP, gRPC and metrics endpoints on loopback (behind the proxy)."""
-    return ["--http-address=127.0.0.1", "--grpc-address=127.0.0.1", "--metrics-address=127.0.0.1"]
+    """The flags that keep tritonserver's HTTP, gRPC and metrics endpoints on loopback (behind the
+    proxy), and forward the client-address header the proxy sets on gRPC calls to the models as a
+    request parameter (the generate model limits wrong admin keys per address: docs/weights.md)."""
+    return [
+        "--http-address=127.0.0.1",
+        "--grpc-address=127.0.0.1",
+        "--metrics-address=127.0.0.1",
+        f"--grpc-header-forward-pattern={CLIENT_ADDRESS_PARAMETER}",
+    ]
 
 
 def redact(command: list[str], secret: str | None) -> list[str]:

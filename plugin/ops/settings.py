@@ -102,6 +102,19 @@ TRITON_API_PORT = Setting(
 TRITON_API_KEY = Setting(
     str, "", "a key the HTTP API requires as `Authorization: Bearer` (read by its process; empty: none)"
 )
+TRITON_API_TRUSTED_NETWORKS = Setting(
+    str,
+    "",
+    "source networks (CIDRs, comma-separated) whose weight calls to the HTTP API need no admin key, for trainers "
+    "that cannot send a header (AReaL, SkyRL); the API sends its copy of the admin key for them; empty: none",
+    shown_default="none",
+)
+TRITON_API_FORWARDED_ALLOW_IPS = Setting(
+    str,
+    "127.0.0.1",
+    "the proxies whose X-Forwarded-For the HTTP API takes as the client address (uvicorn's forwarded_allow_ips): "
+    "the front door on loopback",
+)
 TRITON_PROXY = Setting(
     str.lower,
     "haproxy",
