@@ -127,6 +127,7 @@ def with_parameters(request=None, logits=None, output=None, output_name="output_
             with_parameters(logits={"shared_memory_byte_size": "16"}),
             "input 'logits': parameter 'shared_memory_byte_size'",
         ),
+        (with_parameters(request={"a\u0000b": 1}), "the request: a parameter's name may not hold a NUL character"),
     ],
 )
 def test_a_wrongly_typed_parameter_tritonserver_reads_is_a_400_naming_it(port, body, says):
@@ -170,7 +171,16 @@ def test_a_bad_generate_body_is_a_400_naming_the_problem(port, body, says):
     assert says in error_of(answer)
 
 
-@pytest.mark.parametrize("body", [b"", b"0", b'{"logits": "abc"}', b'{"logits": [1, 2], "top_k": 1.5}'])
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"",
+        b"0",
+        b'{"logits": "abc"}',
+        b'{"logits": [1, 2], "top_k": 1.5}',
+        b'{"logits": [1], "parameters": {"\\u0000": 1}}',
+    ],
+)
 def test_the_generate_extension_on_the_sampler_is_checked_too(port, body):
     """The sampler is not decoupled, but tritonserver serves the generate extension on it too."""
     answer = send(port, "POST", "/v2/models/sampler/generate", body)

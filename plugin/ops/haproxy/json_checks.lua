@@ -335,6 +335,9 @@ local function check_parameters(parameters, owner, kinds)
     fail(owner .. ": 'parameters' must be an object")
   end
   for key, value in pairs(parameters) do
+    if key:find("\0", 1, true) then -- tritonserver reads the name up to it, finds no such key: a 500
+      fail(owner .. ": a parameter's name may not hold a NUL character")
+    end
     if not is_scalar(value) then
       fail(string.format("%s: parameter '%s' must be a string, number or boolean", owner, key))
     end
