@@ -159,6 +159,28 @@ def test_every_quantity_matches_the_full_vocabulary_brute_force(seed, rows, voca
     assert math.isclose(stats["support_ratio_std"], np.exp(want["log_ratio"]).std(), abs_tol=1e-9)
 
 
+def test_an_empty_batch_gives_empty_values_and_nan_statistics():
+    """No tokens: every function of the kit answers for zero tokens, and the statistics keep their
+    keys, each NaN (a mean of nothing) rather than raising."""
+    logits = torch.zeros((0, 7), dtype=torch.float64)
+    support = FlatSupport.from_flat(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0))
+    scores = score_support(logits, support, 1.0)
+    tokens, sampling = np.zeros(0, np.int64), np.zeros(0)
+    diagnostics = ratio_diagnostics(logits, scores, tokens, sampling)
+    assert diagnostics.support_log_ratio.shape == diagnostics.kept_log_mass.shape == (0,)
+    assert support_divergences(scores).entropy.shape == (0,)
+    assert centered_policy_loss(scores, tokens, 1.0).shape == (0,)
+    stats = diagnostics.statistics()
+    one_token = ratio_diagnostics(
+        torch.zeros((1, 7), dtype=torch.float64),
+        score_support(torch.zeros((1, 7)), FlatSupport.from_sglang([[0]]), 1.0),
+        [0],
+        [0.0],
+    ).statistics()
+    assert stats.keys() == one_token.keys()
+    assert all(math.isnan(value) for value in stats.values()), stats
+
+
 def test_the_server_kept_mass_is_output_minus_sampling_logprobs():
     # p = [0.4, 0.3, 0.2, 0.1] with support {0, 1}: kept mass 0.7, for whichever token was drawn.
     log_p = np.log([0.4, 0.3, 0.2, 0.1])
