@@ -28,12 +28,19 @@ def post(url: str, body, headers: dict | None = None, timeout_s: float = 120) ->
             return error.code, text
 
 
-def get(url: str, timeout_s: float = 30) -> tuple[int, object]:
+def get(url: str, timeout_s: float = 30) -> tuple[int | None, object]:
+    """(status, JSON or text); (None, why) when nothing answered."""
     try:
         with urllib.request.urlopen(url, timeout=timeout_s) as response:
-            return response.status, json.loads(response.read() or b"null")
+            status, text = response.status, response.read().decode(errors="replace")
     except urllib.error.HTTPError as error:
-        return error.code, error.read().decode(errors="replace")
+        status, text = error.code, error.read().decode(errors="replace")
+    except OSError as error:
+        return None, type(error).__name__
+    try:
+        return status, json.loads(text or "null")
+    except ValueError:
+        return status, text
 
 
 _STEP = re.compile(r"([^.\[\]]+)|\[(\*|\d+)\]")
