@@ -56,5 +56,10 @@ class PreparationPool:
     def _done(self) -> None:
         self._pending -= 1
 
+    @property
+    def pending(self) -> int:
+        """Requests being prepared or waiting to be."""
+        return self._pending
+
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
