@@ -2,11 +2,13 @@
 Events, and `main` (uvicorn, SIGTERM drains requests in flight).
 
 Routes: GET /health (200 while the generate model is ready, else 503), GET /v1/models,
-POST /v1/completions, POST /v1/chat/completions, POST /generate, and the weight routes. With an
-API key every route but /health needs `Authorization: Bearer <key>` (request_limits.py, which also
-bounds the body). A request's body is parsed, checked and tokenized on the preparing threads
-(preparation.py, input_bounds.py); its sequences then wait their turn in the engine
-(admission.py), and a client that leaves cancels them (disconnects.py).
+POST /v1/completions, POST /v1/chat/completions, POST /generate, POST /inference/v1/generate
+(vLLM's token route), SGLang's weight routes (weight_routes) and worker routes (info_routes:
+server and model info, flush_cache, the aborts). With an API key every route but /health needs
+`Authorization: Bearer <key>` (request_limits.py, which also bounds the body). A request's body
+is parsed, checked and tokenized on the preparing threads (preparation.py, input_bounds.py); its
+sequences then wait their turn in the engine (admission.py), and a client that leaves cancels them
+(disconnects.py).
 """
 
 from __future__ import annotations
@@ -18,10 +20,10 @@ import sys
 import time
 from contextlib import asynccontextmanager
 
-import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
+from pydantic_core import from_json
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
@@ -30,13 +32,17 @@ from ..client.generate_transport import GrpcConnection
 from .config import ApiConfig, build_parser, config_from_args, forwarded_allow_ips
 from .disconnects import ClientLeft, EventStream, answer_error, unless_client_leaves
 from .encoding import JsonBody
-from .errors import ApiError, from_validation_error
+from .errors import ApiError, bad_request, from_validation_error
+from .field_table import CHAT, COMPLETIONS, GENERATE, TOKENS, accept
+from .in_flight import InFlight
+from .info_routes import add_info_routes
 from .input_bounds import PromptPastContext
 from .openai_routes import OPENAI_NAMES, CompletionStream, OpenAIHandlers
 from .request_limits import RequestLimits
-from .schemas import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from .schemas import ChatCompletionRequest, CompletionRequest, GenerateRequest, TokenGenerateRequest
 from .service import ApiService
 from .sglang_routes import SGLANG_NAMES, GenerateHandler, SequenceSoFar
+from .token_route import TOKEN_NAMES, TokenHandler
 from .weight_access import WeightAccess
 from .weight_routes import add_weight_routes
 
@@ -48,10 +54,22 @@ _HEALTH_TIMEOUT_S = 2.0
 _KEEP_ALIVE_S = 75
 
 
-def _parse(body: bytes, model: type[BaseModel]) -> BaseModel:
-    """The body parsed strictly into `model` (a 400 naming each problem)."""
+def _json(body: bytes) -> dict:
+    """The body as a JSON object (a 400 saying what is wrong)."""
     try:
-        return model.model_validate_json(body)
+        data = from_json(body)
+    except ValueError as error:
+        raise bad_request(f"the body is not valid JSON: {error}") from None
+    if not isinstance(data, dict):
+        raise bad_request("the body must be a JSON object")
+    return data
+
+
+def _validated(data: dict, model: type[BaseModel], route: str) -> BaseModel:
+    """`data` parsed into `model` as `route`'s upstream parses it: the route's neutral and ignored
+    fields checked and taken out first (field_table), a 400 naming each problem."""
+    try:
+        return model.model_validate(accept(route, data))
     except ValidationError as error:
         raise from_validation_error(error) from None
 
@@ -70,6 +88,8 @@ def create_app(config: ApiConfig, service: ApiService | None = None) -> FastAPI:
     service = service or ApiService(config)
     openai = OpenAIHandlers(service)
     sglang = GenerateHandler(service)
+    tokens = TokenHandler(service)
+    in_flight = InFlight()
     bounds = service.bounds
 
     @asynccontextmanager
@@ -119,6 +139,7 @@ def create_app(config: ApiConfig, service: ApiService | None = None) -> FastAPI:
 
     access = WeightAccess(config.api_key, config.admin_key, config.trusted_networks)
     add_weight_routes(app, config.triton_url, config.triton_model, access, config.max_body_bytes)
+    add_info_routes(app, service, in_flight)
 
     @app.get("/health")
     async def health():
@@ -141,32 +162,34 @@ def create_app(config: ApiConfig, service: ApiService | None = None) -> FastAPI:
 
     # What runs on a preparing thread: parse, bound, tokenize or render (the sync part of a request).
     def prepare_completion(body: bytes):
-        request = _parse(body, CompletionRequest)
+        request = _validated(_json(body), CompletionRequest, COMPLETIONS)
         bounds.check_completion(request.prompt, request.n)
         return request, *_naming("prompt", openai.completion_sequences, request)
 
     def prepare_chat(body: bytes):
-        try:  # the message count first: validating each message is the costly part
-            bounds.check_message_count(orjson.loads(body))
-        except orjson.JSONDecodeError:
-            pass  # pydantic names the problem
-        request = _parse(body, ChatCompletionRequest)
+        data = _json(body)
+        bounds.check_message_count(data)  # before each message is validated: that is the costly part
+        request = _validated(data, ChatCompletionRequest, CHAT)
         bounds.check_chat(request.messages, request.chat_template_kwargs, getattr(request, "chat_template", None))
         return request, *openai.chat_sequences(request)
 
     def prepare_generate(body: bytes):
-        request = _parse(body, GenerateRequest)
+        request = _validated(_json(body), GenerateRequest, GENERATE)
         bounds.check_generate(request.text, request.input_ids, request.sampling_params)
         field = "text" if request.text is not None else "input_ids"
         return request, *_naming(field, sglang.sequences, request)
 
+    def prepare_tokens(body: bytes):
+        request = _validated(_json(body), TokenGenerateRequest, TOKENS)
+        return request, tokens.job(request)
+
     def errors_of(names: dict[str, str], prompt_field: str):
         return lambda error: answer_error(error, lambda e: service.api_error(e, names, prompt_field))
 
-    async def whole(raw: Request, sequences, to_error):
-        """Every sequence to its end, cancelled when the client leaves."""
+    async def whole(raw: Request, generation, to_error):
+        """The result of `generation` (every sequence to its end), cancelled when the client leaves."""
         try:
-            return await unless_client_leaves(raw.receive, service.runner.generate(sequences))
+            return await unless_client_leaves(raw.receive, generation)
         except ClientLeft:
             raise
         except Exception as error:
@@ -176,7 +199,7 @@ def create_app(config: ApiConfig, service: ApiService | None = None) -> FastAPI:
         request, prompts, sequences = await service.preparation.run(prepare, await raw.body())
         to_error = errors_of(OPENAI_NAMES, "prompt")
         if not request.stream:
-            return JsonBody(render(request, prompts, await whole(raw, sequences, to_error)))
+            return JsonBody(render(request, prompts, await whole(raw, service.runner.generate(sequences), to_error)))
         stream = CompletionStream(openai, request, prompts, sequences)
         return EventStream(service.runner.stream(sequences), stream.chunk, to_error, stream.opening(), stream.closing)
 
@@ -193,9 +216,16 @@ def create_app(config: ApiConfig, service: ApiService | None = None) -> FastAPI:
         started = time.monotonic()
         request, sequences, batch, rids = await service.preparation.run(prepare_generate, await raw.body())
         to_error = errors_of(SGLANG_NAMES, "input_ids")
+        aborts = in_flight.register([*rids, *([request.rid] if isinstance(request.rid, str) else [])])
         if not request.stream:
-            results = await whole(raw, sequences, to_error)
-            items = [sglang.item(request, r, rid, started) for r, rid in zip(results, rids)]
+            try:
+                results = await whole(raw, aborts.run(service.runner.generate(sequences)), to_error)
+            finally:
+                aborts.release()
+            if results is None:  # aborted by /abort_request
+                return JsonBody(sglang.aborted(request, sequences, rids, started, batch))
+            now = await service.weight_version() if any(not r.weight_versions for r in results) else None
+            items = [sglang.item(request, r, rid, started, now) for r, rid in zip(results, rids)]
             return JsonBody(items if batch else items[0])
         so_far = [SequenceSoFar(s) for s in sequences]
 
@@ -205,7 +235,26 @@ def create_app(config: ApiConfig, service: ApiService | None = None) -> FastAPI:
                 item["index"] = delta.index
             return item
 
-        return EventStream(service.runner.stream(sequences), event, to_error)
+        def closing():
+            return sglang.aborted_events(request, so_far, rids, started, batch) if aborts.aborted else []
+
+        deltas = aborts.stream(service.runner.stream(sequences))
+        return EventStream(deltas, event, to_error, closing=closing, done=aborts.release)
+
+    @app.post("/inference/v1/generate")
+    async def inference_generate(raw: Request):
+        request, job = await service.preparation.run(prepare_tokens, await raw.body())
+        to_error = errors_of(TOKEN_NAMES, "token_ids")
+        aborts = in_flight.register([job.request_id])
+        if not request.stream:
+            try:
+                results = await whole(raw, aborts.run(service.runner.generate(job.sequences)), to_error)
+            finally:
+                aborts.release()
+            return JsonBody(tokens.body(job, results, aborted=results is None))
+        stream = tokens.stream(job, aborts)
+        deltas = aborts.stream(service.runner.stream(job.sequences))
+        return EventStream(deltas, stream.chunk, to_error, closing=stream.closing, done=aborts.release)
 
     return app
 

@@ -69,13 +69,14 @@ async def unless_client_leaves(receive, awaitable):
 class EventStream(Response):
     """Server-Sent Events of `deltas` (an async iterator), each `render`ed to a JSON payload, after
     `opening` and before `closing()` and `data: [DONE]`; `error_of` turns an exception into the
-    ApiError it is answered with (see the module docstring)."""
+    ApiError it is answered with; `done` is called once the stream has ended, however it ended
+    (see the module docstring)."""
 
     media_type = "text/event-stream"
 
-    def __init__(self, deltas, render, error_of, opening: list[dict] = (), closing=list):
+    def __init__(self, deltas, render, error_of, opening: list[dict] = (), closing=list, done=None):
         self.deltas, self.render, self.error_of = deltas, render, error_of
-        self.opening, self.closing = opening, closing
+        self.opening, self.closing, self.done = opening, closing, done
         self.status_code, self.background = 200, None
         self.init_headers({"Cache-Control": "no-cache"})
 
@@ -87,6 +88,8 @@ class EventStream(Response):
         finally:
             gone.cancel()
             await _stop(sender)
+            if self.done is not None:
+                self.done()
         if not sender.cancelled() and sender.exception() is not None:
             raise sender.exception()
 

@@ -140,10 +140,18 @@ class ApiService:
             )
         return wanted
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """The ids of a prompt text (its length bounded before, input_bounds), refused at once
         when they pass the context."""
-        return self.bounds.check_tokens(self.tokenizer.encode(text, add_special_tokens=True))
+        return self.bounds.check_tokens(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    async def weight_version(self) -> str | None:
+        """The generate model's weight version now (for an answer with no token to carry one)."""
+        try:
+            versions = await self.client.get_weight_version()
+        except GenerateError:
+            return None
+        return next(iter(versions.values()), None)
 
     def api_error(self, error: Exception, names: dict[str, str], prompt_field: str) -> ApiError:
         """A failure of a generation as the ApiError it is answered with (re-raises the unexpected)."""
