@@ -102,7 +102,8 @@ def test_the_config_holds_the_limits_it_is_given(tmp_path):
         plan(tmp_path, max_connections=900, max_in_flight=7, max_queue=5, queue_timeout_s=1.5, requests_per_ip=3)
     )
     assert "maxconn 450\n" in text  # half for each of the HTTP and gRPC ports
-    assert text.count("maxconn 7\n") == 7  # every model route's server, HTTP and gRPC, and the API's
+    assert text.count("maxconn 7\n") == 6  # every model route's server, HTTP and unary gRPC, and the API's
+    assert "127.0.0.1:19004 proto h2 maxconn 0\n" in text  # streams: the stream gate keeps their queue
     # each model route counts every address's requests in a table of its own, refused past 3
     for backend in proxy_config.SHARED_BACKENDS:
         assert f"track-sc2 src table st_share_{backend} if " in text and f"backend st_share_{backend}\n" in text

@@ -104,6 +104,14 @@ class FrontDoor:
         return path if len(str(path)) < UNIX_PATH_MAX else None  # a longer path cannot be bound
 
     @property
+    def gate_socket(self) -> Path | None:
+        """The unix socket the stream gate serves its refusal counters on (ops.proxy_metrics)."""
+        if not (self.directory and self.stream_gate):
+            return None
+        path = self.directory / "stream_gate.sock"
+        return path if len(str(path)) < UNIX_PATH_MAX else None
+
+    @property
     def config_path(self) -> Path:
         """The generated haproxy.cfg (0600: it holds the internal key)."""
         return self.directory / "haproxy.cfg"
@@ -145,6 +153,11 @@ class FrontDoor:
             f"--upstream=127.0.0.1:{self.internal['grpc']}",
             f"--max-open={self.limits.stream_max_open}",
             f"--max-message-bytes={min(largest, 2**31 - 1)}",
+            # the stream route's queue (HAProxy's cannot answer a stream: ops.stream_gate)
+            f"--max-streams={self.limits.max_in_flight}",
+            f"--max-queue={self.limits.max_queue}",
+            f"--queue-timeout={self.limits.queue_timeout_s}",
+            *([f"--counters-socket={self.gate_socket}"] if self.gate_socket else []),
             # decoupled models stop a cancelled request at their next step (the generate engine)
             *(f"--cancellable={route.name}" for route in self.plan().routes if route.decoupled),
         ]

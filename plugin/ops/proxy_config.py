@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field, make_dataclass
+from dataclasses import dataclass, field, make_dataclass, replace
 from pathlib import Path
 
 from ..model_config import dims, is_decoupled, read_config_file, string_parameters
@@ -658,7 +658,7 @@ def render(plan: ProxyPlan) -> str:
     lines += _shed_backend(
         "be_grpc_stream",
         internal["stream_gate"] if plan.stream_gate else internal["grpc"],
-        limits,
+        replace(limits, max_in_flight=0) if plan.stream_gate else limits,  # the gate queues streams (maxconn 0: none)
         limits.queue_timeout_s,
         h2=True,
         extra=(reuse, grpc_503, f"    timeout server {_seconds(limits.server_timeout_s)}"),
