@@ -26,6 +26,12 @@ client_tests/test_front_door.py runs too. Attacks (docs/operations.md, "Threat m
 - the front door's third round (testbed/door_attacks.py): route-share, trickled-bodies,
   header-only-calls, header-spellings, abandoned-streams, probe-flood, admin-key-guessing,
   short-admin-key;
+- the HTTP API's round (testbed/api_attacks.py, through the proxy's API port): api-prompt-list,
+  api-long-prompt, api-many-messages, api-many-texts (refused before any tokenizing, the API's
+  memory and another API client watched), api-request-template (a chat bringing its own
+  template), api-big-request (n 256 x 500 tokens, then another client's chat), api-abandoned-streams
+  and api-abandoned-requests (clients that reset their sockets: cancelled in the engine),
+  api-gone-mid-body, api-schema, api-silent-body (70 s: a body that stops half-way);
 - memory-blowup (destructive, in a memory-limited cgroup only): the JSON shape body straight to
   tritonserver's loopback port, past the proxy: the memory limit must kill the server, not the
   host, and the supervisor bring it back.
@@ -40,12 +46,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-from testbed import door_attacks, hostile
+from testbed import api_attacks, door_attacks, hostile
 from testbed.hostile import MemoryWatch, Prober, wait_until_answering
 from testbed.stack import launch, shipped_repository
 
-# The front door's own attacks first; the destructive memory-blowup last.
-ATTACKS = {**door_attacks.ATTACKS, **hostile.ATTACKS}
+# The front door's own attacks first, then the HTTP API's; the destructive memory-blowup last.
+ATTACKS = {**door_attacks.ATTACKS, **api_attacks.ATTACKS, **hostile.ATTACKS}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,6 +19,7 @@ import psutil
 
 from triton_sampling_mask.ops.child import Child, log_tail
 from triton_sampling_mask.ops.memory_limit import MemoryCage, make_cage
+from triton_sampling_mask.ops.proxy import INTERNAL_PORTS
 from triton_sampling_mask.ops.server_process import LoopbackUrls, free_port
 
 from .server import REPO_ROOT, copy_model
@@ -138,6 +139,16 @@ class Stack(LoopbackUrls):
     def log_tail(self, chars: int = 3000) -> str:
         """The end of the launcher's log."""
         return log_tail(self.log_path, chars)
+
+    @property
+    def api_internal_port(self) -> int:
+        """The HTTP API's own port behind the proxy (loopback)."""
+        return self.server_http_port + INTERNAL_PORTS.index("api")
+
+    def api_pid(self) -> int | None:
+        """The HTTP API process's pid (the one serving `api_internal_port`)."""
+        pids = pids_with_argument(f"--port={self.api_internal_port}")
+        return pids[0] if pids else None
 
     def sampler_check(self) -> tuple[bool, str]:
         """Whether a greedy sampler request through the public port is answered correctly; else

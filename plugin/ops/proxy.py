@@ -174,6 +174,8 @@ class FrontDoor:
             f"--triton-url=127.0.0.1:{self.internal['grpc']}",
             "--host=127.0.0.1",
             f"--port={self.internal['api']}",
+            # the API ends a body its client stopped sending as the proxy would (PROXY_CLIENT_TIMEOUT_S)
+            f"--client-timeout-s={self.limits.client_timeout_s}",
             *([f"--model-path={model_path}"] if model_path else []),
             # the admin key only where it is sent for trusted networks' keyless weight calls
             *(
