@@ -488,7 +488,10 @@ core.register_action("check_infer_json", { "http-req" }, function(txn)
   end)
 end, 0)
 
-core.register_action("check_generate_json", { "http-req" }, function(txn, spec, route)
+-- The model's inputs and the route come from the proxy's variables (the model's line of
+-- input_specs.map, and generate or generate_stream).
+core.register_action("check_generate_json", { "http-req" }, function(txn)
+  local spec, route = txn:get_var("txn.input_spec") or "", txn:get_var("txn.json_route")
   guarded(txn, function()
     local body = txn.f:req_body() or ""
     if #body < (tonumber(txn.f:req_body_size()) or 0) then
@@ -496,4 +499,4 @@ core.register_action("check_generate_json", { "http-req" }, function(txn, spec, 
     end
     check_generate(parse(body), spec, route == "generate_stream")
   end)
-end, 2)
+end, 0)
