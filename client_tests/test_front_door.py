@@ -227,13 +227,12 @@ def test_grpc_admin_methods_need_the_key(stack):
 
 
 def proxy_pid(stack: full_stack.Stack) -> int | None:
-    """The pid of the stack's HAProxy (the one whose config names this stack's ports)."""
+    """The pid of the stack's HAProxy (the one given this stack's HTTP port)."""
     for pid in full_stack.pids_with_argument("-db"):
         try:
-            config = Path(psutil.Process(pid).cmdline()[-1])
-            if f":{stack.ports['http']}\n" in config.read_text():
+            if psutil.Process(pid).environ().get("TRITON_HTTP_PORT") == str(stack.ports["http"]):
                 return pid
-        except (OSError, IndexError, psutil.Error):
+        except psutil.Error:
             continue
     return None
 
