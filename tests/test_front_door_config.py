@@ -19,6 +19,7 @@ from tritonclient.grpc import service_pb2
 from triton_sampling_mask.model_config import dims, read_config_file
 from triton_sampling_mask.ops import memory_limit, proxy, proxy_metrics
 from triton_sampling_mask.ops.proxy import TEMPLATE, FrontDoor, ProxyError, ProxyLimits
+from triton_sampling_mask.ops.secret_files import API_KEY_CLIENT
 from triton_sampling_mask.ops.stream_gate import is_final
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -69,8 +70,12 @@ INTERNAL = {"http": 19000, "grpc": 19001, "metrics": 19002, "probe": 19003, "str
 
 
 def door(tmp_path: Path, admin_key: str | None = "user-key", **limits) -> FrontDoor:
-    """A front door on fixed ports with its files written into `tmp_path`."""
-    front = FrontDoor(REPOSITORY, PUBLIC, admin_key, dict(INTERNAL), ProxyLimits(**limits), internal_key="internal-key")
+    """A front door on fixed ports, with client keys (TRITON_API_KEY's among them), its files
+    written into `tmp_path`."""
+    keys = {"trainer": "t" * 40, API_KEY_CLIENT: "a" * 40}
+    front = FrontDoor(
+        REPOSITORY, PUBLIC, admin_key, dict(INTERNAL), ProxyLimits(**limits), "internal-key", client_keys=keys
+    )
     front.directory = tmp_path
     front.write_files()
     return front
@@ -102,7 +107,8 @@ def test_the_launcher_gives_the_template_every_value_it_reads_and_nothing_else(t
     assert set(environment) == template_variables() | {"PROXY_MAX_CONNECTIONS", "PROXY_STREAM_MAX_OPEN"}
     assert all(environment.values())  # a switch that is off is left undefined, never empty
     off = FrontDoor(REPOSITORY, {"http": 1, "grpc": 2}, None, dict(INTERNAL), stream_gate=False, json_checks=False)
-    switches = {"DOOR_ADMIN_KEY_FILE", "DOOR_JSON_CHECKS", "DOOR_STREAM_GATE", "DOOR_STATS_SOCKET"}
+    switches = {"DOOR_ADMIN_KEY_FILE", "DOOR_JSON_CHECKS", "DOOR_STREAM_GATE", "DOOR_STATS_SOCKET", "DOOR_CLIENT_KEYS"}
+    switches |= {"DOOR_API_AUTHORIZATION"}
     ports = {"TRITON_METRICS_PORT", "TRITON_PROBE_PORT", "TRITON_API_PORT"}
     assert set(off.environment()) == set(environment) - switches - ports
 
@@ -110,8 +116,10 @@ def test_the_launcher_gives_the_template_every_value_it_reads_and_nothing_else(t
 def test_the_values_hold_the_limits_and_models_they_are_given(tmp_path):
     front = door(tmp_path, max_connections=900, max_in_flight=7, max_queue=5, queue_timeout_s=1.5, requests_per_ip=3)
     environment = front.environment()
-    assert environment["DOOR_PORT_MAXCONN"] == "450"  # half for each of the HTTP and gRPC ports
-    assert environment["DOOR_MAXCONN"] == str(900 + 2 * proxy.SIDE_PORT_CONNECTIONS)
+    # half for each of the HTTP and gRPC ports, and on each HTTP port room for one keyed client
+    keyed = ProxyLimits().keyed_connections_per_ip
+    assert environment["DOOR_PORT_MAXCONN"] == str(450 + keyed)
+    assert environment["DOOR_MAXCONN"] == str(900 + 2 * keyed + 2 * proxy.SIDE_PORT_CONNECTIONS)
     assert (environment["PROXY_MAX_IN_FLIGHT"], environment["PROXY_MAX_QUEUE"]) == ("7", "5")
     assert (environment["PROXY_QUEUE_TIMEOUT_MS"], environment["PROXY_REQUESTS_PER_IP"]) == ("1500", "3")
     routes = {route.name: route for route in proxy.model_routes(REPOSITORY, 12288)}

@@ -169,9 +169,9 @@ def test_the_proxy_values_follow_the_plan_and_stay_valid(tmp_path, switches):
     environment = door.environment()
     assert ("DOOR_STREAM_GATE" in environment) == gated  # be_grpc_stream's server: the gate or tritonserver
     assert environment.get("DOOR_JSON_CHECKS") == (str(proxy.LUA_CHECKS) if checked else None)
-    # the template turns both on and off in one place each
+    # the template turns them on and off by these switches only (the gate: each stream route's server)
     template = proxy.TEMPLATE.read_text()
-    assert template.count(".if defined(DOOR_STREAM_GATE)") == 1 and template.count("lua-load") == 1
+    assert template.count(".if defined(DOOR_STREAM_GATE)") == 2 and template.count("lua-load") == 1
 
 
 def test_the_front_door_starts_the_gate_only_when_the_plan_runs_it(tmp_path):

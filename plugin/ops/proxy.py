@@ -30,7 +30,8 @@ from ..model_config import dims, is_decoupled, read_config_file, string_paramete
 from ..sampling.admin import ADMIN_KEY_PARAMETER, WRONG_KEYS_PER_MINUTE
 from . import settings
 from .child import HARD_LIMIT, Child
-from .server_process import ADMIN_KEY_CHARACTERS, MIN_ADMIN_KEY_CHARS, free_port
+from .secret_files import API_KEY_CLIENT, KEY_PATTERN
+from .server_process import free_port
 
 TEMPLATE = Path(__file__).resolve().with_name("haproxy") / "haproxy.cfg"
 LUA_CHECKS = TEMPLATE.with_name("json_checks.lua")
@@ -159,6 +160,7 @@ class FrontDoor:
     directory: Path | None = None
     stream_gate: bool = True
     json_checks: bool = True
+    client_keys: dict[str, str] = field(default_factory=dict)  # name -> key (secret_files.read_client_keys)
     side_bind_address: str = field(default_factory=settings.TRITON_SIDE_PORTS_ADDRESS.value)
     haproxy: list[str] = field(default_factory=lambda: [find_haproxy()])  # its command (tests: other lines')
 
@@ -177,6 +179,10 @@ class FrontDoor:
             "DOOR_JSON_CHECKS": LUA_CHECKS if self.json_checks else None,
             "DOOR_STREAM_GATE": "on" if self.stream_gate else None,
             "DOOR_STATS_SOCKET": self.stats_socket,
+            "DOOR_CLIENT_KEYS": "on" if self.client_keys else None,
+            "DOOR_API_AUTHORIZATION": f"Bearer {self.client_keys[API_KEY_CLIENT]}"
+            if API_KEY_CLIENT in self.client_keys
+            else None,
             **{f"TRITON_{name.upper()}_PORT": port for name, port in public.items()},
         }
         return {
@@ -185,13 +191,21 @@ class FrontDoor:
             **{f"DOOR_{name.upper()}_SERVER_PORT": str(port) for name, port in self.internal.items()},
             "DOOR_BIND_ADDRESS": "0.0.0.0",
             "DOOR_SIDE_BIND_ADDRESS": self.side_bind_address,
-            "DOOR_MAXCONN": str(self.limits.max_connections + 2 * SIDE_PORT_CONNECTIONS),
-            "DOOR_PORT_MAXCONN": str(max(1, self.limits.max_connections // 2)),
+            "DOOR_MAXCONN": str(self.connections()),
+            "DOOR_PORT_MAXCONN": str(max(1, self.limits.max_connections // 2) + self.keyed_connections()),
             "DOOR_INTERNAL_KEY": self.internal_key,
-            "DOOR_ADMIN_KEY_PATTERN": f"^{ADMIN_KEY_CHARACTERS}{{{MIN_ADMIN_KEY_CHARS},512}}$",
+            "DOOR_ADMIN_KEY_PATTERN": f"^{KEY_PATTERN.pattern}$",
             "DOOR_WRONG_KEYS_PER_MINUTE": str(WRONG_KEYS_PER_MINUTE),
             "DOOR_MAPS": str(self.directory),
         }
+
+    def keyed_connections(self) -> int:
+        """The connections one keyed client may add on each HTTP port (the API's and tritonserver's)."""
+        return self.limits.keyed_connections_per_ip if self.client_keys else 0
+
+    def connections(self) -> int:
+        """HAProxy's global cap: the HTTP and gRPC ports', a keyed client on each HTTP port, the side ports'."""
+        return self.limits.max_connections + 2 * self.keyed_connections() + 2 * SIDE_PORT_CONNECTIONS
 
     def write_files(self) -> None:
         """The admin key file and the model maps, into `directory`."""
@@ -204,6 +218,9 @@ class FrontDoor:
             ("input_specs", lambda r: r.input_spec),
         ):
             write_private(self.directory / f"{name}.map", "".join(f"{r.name} {value(r)}\n" for r in routes))
+        if self.client_keys:
+            keys = "".join(f"{key} {name}\n" for name, key in self.client_keys.items())
+            write_private(self.directory / "client_keys.map", keys)
 
     def check(self) -> subprocess.CompletedProcess:
         """`haproxy -c` of the template with this door's values."""
@@ -216,7 +233,7 @@ class FrontDoor:
         if self.haproxy[0] is None:
             raise ProxyError("haproxy is not installed")
         hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-        needed = 2 * (self.limits.max_connections + 2 * SIDE_PORT_CONNECTIONS) + 200  # a client and a server side
+        needed = 2 * self.connections() + 200  # a client and a server side each
         if hard != resource.RLIM_INFINITY and hard < needed:
             raise ProxyError(
                 f"PROXY_MAX_CONNECTIONS={self.limits.max_connections} needs about {needed} file descriptors "
