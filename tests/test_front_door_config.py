@@ -17,9 +17,9 @@ import pytest
 from tritonclient.grpc import service_pb2
 
 from triton_sampling_mask.model_config import dims, read_config_file
-from triton_sampling_mask.ops import memory_limit, proxy, proxy_metrics
+from triton_sampling_mask.ops import memory_limit, model_limits, proxy, proxy_metrics
 from triton_sampling_mask.ops.proxy import TEMPLATE, FrontDoor, ProxyError, ProxyLimits
-from triton_sampling_mask.ops.secret_files import API_KEY_CLIENT
+from triton_sampling_mask.ops.secret_files import API_KEY_CLIENT, write_secret_file
 from triton_sampling_mask.ops.stream_gate import is_final
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -40,11 +40,11 @@ def row_bytes(config: dict, variable: int) -> int:
 
 
 def test_body_caps_follow_the_model_configs():
-    routes = {route.name: route for route in proxy.model_routes(REPOSITORY, 12288)}
+    routes = {route.name: route for route in model_limits.model_routes(REPOSITORY, 12288)}
     sampler, generate = parsed("sampler"), parsed("generate")
     vocab = int(sampler["parameters"]["max_vocab_size"]["string_value"])
     row = row_bytes(sampler, vocab)
-    assert routes["sampler"].body_limit_bytes == sampler["max_batch_size"] * row + 12288 + proxy.BODY_SLACK_BYTES
+    assert routes["sampler"].body_limit_bytes == sampler["max_batch_size"] * row + 12288 + model_limits.BODY_SLACK_BYTES
     assert routes["sampler"].body_limit_bytes >= 256 * 262144 * 4  # the largest request the README promises
     assert (
         not routes["sampler"].decoupled
@@ -52,7 +52,7 @@ def test_body_caps_follow_the_model_configs():
     )
     budget = int(generate["parameters"]["kv_budget_tokens"]["string_value"])
     row = row_bytes(generate, budget)
-    expected = generate["max_batch_size"] * row * proxy.JSON_TEXT_FACTOR + 12288 + proxy.BODY_SLACK_BYTES
+    expected = generate["max_batch_size"] * row * model_limits.JSON_TEXT_FACTOR + 12288 + model_limits.BODY_SLACK_BYTES
     assert routes["generate"].body_limit_bytes == expected
 
 
@@ -61,8 +61,8 @@ def test_a_model_without_a_bound_on_its_variable_dims_gets_the_fallback_cap(tmp_
     (tmp_path / "free" / "config.pbtxt").write_text(
         'name: "free"  # a comment with "quotes"\nmax_batch_size: 4\ninput [ { name: "x", data_type: TYPE_FP32, dims: [ -1 ] } ]\n'
     )
-    [route] = proxy.model_routes(tmp_path, 100)
-    assert route.body_limit_bytes == proxy.UNBOUNDED_MODEL_BODY_BYTES and not route.decoupled
+    [route] = model_limits.model_routes(tmp_path, 100)
+    assert route.body_limit_bytes == model_limits.UNBOUNDED_MODEL_BODY_BYTES and not route.decoupled
 
 
 PUBLIC = {"http": 18000, "grpc": 18001, "metrics": 18002, "probe": 18003, "api": 18004}
@@ -122,7 +122,7 @@ def test_the_values_hold_the_limits_and_models_they_are_given(tmp_path):
     assert environment["DOOR_MAXCONN"] == str(900 + 2 * keyed + 2 * proxy.SIDE_PORT_CONNECTIONS)
     assert (environment["PROXY_MAX_IN_FLIGHT"], environment["PROXY_MAX_QUEUE"]) == ("7", "5")
     assert (environment["PROXY_QUEUE_TIMEOUT_MS"], environment["PROXY_REQUESTS_PER_IP"]) == ("1500", "3")
-    routes = {route.name: route for route in proxy.model_routes(REPOSITORY, 12288)}
+    routes = {route.name: route for route in model_limits.model_routes(REPOSITORY, 12288)}
     maps = {
         path.stem: dict(line.split(" ", 1) for line in path.read_text().splitlines()) for path in tmp_path.glob("*.map")
     }
@@ -146,7 +146,7 @@ def test_prepare_writes_private_files_and_a_bad_value_fails_loudly(tmp_path):
         assert (door.directory / "admin.key").read_text() == "user-key\n"
         assert door.environment()["DOOR_INTERNAL_KEY"] == door.internal_key != "user-key"
         with pytest.raises(FileExistsError):  # never written through a file someone planted
-            proxy.write_private(door.directory / "admin.key", "x")
+            write_secret_file(door.directory / "admin.key", "x")
     finally:
         door.clean_up()
     # TRITON_SIDE_PORTS_ADDRESS naming no address

@@ -26,11 +26,12 @@ import tempfile
 from dataclasses import dataclass, field, make_dataclass
 from pathlib import Path
 
-from ..model_config import dims, is_decoupled, read_config_file, string_parameters
-from ..sampling.admin import ADMIN_KEY_PARAMETER, WRONG_KEYS_PER_MINUTE
+from ..model_config import read_config_file, string_parameters
+from ..sampling.admin import WRONG_KEYS_PER_MINUTE
 from . import settings
 from .child import HARD_LIMIT, Child
-from .secret_files import API_KEY_CLIENT, KEY_PATTERN
+from .model_limits import model_routes
+from .secret_files import API_KEY_CLIENT, KEY_PATTERN, write_secret_file
 from .server_process import free_port
 
 TEMPLATE = Path(__file__).resolve().with_name("haproxy") / "haproxy.cfg"
@@ -43,57 +44,10 @@ UNIX_PATH_MAX = 107  # the longest unix socket path (sun_path holds 108 bytes wi
 # What clients read when shed or refused, as the template sets it (`setenv MSG_...`).
 MESSAGES = dict(re.findall(r'^\s+setenv (MSG_\w+) "(.*)"$', TEMPLATE.read_text(), re.MULTILINE))
 QUEUE_FULL, QUEUE_TIMEOUT, RESTRICTED = (MESSAGES[f"MSG_{n}"] for n in ("QUEUE_FULL", "QUEUE_TIMEOUT", "RESTRICTED"))
-# A body cap is max_batch_size rows of every input at its largest, a -1 dimension bounded by the
-# first of VARIABLE_DIM_BOUNDS in the config (none: UNBOUNDED_MODEL_BODY_BYTES), times the JSON
-# text factor for decoupled models (they take JSON on /generate), plus the JSON header and slack.
-VARIABLE_DIM_BOUNDS = ("max_vocab_size", "kv_budget_tokens")
-UNBOUNDED_MODEL_BODY_BYTES = 64 * 2**20
-JSON_TEXT_FACTOR = 3  # an integer as JSON text (sign, 10 digits, comma) against 4 bytes binary
-BODY_SLACK_BYTES = 64 * 1024
-DTYPE_BYTES = {"BOOL": 1, "UINT8": 1, "INT8": 1, "UINT16": 2, "INT16": 2, "FP16": 2, "BF16": 2}
-DTYPE_BYTES |= {"UINT32": 4, "INT32": 4, "FP32": 4}  # 8: 64-bit types, and strings
 
 
 class ProxyError(RuntimeError):
     """The proxy cannot start: not installed, a descriptor limit too low, or values HAProxy refuses."""
-
-
-@dataclass(frozen=True)
-class ModelRoute:
-    """One model as the door sees it: a generator (decoupled) or not, its body cap, and its inputs
-    as "name:DATATYPE ..." (what the JSON checks accept on /generate)."""
-
-    name: str
-    decoupled: bool
-    body_limit_bytes: int
-    input_spec: str = ""
-
-
-def model_route(config_path: Path, json_header_bytes: int) -> ModelRoute:
-    """A model's route from its config.pbtxt (Triton requires the folder's name)."""
-    config = read_config_file(config_path)
-    inputs = config.get("input", [])
-    # a control request's admin key is a request parameter: a string beside the inputs
-    kinds = [(e["name"], e.get("data_type", "TYPE_INVALID")[5:]) for e in inputs] + [(ADMIN_KEY_PARAMETER, "STRING")]
-    spec = " ".join(f"{name}:{'BYTES' if kind == 'STRING' else kind}" for name, kind in kinds)
-    parameters = string_parameters(config)
-    bound = next((int(parameters[key]) for key in VARIABLE_DIM_BOUNDS if parameters.get(key, "").isdigit()), None)
-    route = ModelRoute(Path(config_path).parent.name, is_decoupled(config), UNBOUNDED_MODEL_BODY_BYTES, spec)
-    row_bytes = 0
-    for entry in (entry for entry in inputs if "data_type" in entry and dims(entry)):
-        if bound is None and min(dims(entry)) < 0:
-            return route
-        elements = 1
-        for dim in dims(entry):
-            elements *= bound if dim < 0 else dim
-        row_bytes += elements * DTYPE_BYTES.get(entry["data_type"][5:], 8)
-    body = max(1, int(config.get("max_batch_size", 0))) * row_bytes * (JSON_TEXT_FACTOR if route.decoupled else 1)
-    return ModelRoute(route.name, route.decoupled, body + json_header_bytes + BODY_SLACK_BYTES, spec)
-
-
-def model_routes(repository: Path, json_header_bytes: int) -> list[ModelRoute]:
-    """Every model of a repository (each folder with a config.pbtxt), by name."""
-    return [model_route(path, json_header_bytes) for path in sorted(Path(repository).glob("*/config.pbtxt"))]
 
 
 # The proxy's numbers: one field per PROXY_* setting (PROXY_MAX_QUEUE is `max_queue`), defaulting
@@ -137,12 +91,6 @@ def find_haproxy() -> str | None:
 def internal_ports(base: int = 0) -> dict[str, int]:
     """Loopback ports for what runs behind the proxy: `base`, base+1, ... or free ones when 0."""
     return {name: base + offset if base else free_port() for offset, name in enumerate(INTERNAL_PORTS)}
-
-
-def write_private(path: Path, text: str) -> None:
-    """Create `path` for this user only (0600), failing if anything is already there."""
-    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600), "w") as handle:
-        handle.write(text)
 
 
 @dataclass
@@ -210,17 +158,17 @@ class FrontDoor:
     def write_files(self) -> None:
         """The admin key file and the model maps, into `directory`."""
         if self.admin_key is not None:
-            write_private(self.directory / "admin.key", self.admin_key + "\n")
+            write_secret_file(self.directory / "admin.key", self.admin_key + "\n")
         routes = model_routes(self.repository, self.limits.json_header_bytes)
         for name, value in (
             ("model_kinds", lambda r: "generator" if r.decoupled else "sampler"),
             ("body_limits", lambda r: r.body_limit_bytes),
             ("input_specs", lambda r: r.input_spec),
         ):
-            write_private(self.directory / f"{name}.map", "".join(f"{r.name} {value(r)}\n" for r in routes))
+            write_secret_file(self.directory / f"{name}.map", "".join(f"{r.name} {value(r)}\n" for r in routes))
         if self.client_keys:
             keys = "".join(f"{key} {name}\n" for name, key in self.client_keys.items())
-            write_private(self.directory / "client_keys.map", keys)
+            write_secret_file(self.directory / "client_keys.map", keys)
 
     def check(self) -> subprocess.CompletedProcess:
         """`haproxy -c` of the template with this door's values."""
