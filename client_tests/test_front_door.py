@@ -53,6 +53,7 @@ def stack(tmp_path_factory):
         cwd=cwd,
         nofile=1024,  # a common container default: without the proxy ~1,100 idle connections suffice
         legacy=LEGACY,
+        env={} if LEGACY else {"TRITON_CLIENT_KEYS_FILE": full_stack.write_client_keys(work)},  # keyed rules on
     )
     yield running
     running.stop()

@@ -13,7 +13,7 @@ import pytest
 
 from testbed import trainer_burst
 from testbed.server import ExternalTritonServer
-from testbed.stack import launch, shipped_repository
+from testbed.stack import launch, shipped_repository, write_client_keys
 from triton_sampling_mask.ops.proxy import ProxyLimits, find_haproxy
 
 pytestmark = pytest.mark.skipif(find_haproxy() is None, reason="the front door needs haproxy")
@@ -29,7 +29,7 @@ def stack(tmp_path_factory):
     running = launch(
         shipped_repository(work / "model_repository"),
         work / "launcher.log",
-        env={"TRITON_CLIENT_KEYS_FILE": trainer_burst.write_key_file(work)},
+        env={"TRITON_CLIENT_KEYS_FILE": write_client_keys(work)},
         stack_memory_bytes=None,
     )
     yield running

@@ -24,6 +24,7 @@ from triton_sampling_mask.ops.server_process import LoopbackUrls, free_port
 from .server import REPO_ROOT, copy_model
 
 ADMIN_KEY = "hostile-suite-admin-key-0123456789abcdef"
+CLIENT_KEY = "trainer-burst-client-key-0123456789abcdef"  # a keyed client's (TRITON_CLIENT_KEYS_FILE)
 START_LIMIT_S = 180.0
 STOP_LIMIT_S = 30.0  # SIGKILL for the launcher's group after this
 GREEDY_LOGITS = [0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 6.0]  # greedy: id 7
@@ -178,6 +179,14 @@ class Stack(LoopbackUrls):
                 except OSError:
                     time.sleep(0.2)
         return time.monotonic() - started
+
+
+def write_client_keys(directory: Path) -> Path:
+    """A client key file naming CLIENT_KEY "trainer" (mode 0600), for TRITON_CLIENT_KEYS_FILE."""
+    path = directory / "client.keys"
+    path.write_text(f"trainer {CLIENT_KEY}\n")
+    path.chmod(0o600)
+    return path
 
 
 def shipped_repository(dest: Path, models: tuple[str, ...] = ("sampler", "generate")) -> Path:

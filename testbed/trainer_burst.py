@@ -15,7 +15,6 @@ import asyncio
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import httpx2
 import openai
@@ -23,19 +22,11 @@ import openai
 from triton_sampling_mask.client import GenerateClient
 from triton_sampling_mask.client.sampling_params import SamplingParams
 
+from .stack import CLIENT_KEY as KEY
 from .stack import Stack
 
-KEY = "trainer-burst-client-key-0123456789abcdef"
 KEYED, FLOOD, KEYLESS = "127.0.0.1", "127.0.0.2", "127.0.0.3"  # the three clients' addresses
 MODEL = "generate"
-
-
-def write_key_file(directory: Path) -> Path:
-    """A client key file holding KEY (mode 0600), for TRITON_CLIENT_KEYS_FILE."""
-    path = directory / "client.keys"
-    path.write_text(f"trainer {KEY}\n")
-    path.chmod(0o600)
-    return path
 
 
 @dataclass

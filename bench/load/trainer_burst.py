@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from testbed import trainer_burst
-from testbed.stack import launch, shipped_repository
+from testbed.stack import launch, shipped_repository, write_client_keys
 
 RESULTS = Path(__file__).resolve().parent.parent / "results" / "trainer_burst.md"
 
@@ -37,7 +37,7 @@ def one_round(args: argparse.Namespace) -> trainer_burst.BurstOutcome:
     stack = launch(
         shipped_repository(work / "model_repository"),
         work / "launcher.log",
-        env={"TRITON_CLIENT_KEYS_FILE": trainer_burst.write_key_file(work)},
+        env={"TRITON_CLIENT_KEYS_FILE": write_client_keys(work)},
         stack_memory_bytes=None,
     )
     try:
