@@ -243,15 +243,22 @@ class FrontDoor:
 
 def main(argv: list[str] | None = None) -> None:
     """`haproxy -c` of the template with the values `make serve` gives it for a repository (the
-    image's build runs this)."""
+    image's build runs this); --print shows them and the map files, secrets redacted."""
     import argparse
 
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--model-repository", type=Path, default=Path(settings.MODEL_REPOSITORY.value()))
-    ports = {name: getattr(settings, f"TRITON_{name.upper()}_PORT").value() for name in ("http", "grpc", "metrics")}
-    door = FrontDoor(parser.parse_args(argv).model_repository, ports, secrets.token_urlsafe(32))
+    parser.add_argument("--print", action="store_true", help="print the values and the maps")
+    args = parser.parse_args(argv)
+    names = ("http", "grpc", "metrics", "probe", "api")
+    ports = {name: getattr(settings, f"TRITON_{name.upper()}_PORT").value() for name in names}
+    door = FrontDoor(args.model_repository, ports, secrets.token_urlsafe(32))
     try:
         door.prepare()
+        secret = ("DOOR_INTERNAL_KEY", "DOOR_API_AUTHORIZATION")
+        values = {name: "<secret>" if name in secret else value for name, value in door.environment().items()}
+        maps = [f"\n{path.name}:\n{path.read_text()}" for path in sorted(door.directory.glob("[!c]*.map"))]
+        print("".join([*(f"{name}={values[name]}\n" for name in sorted(values)), *maps]) if args.print else "", end="")
         print(f"haproxy accepts the front door's values for {door.repository}", file=sys.stderr)
     except ProxyError as error:
         raise SystemExit(str(error)) from None
