@@ -13,7 +13,6 @@ admin requests it admits: the user's key is only in the key file.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import os
 import re
 import resource
@@ -26,9 +25,8 @@ import tempfile
 from dataclasses import dataclass, field, make_dataclass
 from pathlib import Path
 
-from ..model_config import read_config_file, string_parameters
 from ..sampling.admin import WRONG_KEYS_PER_MINUTE
-from . import settings
+from . import api_process, settings
 from .child import HARD_LIMIT, Child
 from .model_limits import model_routes
 from .secret_files import API_KEY_CLIENT, KEY_PATTERN, write_secret_file
@@ -37,7 +35,6 @@ from .server_process import free_port
 TEMPLATE = Path(__file__).resolve().with_name("haproxy") / "haproxy.cfg"
 LUA_CHECKS = TEMPLATE.with_name("json_checks.lua")
 HAPROXY_PATHS = ("/usr/sbin/haproxy", "/usr/local/sbin/haproxy")
-GENERATE_MODEL = "generate"  # the model the HTTP API serves
 INTERNAL_PORTS = ("http", "grpc", "metrics", "stream_gate", "probe", "api")  # on loopback, in this order
 SIDE_PORT_CONNECTIONS = 64  # the metrics and probe ports' maxconn in the template
 UNIX_PATH_MAX = 107  # the longest unix socket path (sun_path holds 108 bytes with its NUL)
@@ -64,13 +61,13 @@ ProxyLimits.from_settings = classmethod(lambda cls: cls(**{name: s.value() for n
 
 def limit_variables(limits: ProxyLimits) -> dict[str, str]:
     """The PROXY_* variables of `limits`, as the template reads them."""
-    values = {f"PROXY_{name.upper()}": getattr(limits, name) for name in LIMIT_SETTINGS}
-    return {
-        name.removesuffix("_S") + "_MS" if isinstance(value, float) else name: str(
-            max(1, round(value * 1000)) if isinstance(value, float) else value
+    variables = {}
+    for name, value in ((f"PROXY_{name.upper()}", getattr(limits, name)) for name in LIMIT_SETTINGS):
+        is_time = isinstance(value, float)  # seconds, as milliseconds
+        variables[name.removesuffix("_S") + "_MS" if is_time else name] = str(
+            max(1, round(value * 1000)) if is_time else value
         )
-        for name, value in values.items()
-    }
+    return variables
 
 
 @functools.cache
@@ -204,23 +201,9 @@ class FrontDoor:
             *(f"--cancellable={route.name}" for route in routes if route.decoupled),
         ]
 
-    def api_command(self) -> list[str]:
-        """The HTTP API on loopback over tritonserver's gRPC port, with the generate model's
-        checkpoint for its tokenizer, and the admin key file for trusted networks' weight calls."""
-        config = Path(self.repository) / GENERATE_MODEL / "config.pbtxt"
-        model_path = string_parameters(read_config_file(config)).get("model_path", "") if config.exists() else ""
-        trusted = self.admin_key is not None and settings.TRITON_API_TRUSTED_NETWORKS.value()
-        return [
-            *(sys.executable, "-m", "triton_sampling_mask.api", f"--triton-url=127.0.0.1:{self.internal['grpc']}"),
-            *("--host=127.0.0.1", f"--port={self.internal['api']}"),
-            *([f"--model-path={model_path}"] if model_path else []),
-            *([f"--admin-key-file={self.directory / 'admin.key'}"] if trusted else []),
-        ]
-
     def serves_api(self) -> bool:
-        """Whether the HTTP API runs: a public port for it, a generate model, and its extra installed."""
-        wanted = bool(self.public.get("api")) and (Path(self.repository) / GENERATE_MODEL / "config.pbtxt").exists()
-        return wanted and importlib.util.find_spec("fastapi") is not None
+        """Whether the HTTP API runs behind this door (ops.api_process)."""
+        return api_process.runs(self.repository, self.public.get("api", 0))
 
     def children(self, log_path: Path | None = None) -> list[Child]:
         """The proxy (its values in its environment; SIGUSR1 stops it accepting while what is in
@@ -228,7 +211,7 @@ class FrontDoor:
         descriptors as the hard limit allows (HAProxy needs about two per connection)."""
         commands = [("haproxy", [*self.haproxy, "-db", "-f", str(TEMPLATE)], self.environment(), signal.SIGUSR1)]
         commands += [("stream gate", self.gate_command(), None, signal.SIGTERM)] if self.stream_gate else []
-        commands += [("http api", self.api_command(), None, signal.SIGTERM)] if self.serves_api() else []
+        commands += [("http api", api_process.command(self), None, signal.SIGTERM)] if self.serves_api() else []
         return [
             Child(name, command, env=env, log_path=log_path, die_with_parent=True, nofile=HARD_LIMIT, soft_stop=stop)
             for name, command, env, stop in commands
