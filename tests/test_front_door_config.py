@@ -21,6 +21,7 @@ from triton_sampling_mask.ops import memory_limit, model_limits, proxy, proxy_me
 from triton_sampling_mask.ops.proxy import TEMPLATE, FrontDoor, ProxyError, ProxyLimits
 from triton_sampling_mask.ops.secret_files import API_KEY_CLIENT, write_secret_file
 from triton_sampling_mask.ops.stream_gate import is_final
+from triton_sampling_mask.sampling.refusals import RETRY_MARKER
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 REPOSITORY = REPO_ROOT / "model_repository"
@@ -221,3 +222,9 @@ def test_the_side_ports_bind_where_the_deployment_says(tmp_path):
     assert front.environment()["DOOR_SIDE_BIND_ADDRESS"] == "127.0.0.1"  # metrics, probe
     assert front.environment()["DOOR_BIND_ADDRESS"] == "0.0.0.0"  # the public ones
     assert TEMPLATE.read_text().count('bind "${DOOR_SIDE_BIND_ADDRESS}:') == 2
+
+
+def test_the_messages_the_door_sets_fit_inside_its_json_answers():
+    """Each `setenv MSG_*` text is written inside a JSON string as it is: no quote, backslash or control."""
+    assert proxy.MESSAGES and all(re.fullmatch(r"[^\"\\\x00-\x1f]+", text) for text in proxy.MESSAGES.values())
+    assert proxy.QUEUE_FULL.endswith(RETRY_MARKER) and proxy.QUEUE_TIMEOUT.endswith(RETRY_MARKER)
