@@ -26,6 +26,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
+from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.utils import InferenceServerException
 
 from testbed import door_attacks, hostile
@@ -164,6 +165,33 @@ def test_metrics_and_probe_ports_answer_reads_only(stack):
     # the front door's own refusals, read from HAProxy's exporter by the supervisor (ops.proxy_metrics)
     status, text = full_stack.request(stack.ports["probe"], "GET", "/metrics")
     assert status == 200 and 'proxy_requests_refused_total{frontend="http",reason="queue_full"}' in text, text
+
+
+# The front door's frontends docs/metrics.md lists: the only ones its /metrics exports.
+DOCUMENTED_FRONTENDS = {"http", "grpc", "api", "metrics", "probe"}
+SCRAPES = 5
+
+
+def test_scraping_the_door_metrics_counts_no_refusal(stack):
+    """Each scrape of :probe/metrics reads HAProxy's exporter through a frontend of its own: that
+    is no answer of the door's, so no refusal counter moves, whatever the scrape rate."""
+    if not stack.proxied:
+        pytest.skip("the proxy's own metrics")
+
+    def refused() -> dict[tuple[str, str], float]:
+        status, text = full_stack.request(stack.ports["probe"], "GET", "/metrics")
+        assert status == 200, text
+        families = text_string_to_metric_families(text)
+        samples = [sample for family in families for sample in family.samples]
+        counters = "proxy_requests_refused_total"
+        return {(s.labels["frontend"], s.labels["reason"]): s.value for s in samples if s.name == counters}
+
+    first = refused()
+    for _ in range(SCRAPES - 1):
+        last = refused()
+    assert {frontend for frontend, _ in first} <= DOCUMENTED_FRONTENDS, sorted(first)
+    assert {"http", "grpc", "probe"} <= {frontend for frontend, _ in first}
+    assert {key: last[key] - first[key] for key in first if last[key] != first[key]} == {}
 
 
 def listening_addresses(port: int) -> set[str]:

@@ -19,6 +19,7 @@ import psutil
 
 from triton_sampling_mask.ops.child import Child, log_tail
 from triton_sampling_mask.ops.memory_limit import MemoryCage, make_cage
+from triton_sampling_mask.ops.proxy import INTERNAL_PORTS
 from triton_sampling_mask.ops.server_process import LoopbackUrls, free_port
 
 from .server import REPO_ROOT, copy_model
@@ -221,7 +222,7 @@ def launch(
     `stack_memory_bytes` the whole stack runs in a memory cgroup of that size when one can be
     made; without `api` no HTTP API runs."""
     ports = {name: free_port() for name in ("http", "grpc", "metrics", "probe", *(("api",) if api else ()))}
-    internal_base = free_port_block(6)
+    internal_base = free_port_block(len(INTERNAL_PORTS))
     environment = {
         **os.environ,
         **{f"TRITON_{name.upper()}_PORT": str(port) for name, port in ports.items()},

@@ -12,7 +12,6 @@ admin requests it admits: the user's key is only in the key file.
 
 from __future__ import annotations
 
-import functools
 import os
 import re
 import resource
@@ -29,13 +28,15 @@ from ..sampling.admin import WRONG_KEYS_PER_MINUTE
 from . import api_process, settings
 from .child import HARD_LIMIT, Child
 from .model_limits import model_routes
+from .proxy_metrics import exporter_available
 from .secret_files import API_KEY_CLIENT, KEY_PATTERN, write_secret_file
 from .server_process import free_port
 
 TEMPLATE = Path(__file__).resolve().with_name("haproxy") / "haproxy.cfg"
 LUA_CHECKS = TEMPLATE.with_name("json_checks.lua")
 HAPROXY_PATHS = ("/usr/sbin/haproxy", "/usr/local/sbin/haproxy")
-INTERNAL_PORTS = ("http", "grpc", "metrics", "stream_gate", "probe", "api")  # on loopback, in this order
+# On loopback, in this order (stream_gate_keyed: the gate's listener for keyed clients' streams).
+INTERNAL_PORTS = ("http", "grpc", "metrics", "stream_gate", "probe", "api", "stream_gate_keyed")
 SIDE_PORT_CONNECTIONS = 64  # the metrics and probe ports' maxconn in the template
 UNIX_PATH_MAX = 107  # the longest unix socket path (sun_path holds 108 bytes with its NUL)
 # What clients read when shed or refused, as the template sets it (`setenv MSG_...`).
@@ -70,16 +71,6 @@ def limit_variables(limits: ProxyLimits) -> dict[str, str]:
     return variables
 
 
-@functools.cache
-def has_exporter(*haproxy: str) -> bool:
-    """Whether this haproxy (its command) has the Prometheus exporter built in (`-vv` lists it)."""
-    try:
-        done = subprocess.run([*haproxy, "-vv"], capture_output=True, text=True, timeout=30, check=False)
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return "prometheus-exporter" in done.stdout
-
-
 def find_haproxy() -> str | None:
     """The haproxy binary: on PATH, or where Debian installs it (/usr/sbin is not on every PATH)."""
     return shutil.which("haproxy") or next((path for path in HAPROXY_PATHS if os.access(path, os.X_OK)), None)
@@ -109,12 +100,24 @@ class FrontDoor:
     side_bind_address: str = field(default_factory=settings.TRITON_SIDE_PORTS_ADDRESS.value)
     haproxy: list[str] = field(default_factory=lambda: [find_haproxy()])  # its command (tests: other lines')
 
+    def __post_init__(self) -> None:
+        self.internal = {"stream_gate_keyed": free_port(), **self.internal}  # where a caller names none
+
     @property
     def stats_socket(self) -> Path | None:
         """HAProxy's exporter socket (ops.proxy_metrics), where this haproxy has the exporter."""
-        path = self.directory / "stats.sock" if self.directory else None
-        bound = path and self.haproxy[0] and len(str(path)) < UNIX_PATH_MAX  # a longer path cannot be bound
-        return path if bound and has_exporter(*self.haproxy) else None
+        path = self.socket("stats.sock")
+        return path if path and self.haproxy[0] and exporter_available(*self.haproxy) else None
+
+    def socket(self, name: str) -> Path | None:
+        """`name` in the private directory, where a unix socket fits (sun_path: 107 bytes)."""
+        path = self.directory / name if self.directory else None
+        return path if path and len(str(path)) < UNIX_PATH_MAX else None
+
+    @property
+    def gate_socket(self) -> Path | None:
+        """The unix socket the stream gate serves its refusal counters on (ops.proxy_metrics)."""
+        return self.socket("stream_gate.sock") if self.stream_gate else None
 
     def environment(self) -> dict[str, str]:
         """Every value the template reads (its header says what each is)."""
@@ -190,14 +193,22 @@ class FrontDoor:
             raise ProxyError(f"haproxy refuses the front door's values ({TEMPLATE}):\n{check.stderr.strip()}")
 
     def gate_command(self) -> list[str]:
-        """The stream gate between the proxy and tritonserver's gRPC port; decoupled models stop a
-        cancelled request at their next step, so their streams' resets are passed on."""
-        routes = model_routes(self.repository, self.limits.json_header_bytes)
+        """The stream gate between the proxy and tritonserver's gRPC port: it keeps the stream route's
+        queue, keyed clients' on a port of their own; decoupled models stop a cancelled request at
+        their next step, so their streams' resets are passed on."""
+        limits = self.limits
+        routes = model_routes(self.repository, limits.json_header_bytes)
         largest = min(max((route.body_limit_bytes for route in routes), default=2**31 - 1), 2**31 - 1)
         return [
             *(sys.executable, "-m", "triton_sampling_mask.ops.stream_gate", f"--max-message-bytes={largest}"),
             *(f"--listen=127.0.0.1:{self.internal['stream_gate']}", f"--upstream=127.0.0.1:{self.internal['grpc']}"),
-            f"--max-open={self.limits.stream_max_open}",
+            f"--max-open={limits.stream_max_open}",
+            *(f"--max-streams={limits.max_in_flight}", f"--max-queue={limits.max_queue}"),
+            f"--queue-timeout={limits.queue_timeout_s}",
+            *([f"--counters-socket={self.gate_socket}"] if self.gate_socket else []),
+            f"--keyed-listen=127.0.0.1:{self.internal['stream_gate_keyed']}",
+            f"--keyed-max-streams={limits.keyed_max_in_flight}",
+            *(f"--keyed-max-queue={limits.keyed_max_queue}", f"--keyed-queue-timeout={limits.keyed_queue_timeout_s}"),
             *(f"--cancellable={route.name}" for route in routes if route.decoupled),
         ]
 

@@ -136,8 +136,8 @@ TRITON_PROXY = Setting(
 TRITON_INTERNAL_PORT_BASE = Setting(
     _port,
     0,
-    "behind the proxy: the first of five loopback ports for tritonserver's HTTP, gRPC and metrics, the stream gate "
-    "and the probe; 0: free ports chosen at start",
+    "behind the proxy: the first of seven loopback ports for tritonserver's HTTP, gRPC and metrics, the stream gate, "
+    "the probe, the HTTP API and the stream gate's keyed listener; 0: free ports chosen at start",
 )
 TRITON_ADMIN_KEY = Setting(
     str,

@@ -431,7 +431,7 @@ class _ProbeHandler(BaseHTTPRequestHandler):
         try:
             if door is None or door.stats_socket is None:
                 raise OSError("no front door with HAProxy's Prometheus exporter")
-            body = proxy_metrics.render(door.stats_socket).encode()
+            body = proxy_metrics.render(door.stats_socket, door.gate_socket).encode()
         except (OSError, ValueError) as error:
             self._answer(503, {"error": f"the front door's metrics are not available: {error}"})
             return
