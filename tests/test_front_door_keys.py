@@ -7,15 +7,21 @@ never reaches tritonserver, and the API sees its own key. The key file's rules c
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import http.server
 import os
+import queue
 import socket
 import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
+import tritonclient.grpc as grpcclient
 
+from triton_sampling_mask.client.wire import sampler_inputs
 from triton_sampling_mask.ops import proxy
 from triton_sampling_mask.ops.proxy import FrontDoor, ProxyLimits
 from triton_sampling_mask.ops.secret_files import API_KEY_CLIENT, read_client_keys
@@ -326,3 +332,88 @@ def test_without_keys_the_door_is_as_before(tmp_path):
     keyed.write_files()
     assert keyed.environment()["DOOR_PORT_MAXCONN"] == str(LIMITS.max_connections // 2 + 100)
     assert os.stat(keyed.directory / "client_keys.map").st_mode & 0o077 == 0
+
+
+class _SilentGrpcServer(threading.Thread):
+    """tritonserver's gRPC stand-in: it speaks HTTP/2's preface and never answers; `reached`
+    counts the connections a request has reached it on (the gate opens one per proxy connection)."""
+
+    def __init__(self):
+        super().__init__(daemon=True)
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.reached = 0
+
+    def run(self) -> None:
+        with contextlib.suppress(OSError):  # the listener closed
+            while True:
+                connection, _ = self.listener.accept()
+                threading.Thread(target=self._serve, args=(connection,), daemon=True).start()
+
+    def _serve(self, connection: socket.socket) -> None:
+        with contextlib.suppress(OSError), connection:
+            connection.sendall(b"\0\0\0\x04\0\0\0\0\0")  # SETTINGS
+            received, acked, counted = b"", False, False
+            while chunk := connection.recv(65536):
+                if not acked:
+                    connection.sendall(b"\0\0\0\x04\x01\0\0\0\0")  # SETTINGS ACK
+                    acked = True
+                received += chunk
+                pos = received.find(b"SM\r\n\r\n") + 6 if b"SM\r\n\r\n" in received else len(received)
+                while len(received) - pos >= 9 and not counted:  # a DATA frame: a request reached here
+                    if received[pos + 3] == 0:
+                        self.reached, counted = self.reached + 1, True
+                    pos += 9 + int.from_bytes(received[pos : pos + 3], "big")
+
+
+@needs_haproxy
+def test_a_keyed_stream_has_the_gates_queue_of_its_own(tmp_path):
+    """ModelStreamInfer with one slot and one queue place for keyless streams: a keyed stream still
+    reaches the server (its own listener and queue at the gate) while a third keyless one is refused."""
+    upstream = _SilentGrpcServer()
+    upstream.start()
+    internal = {name: free_port() for name in ("http", "metrics", "probe", "stream_gate", "stream_gate_keyed", "api")}
+    limits = dataclasses.replace(LIMITS, max_in_flight=1, max_queue=1, queue_timeout_s=20.0)
+    front = FrontDoor(
+        REPOSITORY, {"http": free_port(), "grpc": free_port()}, None, {**internal, "grpc": upstream.port}, limits
+    )
+    front.client_keys = KEYS
+    front.directory = tmp_path
+    front.write_files()
+    children = [child.start() for child in front.children()[:2]]  # HAProxy and the gate
+    clients = []
+
+    def stream(key: str | None = None) -> queue.Queue:
+        outcomes: queue.Queue = queue.Queue()
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{front.public['grpc']}")
+        headers = {"authorization": f"Bearer {key}"} if key else None
+        client.start_stream(callback=lambda result, error: outcomes.put(error and error.status()), headers=headers)
+        client.async_stream_infer("sampler", sampler_inputs(grpcclient, np.zeros((1, 8), np.float32), top_k=5))
+        clients.append(client)
+        return outcomes
+
+    try:
+        _wait_for(lambda: all(child.running() for child in children) and _listening(front.public["grpc"]), 20)
+        stream()
+        _wait_for(lambda: upstream.reached == 1, 20)  # the keyless slot taken
+        stream()  # the keyless queue's one place
+        time.sleep(0.5)
+        keyed = stream(KEYS["trainer"])
+        _wait_for(lambda: upstream.reached == 2, 20)  # the keyed stream reached the server
+        assert stream().get(timeout=20) == "StatusCode.UNAVAILABLE"  # the keyless queue is full
+        assert keyed.empty()
+    finally:
+        for client in clients:
+            client.stop_stream(cancel_requests=True)
+            client.close()
+        for child in children:
+            child.stop()
+        upstream.listener.close()
+
+
+def _listening(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+    except OSError:
+        return False
