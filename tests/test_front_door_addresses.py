@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import http.server
+import json
 import socket
 import subprocess
 import threading
@@ -173,3 +174,22 @@ def test_the_models_read_the_address_the_door_sets_not_the_one_the_client_sent(d
             time.sleep(0.05)
     [seen] = grpc.headers
     assert [value for name, value in seen if name == CLIENT_ADDRESS_PARAMETER] == ["127.0.0.4"]
+
+
+def test_an_http_client_cannot_name_its_address_as_a_request_parameter(door):
+    """tritonserver forwards no header on HTTP /generate or /infer: a request parameter naming the
+    client's address would reach the model as the address, so the door refuses it (400, named)."""
+    front, _ = door
+    bodies = {
+        "/v2/models/generate/generate": {"input_ids": [1], "parameters": {CLIENT_ADDRESS_PARAMETER: "10.6.0.1"}},
+        "/v2/models/sampler/infer": {
+            "inputs": [{"name": "logits", "shape": [1, 2], "datatype": "FP32", "data": [1.0, 2.0]}],
+            "parameters": {CLIENT_ADDRESS_PARAMETER: "10.6.0.1"},
+        },
+    }
+    for path, body in bodies.items():
+        data = json.dumps(body).encode()
+        raw = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(data)}\r\nConnection: close\r\n\r\n"
+        answer = _http_from("127.0.0.5", front.public["http"], raw.encode() + data)
+        assert answer.split(b" ", 2)[1] == b"400" and CLIENT_ADDRESS_PARAMETER.encode() in answer, answer
+    assert f'["{CLIENT_ADDRESS_PARAMETER}"] = true' in proxy.LUA_CHECKS.read_text()  # the checks' one name

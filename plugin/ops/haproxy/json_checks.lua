@@ -328,6 +328,10 @@ local SHARED_MEMORY = { shared_memory_region = "a string", shared_memory_byte_si
 local INPUT_PARAMETERS = setmetatable({ binary_data_size = UINT }, { __index = SHARED_MEMORY })
 local OUTPUT_PARAMETERS = setmetatable({ binary_data = "a boolean", classification = UINT }, { __index = SHARED_MEMORY })
 
+-- The parameters only the front door may set: the client's address, which the models read as a
+-- request parameter (the door sets it as a gRPC header; tritonserver forwards none on HTTP).
+local RESERVED = { ["triton-client-address"] = true }
+
 -- `parameters`: an object of scalars, each of `kinds` (name -> what it must be) of that kind.
 local function check_parameters(parameters, owner, kinds)
   if parameters == nil then
@@ -339,6 +343,9 @@ local function check_parameters(parameters, owner, kinds)
   for key, value in pairs(parameters) do
     if key:find("\0", 1, true) then -- tritonserver reads the name up to it, finds no such key: a 500
       fail(owner .. ": a parameter's name may not hold a NUL character")
+    end
+    if RESERVED[key] then
+      fail(string.format("%s: parameter '%s' is the front door's to set", owner, key))
     end
     if not is_scalar(value) then
       fail(string.format("%s: parameter '%s' must be a string, number or boolean", owner, key))
