@@ -61,14 +61,10 @@ ProxyLimits.from_settings = classmethod(lambda cls: cls(**{name: s.value() for n
 
 
 def limit_variables(limits: ProxyLimits) -> dict[str, str]:
-    """The PROXY_* variables of `limits`, as the template reads them."""
-    variables = {}
-    for name, value in ((f"PROXY_{name.upper()}", getattr(limits, name)) for name in LIMIT_SETTINGS):
-        is_time = isinstance(value, float)  # seconds, as milliseconds
-        variables[name.removesuffix("_S") + "_MS" if is_time else name] = str(
-            max(1, round(value * 1000)) if is_time else value
-        )
-    return variables
+    """The PROXY_* variables of `limits`, as the template reads them (seconds as `..._MS`)."""
+    values = {f"PROXY_{name.upper()}": getattr(limits, name) for name in LIMIT_SETTINGS}
+    times = {f"{name[:-2]}_MS": str(max(1, round(value * 1000))) for name, value in values.items() if name[-2:] == "_S"}
+    return {name: str(value) for name, value in values.items() if name[-2:] != "_S"} | times
 
 
 def find_haproxy() -> str | None:
@@ -122,15 +118,15 @@ class FrontDoor:
     def environment(self) -> dict[str, str]:
         """Every value the template reads (its header says what each is)."""
         public = {**self.public, "api": self.public.get("api", 0) if self.serves_api() else 0}
+        api_key = self.client_keys.get(API_KEY_CLIENT)
+        total, per_port = self.connection_caps()
         switches = {
             "DOOR_ADMIN_KEY_FILE": self.directory / "admin.key" if self.admin_key is not None else None,
             "DOOR_JSON_CHECKS": LUA_CHECKS if self.json_checks else None,
             "DOOR_STREAM_GATE": "on" if self.stream_gate else None,
             "DOOR_STATS_SOCKET": self.stats_socket,
             "DOOR_CLIENT_KEYS": "on" if self.client_keys else None,
-            "DOOR_API_AUTHORIZATION": f"Bearer {self.client_keys[API_KEY_CLIENT]}"
-            if API_KEY_CLIENT in self.client_keys
-            else None,
+            "DOOR_API_AUTHORIZATION": f"Bearer {api_key}" if api_key else None,
             **{f"TRITON_{name.upper()}_PORT": port for name, port in public.items()},
         }
         return {
@@ -139,21 +135,20 @@ class FrontDoor:
             **{f"DOOR_{name.upper()}_SERVER_PORT": str(port) for name, port in self.internal.items()},
             "DOOR_BIND_ADDRESS": "0.0.0.0",
             "DOOR_SIDE_BIND_ADDRESS": self.side_bind_address,
-            "DOOR_MAXCONN": str(self.connections()),
-            "DOOR_PORT_MAXCONN": str(max(1, self.limits.max_connections // 2) + self.keyed_connections()),
+            "DOOR_MAXCONN": str(total),
+            "DOOR_PORT_MAXCONN": str(per_port),
             "DOOR_INTERNAL_KEY": self.internal_key,
             "DOOR_ADMIN_KEY_PATTERN": f"^{KEY_PATTERN.pattern}$",
             "DOOR_WRONG_KEYS_PER_MINUTE": str(WRONG_KEYS_PER_MINUTE),
             "DOOR_MAPS": str(self.directory),
         }
 
-    def keyed_connections(self) -> int:
-        """The connections one keyed client may add on each HTTP port (the API's and tritonserver's)."""
-        return self.limits.keyed_connections_per_ip if self.client_keys else 0
-
-    def connections(self) -> int:
-        """HAProxy's global cap: the HTTP and gRPC ports', a keyed client on each HTTP port, the side ports'."""
-        return self.limits.max_connections + 2 * self.keyed_connections() + 2 * SIDE_PORT_CONNECTIONS
+    def connection_caps(self) -> tuple[int, int]:
+        """(HAProxy's cap, each of the HTTP, gRPC and API ports'): half PROXY_MAX_CONNECTIONS a port,
+        with client keys room for a keyed client on each HTTP port, and the side ports' own."""
+        keyed = self.limits.keyed_connections_per_ip if self.client_keys else 0
+        total = self.limits.max_connections + 2 * keyed + 2 * SIDE_PORT_CONNECTIONS
+        return total, max(1, self.limits.max_connections // 2) + keyed
 
     def write_files(self) -> None:
         """The admin key file and the model maps, into `directory`."""
@@ -181,7 +176,7 @@ class FrontDoor:
         if self.haproxy[0] is None:
             raise ProxyError("haproxy is not installed")
         hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-        needed = 2 * self.connections() + 200  # a client and a server side each
+        needed = 2 * self.connection_caps()[0] + 200  # a client and a server side each
         if hard != resource.RLIM_INFINITY and hard < needed:
             raise ProxyError(
                 f"PROXY_MAX_CONNECTIONS={self.limits.max_connections} needs about {needed} file descriptors "
@@ -192,28 +187,7 @@ class FrontDoor:
         if (check := self.check()).returncode != 0:
             raise ProxyError(f"haproxy refuses the front door's values ({TEMPLATE}):\n{check.stderr.strip()}")
 
-    def gate_command(self) -> list[str]:
-        """The stream gate between the proxy and tritonserver's gRPC port: it keeps the stream route's
-        queue, keyed clients' on a port of their own; decoupled models stop a cancelled request at
-        their next step, so their streams' resets are passed on."""
-        limits = self.limits
-        routes = model_routes(self.repository, limits.json_header_bytes)
-        largest = min(max((route.body_limit_bytes for route in routes), default=2**31 - 1), 2**31 - 1)
-        return [
-            *(sys.executable, "-m", "triton_sampling_mask.ops.stream_gate", f"--max-message-bytes={largest}"),
-            *(f"--listen=127.0.0.1:{self.internal['stream_gate']}", f"--upstream=127.0.0.1:{self.internal['grpc']}"),
-            f"--max-open={limits.stream_max_open}",
-            *(f"--max-streams={limits.max_in_flight}", f"--max-queue={limits.max_queue}"),
-            f"--queue-timeout={limits.queue_timeout_s}",
-            *([f"--counters-socket={self.gate_socket}"] if self.gate_socket else []),
-            f"--keyed-listen=127.0.0.1:{self.internal['stream_gate_keyed']}",
-            f"--keyed-max-streams={limits.keyed_max_in_flight}",
-            *(f"--keyed-max-queue={limits.keyed_max_queue}", f"--keyed-queue-timeout={limits.keyed_queue_timeout_s}"),
-            *(f"--cancellable={route.name}" for route in routes if route.decoupled),
-        ]
-
     def serves_api(self) -> bool:
-        """Whether the HTTP API runs behind this door (ops.api_process)."""
         return api_process.runs(self.repository, self.public.get("api", 0))
 
     def children(self, log_path: Path | None = None) -> list[Child]:
@@ -221,7 +195,9 @@ class FrontDoor:
         flight finishes), the gate and the API: each dies with its parent and may hold as many
         descriptors as the hard limit allows (HAProxy needs about two per connection)."""
         commands = [("haproxy", [*self.haproxy, "-db", "-f", str(TEMPLATE)], self.environment(), signal.SIGUSR1)]
-        commands += [("stream gate", self.gate_command(), None, signal.SIGTERM)] if self.stream_gate else []
+        from . import stream_gate  # here: the gate imports this module's messages
+
+        commands += [("stream gate", stream_gate.command(self), None, signal.SIGTERM)] if self.stream_gate else []
         commands += [("http api", api_process.command(self), None, signal.SIGTERM)] if self.serves_api() else []
         return [
             Child(name, command, env=env, log_path=log_path, die_with_parent=True, nofile=HARD_LIMIT, soft_stop=stop)
@@ -249,10 +225,12 @@ def main(argv: list[str] | None = None) -> None:
     door = FrontDoor(args.model_repository, ports, secrets.token_urlsafe(32))
     try:
         door.prepare()
-        secret = ("DOOR_INTERNAL_KEY", "DOOR_API_AUTHORIZATION")
-        values = {name: "<secret>" if name in secret else value for name, value in door.environment().items()}
-        maps = [f"\n{path.name}:\n{path.read_text()}" for path in sorted(door.directory.glob("[!c]*.map"))]
-        print("".join([*(f"{name}={values[name]}\n" for name in sorted(values)), *maps]) if args.print else "", end="")
+        for name, value in sorted(door.environment().items()) if args.print else ():
+            print(f"{name}={'<secret>' if name in ('DOOR_INTERNAL_KEY', 'DOOR_API_AUTHORIZATION') else value}")
+        for path in (
+            sorted(set(door.directory.glob("*.map")) - {door.directory / "client_keys.map"}) if args.print else ()
+        ):
+            print(f"\n{path.name}:\n{path.read_text()}", end="")
         print(f"haproxy accepts the front door's values for {door.repository}", file=sys.stderr)
     except ProxyError as error:
         raise SystemExit(str(error)) from None
