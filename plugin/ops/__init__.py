@@ -6,7 +6,7 @@ APIs, and `TritonServer`, a child server for tests and benchmarks), `child` (how
 is started, stopped and restarted), `supervisor` (restarts, a
 model watchdog, the readiness endpoint), `proxy` (the front door: HAProxy on the public ports
 running `haproxy/haproxy.cfg`, given values from the settings and, by `model_limits`, from the
-model configs), `stream_gate`
+model configs; `door_commands`: its other children's command lines), `stream_gate`
 (bounds the requests a gRPC stream has open), `memory_limit` (a cgroup or address-space limit
 around tritonserver), `settings` (every environment variable with its default and meaning),
 `probe` (one real inference, for Kubernetes exec probes), `shm_cleanup` (removes a dead server's

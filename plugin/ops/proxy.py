@@ -25,8 +25,9 @@ from dataclasses import dataclass, field, make_dataclass
 from pathlib import Path
 
 from ..sampling.admin import WRONG_KEYS_PER_MINUTE
-from . import api_process, settings
+from . import settings
 from .child import HARD_LIMIT, Child
+from .door_commands import api_command, api_runs, gate_command
 from .model_limits import model_routes
 from .proxy_metrics import exporter_available
 from .secret_files import API_KEY_CLIENT, KEY_PATTERN, write_secret_file
@@ -188,17 +189,15 @@ class FrontDoor:
             raise ProxyError(f"haproxy refuses the front door's values ({TEMPLATE}):\n{check.stderr.strip()}")
 
     def serves_api(self) -> bool:
-        return api_process.runs(self.repository, self.public.get("api", 0))
+        return api_runs(self.repository, self.public.get("api", 0))
 
     def children(self, log_path: Path | None = None) -> list[Child]:
         """The proxy (its values in its environment; SIGUSR1 stops it accepting while what is in
         flight finishes), the gate and the API: each dies with its parent and may hold as many
         descriptors as the hard limit allows (HAProxy needs about two per connection)."""
         commands = [("haproxy", [*self.haproxy, "-db", "-f", str(TEMPLATE)], self.environment(), signal.SIGUSR1)]
-        from . import stream_gate  # here: the gate imports this module's messages
-
-        commands += [("stream gate", stream_gate.command(self), None, signal.SIGTERM)] if self.stream_gate else []
-        commands += [("http api", api_process.command(self), None, signal.SIGTERM)] if self.serves_api() else []
+        commands += [("stream gate", gate_command(self), None, signal.SIGTERM)] if self.stream_gate else []
+        commands += [("http api", api_command(self), None, signal.SIGTERM)] if self.serves_api() else []
         return [
             Child(name, command, env=env, log_path=log_path, die_with_parent=True, nofile=HARD_LIMIT, soft_stop=stop)
             for name, command, env, stop in commands

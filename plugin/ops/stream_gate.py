@@ -55,12 +55,10 @@ import json
 import os
 import signal
 import struct
-import sys
 from collections import OrderedDict
 
 import hpack
 
-from .model_limits import model_routes
 from .proxy import QUEUE_FULL, QUEUE_TIMEOUT
 
 FINAL_PARAMETER = b"triton_final_response"
@@ -744,29 +742,6 @@ class StreamGate:
             await asyncio.sleep(0.05)
         for relay in list(self.relays):
             relay.close()
-
-
-def command(door) -> list[str]:
-    """The gate's command line behind `door` (an ops.proxy.FrontDoor): the stream route's queue from
-    its limits, keyed clients' on a port of their own, the largest body cap as the message cap, and
-    the decoupled models as cancellable (they stop a cancelled request at their next step)."""
-    limits, internal = door.limits, door.internal
-    routes = model_routes(door.repository, limits.json_header_bytes)
-    largest = min(max((route.body_limit_bytes for route in routes), default=2**31 - 1), 2**31 - 1)
-    return [
-        *(sys.executable, "-m", "triton_sampling_mask.ops.stream_gate", f"--max-message-bytes={largest}"),
-        *(f"--listen=127.0.0.1:{internal['stream_gate']}", f"--upstream=127.0.0.1:{internal['grpc']}"),
-        f"--max-open={limits.stream_max_open}",
-        *(f"--max-streams={limits.max_in_flight}", f"--max-queue={limits.max_queue}"),
-        f"--queue-timeout={limits.queue_timeout_s}",
-        *([f"--counters-socket={door.gate_socket}"] if door.gate_socket else []),
-        *(
-            f"--keyed-listen=127.0.0.1:{internal['stream_gate_keyed']}",
-            f"--keyed-max-streams={limits.keyed_max_in_flight}",
-        ),
-        *(f"--keyed-max-queue={limits.keyed_max_queue}", f"--keyed-queue-timeout={limits.keyed_queue_timeout_s}"),
-        *(f"--cancellable={route.name}" for route in routes if route.decoupled),
-    ]
 
 
 async def _main(args: argparse.Namespace) -> None:
