@@ -54,6 +54,7 @@ def stack(tmp_path_factory):
         cwd=cwd,
         nofile=1024,  # a common container default: without the proxy ~1,100 idle connections suffice
         legacy=LEGACY,
+        env={} if LEGACY else {"TRITON_CLIENT_KEYS_FILE": full_stack.write_client_keys(work)},  # keyed rules on
     )
     yield running
     running.stop()
@@ -255,13 +256,12 @@ def test_grpc_admin_methods_need_the_key(stack):
 
 
 def proxy_pid(stack: full_stack.Stack) -> int | None:
-    """The pid of the stack's HAProxy (the one whose config names this stack's ports)."""
+    """The pid of the stack's HAProxy (the one given this stack's HTTP port)."""
     for pid in full_stack.pids_with_argument("-db"):
         try:
-            config = Path(psutil.Process(pid).cmdline()[-1])
-            if f":{stack.ports['http']}\n" in config.read_text():
+            if psutil.Process(pid).environ().get("TRITON_HTTP_PORT") == str(stack.ports["http"]):
                 return pid
-        except (OSError, IndexError, psutil.Error):
+        except psutil.Error:
             continue
     return None
 
