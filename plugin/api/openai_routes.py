@@ -11,14 +11,15 @@ from __future__ import annotations
 import time
 import uuid
 
+from ..sampling.params import TOP_K_ALL
 from .errors import ApiError, bad_request
 from .schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
-from .sequences import Delta, SequenceRequest, SequenceResult
+from .sequences import Delta, SequenceRequest, SequenceResult, check_min_tokens
 from .service import ApiService, sampling_knobs
 from .sglang_routes import meta_info
 from .text import ChatTemplateError, render_chat
 from .timings import openai_timings
-from .token_fields import finite, mask_fields, token_ids
+from .token_fields import finite, mask_fields, token_id_text, token_ids, weight_version_spans
 
 # Completions' default budget when max_tokens is absent, as OpenAI's; chat's is the context's room.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -26,25 +27,20 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 OPENAI_NAMES = {"max_new_tokens": "max_tokens", "input_ids": "prompt"}
 
 
-def _neutral(request: SamplingFields) -> None:
-    """OpenAI's fields the generate model has no use for: refused unless neutral."""
-    for field, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
-        value = getattr(request, field)
-        if value is not None and value != neutral:
-            raise bad_request(f"{field} is not supported (the generate model samples without penalties)", field)
-    if request.logit_bias:
-        raise bad_request("logit_bias is not supported", "logit_bias")
+def vllm_top_k(top_k: int | None) -> int | None:
+    """vLLM's top_k as the sampler reads it: 0 (vLLM's default) and -1 both mean off."""
+    return TOP_K_ALL if top_k == 0 else top_k
 
 
-def _prompts(prompt, service: ApiService) -> list[list[int]]:
+def _prompts(prompt, service: ApiService, special: bool) -> list[list[int]]:
     """The token ids of `prompt`: a string, strings, token ids, or lists of token ids."""
     message = "prompt must be a string, a list of strings, a list of token ids or a list of token-id lists"
     if isinstance(prompt, str):
-        return [service.encode(prompt)]
+        return [service.encode(prompt, special)]
     if not isinstance(prompt, list) or not prompt:
         raise bad_request(message if prompt is None or not isinstance(prompt, list) else "prompt is empty", "prompt")
     if all(isinstance(p, str) for p in prompt):
-        return [service.encode(p) for p in prompt]
+        return [service.encode(p, special) for p in prompt]
     if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return [list(prompt)]
     if all(isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p) for p in prompt):
@@ -55,7 +51,6 @@ def _prompts(prompt, service: ApiService) -> list[list[int]]:
 def _sequences(
     service: ApiService, request: SamplingFields, prompts: list[list[int]], default_budget: int | None, fields
 ) -> list[SequenceRequest]:
-    _neutral(request)
     service.check_model(request.model)
     service.check_choices(len(prompts) * request.n, "n")
     for i, ids in enumerate(prompts):
@@ -63,7 +58,10 @@ def _sequences(
             raise bad_request(f"prompt {i} is empty: it must hold at least one token", fields[0])
     stops = service.stop_strings(request.stop, "stop")
     stop_ids = tuple(request.stop_token_ids or ())
-    params = service.sampling_params(sampling_knobs(request), request.n, OPENAI_NAMES)
+    check_min_tokens(request.min_tokens, request.ignore_eos, stop_ids, "min_tokens")
+    knobs = sampling_knobs(request, top_k=vllm_top_k(request.top_k))
+    params = service.sampling_params(knobs, request.n, OPENAI_NAMES)
+    keep_stop = request.include_stop_str_in_output or getattr(request, "no_stop_trim", False)
     max_tokens = getattr(request, "max_completion_tokens", None)
     max_tokens = request.max_tokens if request.max_tokens is not None else max_tokens
     return [
@@ -74,8 +72,11 @@ def _sequences(
             stop_ids,
             request.ignore_eos,
             stops,
-            request.skip_special_tokens,
+            request.skip_special_tokens is not False,
             request.return_timings,
+            keep_stop,
+            request.min_tokens,
+            request.spaces_between_special_tokens,
         )
         for ids in prompts
         for j in range(request.n)
@@ -104,25 +105,35 @@ def _extensions(request, tokens, prompt_ids, first: bool) -> dict:
     return fields
 
 
-def _completion_logprobs(tokens, token_texts: list[str], offset: int) -> dict:
+def _log_prob_tokens(tokens, token_texts: list[str], as_ids: bool) -> list[str]:
+    """Each token as the log-probs name it: its text, or `token_id:N` (return_tokens_as_token_ids)."""
+    return [token_id_text(i) for i in token_ids(tokens)] if as_ids else token_texts
+
+
+def _completion_logprobs(tokens, token_texts: list[str], offset: int, as_ids: bool) -> dict:
+    """OpenAI's completion log-probs; with `logprobs: 0` vLLM's top_logprobs hold the sampled
+    token alone at each position (its logprobs + 1 convention)."""
     offsets, at = [], offset
     for piece in token_texts:
         offsets.append(at)
         at += len(piece)
+    values = finite(tokens.output_logprobs)
+    names = _log_prob_tokens(tokens, token_texts, as_ids)
     return {
-        "tokens": token_texts,
-        "token_logprobs": finite(tokens.output_logprobs),
-        "top_logprobs": None,
+        "tokens": names,
+        "token_logprobs": values,
+        "top_logprobs": [{name: value} for name, value in zip(names, values)],
         "text_offset": offsets,
     }
 
 
-def _chat_logprobs(tokens, token_texts: list[str]) -> dict:
+def _chat_logprobs(tokens, token_texts: list[str], as_ids: bool) -> dict:
     values = finite(tokens.output_logprobs)
+    names = _log_prob_tokens(tokens, token_texts, as_ids)
     return {
         "content": [
-            {"token": piece, "logprob": value, "bytes": list(piece.encode()), "top_logprobs": []}
-            for piece, value in zip(token_texts, values)
+            {"token": name, "logprob": value, "bytes": list(name.encode()), "top_logprobs": []}
+            for name, value in zip(names, values)
         ]
     }
 
@@ -139,20 +150,17 @@ def _check_logprobs(request) -> None:
 
 
 def _check_completion_fields(request: CompletionRequest) -> None:
-    if request.echo:
-        raise bad_request("echo is not supported", "echo")
-    if request.suffix:
-        raise bad_request("suffix is not supported", "suffix")
     if request.best_of not in (None, request.n):
         raise bad_request("best_of is not supported (it must equal n)", "best_of")
     _check_logprobs(request)
 
 
 def _check_chat_fields(request: ChatCompletionRequest) -> None:
-    if request.tools or request.tool_choice not in (None, "none"):
-        raise bad_request("tools are not supported", "tools")
-    if request.response_format not in (None, {"type": "text"}):
-        raise bad_request("response_format other than text is not supported", "response_format")
+    if request.continue_final_message and request.add_generation_prompt:
+        raise bad_request(
+            "continue_final_message and add_generation_prompt cannot both be true (set add_generation_prompt false)",
+            "continue_final_message",
+        )
     _check_logprobs(request)
 
 
@@ -171,9 +179,12 @@ def _chat_prompt(service: ApiService, request: ChatCompletionRequest) -> list[in
         if message.name is not None:
             entry["name"] = message.name
         messages.append(entry)
+    kwargs = dict(request.chat_template_kwargs or {})
+    if request.continue_final_message:
+        kwargs["continue_final_message"] = True
     try:
         return render_chat(
-            service.tokenizer, messages, request.add_generation_prompt, request.chat_template_kwargs or {}
+            service.tokenizer, messages, request.add_generation_prompt, kwargs, request.add_special_tokens
         )
     except ChatTemplateError as error:
         raise bad_request(str(error), "messages") from None
@@ -201,7 +212,7 @@ class OpenAIHandlers:
 
     def completion_sequences(self, request: CompletionRequest) -> tuple[list[list[int]], list[SequenceRequest]]:
         _check_completion_fields(request)
-        prompts = _prompts(request.prompt, self.service)
+        prompts = _prompts(request.prompt, self.service, request.add_special_tokens)
         sequences = _sequences(self.service, request, prompts, COMPLETIONS_DEFAULT_MAX_TOKENS, ("prompt", "max_tokens"))
         return prompts, sequences
 
@@ -217,18 +228,22 @@ class OpenAIHandlers:
             choice = {
                 "index": result.index,
                 "text": result.text,
-                "logprobs": _completion_logprobs(result.tokens, result.token_texts, 0)
+                "logprobs": _completion_logprobs(
+                    result.tokens, result.token_texts, 0, bool(request.return_tokens_as_token_ids)
+                )
                 if request.logprobs is not None
                 else None,
                 "finish_reason": result.finish_reason,
                 "stop_reason": result.stop_reason,
             }
             choice.update(_extensions(request, result.tokens, result.prompt_ids, True))
+            if request.return_weight_versions:
+                choice["weight_versions"] = weight_version_spans(result.weight_versions)
             if request.return_timings:
                 choice["timings"] = openai_timings(result.timings, len(result.tokens.output_ids))
             choices.append(choice)
         return {
-            "id": f"cmpl-{uuid.uuid4().hex}",
+            "id": f"cmpl-{request.request_id or uuid.uuid4().hex}",
             "object": "text_completion",
             "created": int(time.time()),
             "model": self.service.config.served_model_name,
@@ -242,11 +257,15 @@ class OpenAIHandlers:
             choice = {
                 "index": result.index,
                 "message": {"role": "assistant", "content": result.text},
-                "logprobs": _chat_logprobs(result.tokens, result.token_texts) if request.logprobs else None,
+                "logprobs": _chat_logprobs(result.tokens, result.token_texts, bool(request.return_tokens_as_token_ids))
+                if request.logprobs
+                else None,
                 "finish_reason": result.finish_reason,
                 "stop_reason": result.stop_reason,
             }
             choice.update(_extensions(request, result.tokens, result.prompt_ids, False))
+            if request.return_weight_versions:
+                choice["weight_versions"] = weight_version_spans(result.weight_versions)
             if request.return_timings:
                 choice["timings"] = openai_timings(result.timings, len(result.tokens.output_ids))
             if request.return_meta_info:
@@ -254,7 +273,7 @@ class OpenAIHandlers:
                 choice["response_token_ids"] = token_ids(result.tokens)
             choices.append(choice)
         body = {
-            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "id": f"chatcmpl-{request.request_id or uuid.uuid4().hex}",
             "object": "chat.completion",
             "created": int(time.time()),
             "model": self.service.config.served_model_name,
@@ -279,7 +298,7 @@ class CompletionStream:
         self.chat = isinstance(request, ChatCompletionRequest)
         prefix = "chatcmpl" if self.chat else "cmpl"
         self.base = {
-            "id": f"{prefix}-{uuid.uuid4().hex}",
+            "id": f"{prefix}-{request.request_id or uuid.uuid4().hex}",
             "object": "chat.completion.chunk" if self.chat else "text_completion",
             "created": int(time.time()),
             "model": handlers.service.config.served_model_name,
@@ -288,6 +307,7 @@ class CompletionStream:
         self.offsets = [0] * len(sequences)
         self.completion_tokens = 0
         self.choice_tokens = [0] * len(sequences)
+        self.versions: list[list[str]] = [[] for _ in sequences]
         options = request.stream_options
         self.include_usage = bool(options and options.include_usage)
         self.continuous_usage = bool(options and options.continuous_usage_stats)
@@ -317,13 +337,17 @@ class CompletionStream:
             choice = {
                 "index": index,
                 "delta": {"content": delta.text} if delta.text else {},
-                "logprobs": _chat_logprobs(delta.tokens, delta.token_texts) if request.logprobs else None,
+                "logprobs": _chat_logprobs(delta.tokens, delta.token_texts, bool(request.return_tokens_as_token_ids))
+                if request.logprobs
+                else None,
             }
         else:
             choice = {
                 "index": index,
                 "text": delta.text,
-                "logprobs": _completion_logprobs(delta.tokens, delta.token_texts, self.offsets[index])
+                "logprobs": _completion_logprobs(
+                    delta.tokens, delta.token_texts, self.offsets[index], bool(request.return_tokens_as_token_ids)
+                )
                 if request.logprobs is not None
                 else None,
             }
@@ -331,6 +355,9 @@ class CompletionStream:
         choice["finish_reason"] = delta.finish_reason
         choice["stop_reason"] = delta.stop_reason
         choice.update(_extensions(request, delta.tokens, self.sequences[index].prompt_ids, first and not self.chat))
+        self.versions[index] += delta.weight_versions
+        if request.return_weight_versions and delta.finish_reason:  # vLLM: on each choice's last chunk
+            choice["weight_versions"] = weight_version_spans(self.versions[index])
         if request.return_timings and delta.finish_reason:
             choice["timings"] = openai_timings(delta.timings, self.choice_tokens[index])
         chunk = {**self.base, "choices": [choice]}

@@ -19,16 +19,20 @@ import uuid
 from pydantic import ValidationError
 
 from ..client import SampleResult, concatenate_tokens
-from ..sampling.params import PARAM_SPECS, RETURN_SAMPLING_MASK
+from ..sampling.params import PARAM_SPECS, RETURN_SAMPLING_MASK, TOP_K_ALL
 from .errors import bad_request, from_validation_error
+from .field_table import GENERATE_SAMPLING, accept
+from .in_flight import ABORT_MESSAGE
 from .schemas import GenerateRequest, SGLangSamplingParams
-from .sequences import FINISH_LENGTH, SequenceRequest, SequenceResult
+from .sequences import FINISH_ABORT, FINISH_LENGTH, SequenceRequest, SequenceResult, check_min_tokens
 from .service import ApiService, sampling_knobs
 from .timings import sglang_timings
-from .token_fields import finite, sglang_mask_fields, token_ids
+from .token_fields import empty_tokens, finite, sglang_mask_fields, token_ids, weight_version_spans
 
 # SGLang's default budget when max_new_tokens is absent.
 SGLANG_DEFAULT_MAX_NEW_TOKENS = 128
+# SGLang's top_k for "the whole vocabulary" (its default; -1 is normalised to it).
+SGLANG_TOP_K_ALL = 1 << 30
 # Where SGLang carries each field a message may name: the sampling parameters and the budget in
 # `sampling_params` (the seed as `sampling_seed`), return_sampling_mask at the top level.
 SGLANG_RENAMES = {"seed": "sampling_seed"}
@@ -42,6 +46,8 @@ SGLANG_NAMES = {
 def _finish_reason(result) -> dict | None:
     if not result.finish_reason:
         return None
+    if result.finish_reason == FINISH_ABORT:
+        return {"type": "abort", "message": ABORT_MESSAGE}
     if result.finish_reason == FINISH_LENGTH:
         return {"type": "length", "length": len(result.tokens.output_ids)}
     matched = result.stop_reason
@@ -59,16 +65,22 @@ def meta_info(
     texts: bool = False,
     started=None,
     timings: bool = False,
+    version_now: str | None = None,
 ):
     """SGLang's meta_info of a sequence (whole, or so far while streaming); `timings` adds the
-    generate model's timings once the sequence has them (plugin/api/timings.py)."""
+    generate model's timings once the sequence has them (plugin/api/timings.py). `weight_version`
+    is the version of the weights that sampled the last token (`version_now` when there is no
+    token), `weight_versions` the spans of tokens each version sampled, as SGLang reports them."""
     tokens: SampleResult = result.tokens
+    versions = result.weight_versions
     info = {
         "id": rid,
         "finish_reason": _finish_reason(result),
         "prompt_tokens": len(result.prompt_ids),
         "completion_tokens": len(tokens.output_ids),
         "cached_tokens": 0,
+        "weight_version": versions[-1] if versions else version_now,
+        "weight_versions": weight_version_spans(versions),
     }
     if started is not None:
         info["e2e_latency"] = time.monotonic() - started
@@ -121,7 +133,7 @@ def _sampling_params(value, prompts: int) -> list[SGLangSamplingParams]:
         if not isinstance(item, dict):
             raise bad_request(f"{where} must be an object", where)
         try:
-            parsed.append(SGLangSamplingParams.model_validate(item))
+            parsed.append(SGLangSamplingParams.model_validate(accept(GENERATE_SAMPLING, item, f"{where}.")))
         except ValidationError as error:
             raise from_validation_error(error, where) from None
     return parsed
@@ -136,10 +148,12 @@ def _check_unsupported(request: GenerateRequest, params: list[SGLangSamplingPara
             "top_logprobs_num",
         )
     for p in params:
-        for field, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
-            value = getattr(p, field)
-            if value is not None and value != neutral:
-                raise bad_request(f"{field} is not supported", f"sampling_params.{field}")
+        check_min_tokens(p.min_new_tokens or 0, bool(p.ignore_eos), p.stop_token_ids, "sampling_params.min_new_tokens")
+
+
+def _top_k(top_k: int | None) -> int | None:
+    """SGLang's top_k as the sampler reads it: -1 and 1 << 30 (SGLang's default) mean off."""
+    return TOP_K_ALL if top_k == SGLANG_TOP_K_ALL else top_k
 
 
 class GenerateHandler:
@@ -152,6 +166,7 @@ class GenerateHandler:
         """The sequences of a request (prompt i's n copies in a row), whether to answer a list,
         and each sequence's id."""
         service = self.service
+        service.check_model(request.model)
         prompts, batch, field = _prompts(request, service)
         per_prompt = _sampling_params(request.sampling_params, len(prompts))
         if len(per_prompt) != len(prompts):
@@ -159,12 +174,14 @@ class GenerateHandler:
                 f"sampling_params holds {len(per_prompt)} entries for {len(prompts)} prompts", "sampling_params"
             )
         _check_unsupported(request, per_prompt)
-        count = sum(p.n for p in per_prompt)
+        count = sum(p.n or 1 for p in per_prompt)
         service.check_choices(count, "sampling_params.n")
         sequences = []
         for ids, p in zip(prompts, per_prompt):
-            knobs = sampling_knobs(p, SGLANG_RENAMES, return_sampling_mask=request.return_sampling_mask)
-            rows = service.sampling_params(knobs, p.n, SGLANG_NAMES)
+            knobs = sampling_knobs(
+                p, SGLANG_RENAMES, return_sampling_mask=bool(request.return_sampling_mask), top_k=_top_k(p.top_k)
+            )
+            rows = service.sampling_params(knobs, p.n or 1, SGLANG_NAMES)
             default = min(SGLANG_DEFAULT_MAX_NEW_TOKENS, max(service.context_length - len(ids), 1))
             budget = service.budget(len(ids), p.max_new_tokens, default, (field, "sampling_params.max_new_tokens"))
             stops = service.stop_strings(p.stop, "sampling_params.stop")
@@ -175,30 +192,60 @@ class GenerateHandler:
                         row,
                         budget,
                         tuple(p.stop_token_ids or ()),
-                        p.ignore_eos,
+                        bool(p.ignore_eos),
                         stops,
-                        p.skip_special_tokens,
+                        p.skip_special_tokens is not False,
                         request.return_timings,
+                        bool(p.no_stop_trim),
+                        p.min_new_tokens or 0,
+                        p.spaces_between_special_tokens is not False,
                     )
                 )
         rids = _rids(request.rid, len(sequences))
         return sequences, batch or count > 1, rids
 
-    def item(self, request: GenerateRequest, result, rid: str, started: float) -> dict:
-        return {
+    def item(self, request: GenerateRequest, result, rid: str, started: float, version_now=None) -> dict:
+        item = {
             "text": result.text,
             "output_ids": token_ids(result.tokens),
             "meta_info": meta_info(
                 result,
                 rid,
-                request.return_sampling_mask,
-                request.sampling_logprobs_mode,
-                request.return_logprob,
-                request.return_text_in_logprobs,
+                bool(request.return_sampling_mask),
+                request.sampling_logprobs_mode or "selected",
+                bool(request.return_logprob),
+                bool(request.return_text_in_logprobs),
                 started,
                 request.return_timings,
+                version_now,
             ),
         }
+        if request.return_prompt_token_ids:
+            item["prompt_token_ids"] = list(result.prompt_ids)
+        return item
+
+    def aborted(self, request: GenerateRequest, sequences, rids, started: float, batch: bool):
+        """The answer of a non-streamed request aborted before it finished: no tokens (they are not
+        kept), SGLang's abort finish reason."""
+        items = []
+        for index, (sequence, rid) in enumerate(zip(sequences, rids)):
+            result = SequenceResult(index, empty_tokens(), "", [], FINISH_ABORT, None, sequence.prompt_ids)
+            items.append(self.item(request, result, rid, started))
+        return items if batch else items[0]
+
+    def aborted_events(self, request: GenerateRequest, so_far: list, rids, started: float, batch: bool) -> list:
+        """A streamed request's last events after an abort: each unfinished sequence as it stood,
+        with SGLang's abort finish reason."""
+        events = []
+        for index, state in enumerate(so_far):
+            if state.finish_reason:
+                continue
+            state.finish_reason = FINISH_ABORT
+            item = self.item(request, state, rids[index], started)
+            if batch:
+                item["index"] = index
+            events.append(item)
+        return events
 
 
 def _rids(rid, count: int) -> list[str]:
@@ -218,14 +265,17 @@ class SequenceSoFar:
     def __init__(self, request: SequenceRequest):
         self.prompt_ids = request.prompt_ids
         self.parts: list[SampleResult] = []
+        self.tokens = empty_tokens()
         self.text = ""
         self.token_texts: list[str] = []
         self.finish_reason: str | None = None
         self.stop_reason = None
         self.timings = None
+        self.weight_versions: list[str] = []
 
     def add(self, delta) -> SequenceSoFar:
         self.parts.append(delta.tokens)
+        self.weight_versions += delta.weight_versions
         self.text += delta.text
         self.token_texts += delta.token_texts
         self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason

@@ -54,7 +54,13 @@ class ChatTemplateError(ValueError):
     """The chat template refused the messages (its own message says why)."""
 
 
-def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool, template_kwargs: dict) -> list[int]:
+def render_chat(
+    tokenizer,
+    messages: list[dict],
+    add_generation_prompt: bool,
+    template_kwargs: dict,
+    add_special_tokens: bool = False,
+) -> list[int]:
     """The prompt ids of a conversation: the checkpoint's chat template, then its tokenizer."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise ChatTemplateError("this checkpoint's tokenizer has no chat template: use /v1/completions")
@@ -64,11 +70,12 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool, te
         )
     except Exception as error:  # jinja2's TemplateError, or the template's raise_exception
         raise ChatTemplateError(f"the chat template refused the messages: {error}") from None
-    return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
-def ids_decoder(tokenizer, skip_special_tokens: bool):
-    """`ids -> text` as `tokenizer.decode(ids, skip_special_tokens=...)` answers it: the tokenizers
+def ids_decoder(tokenizer, skip_special_tokens: bool, spaces_between_special_tokens: bool = True):
+    """`ids -> text` as `tokenizer.decode(ids, skip_special_tokens=..., spaces_between_special_tokens=...)`
+    answers it (a fast tokenizer ignores the spaces switch, as in vLLM and SGLang): the tokenizers
     library's own decode where transformers' wrapper adds nothing to it (a fast tokenizer whose
     classes keep the base decode and that cleans up no spaces), which spares the wrapper's argument
     conversions on every streamed token; the wrapper itself otherwise."""
@@ -87,7 +94,9 @@ def ids_decoder(tokenizer, skip_special_tokens: bool):
     )
     if plain:
         return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
-    return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+    return lambda ids: tokenizer.decode(
+        ids, skip_special_tokens=skip_special_tokens, spaces_between_special_tokens=spaces_between_special_tokens
+    )
 
 
 class IncrementalDetokenizer:
@@ -96,9 +105,10 @@ class IncrementalDetokenizer:
     Only a short window of ids is decoded per token (the ids since the last released text, plus
     those before them for context), so a step costs the same at token 10 and token 10,000."""
 
-    def __init__(self, tokenizer, skip_special_tokens: bool = True, decode=None):
+    def __init__(self, tokenizer, skip_special_tokens: bool = True, spaces: bool = True, decode=None):
         """`decode` (ids -> text, as `ids_decoder` makes it) may be passed to share one."""
-        self._decode = decode or ids_decoder(tokenizer, skip_special_tokens)
+        self._decode = decode or ids_decoder(tokenizer, skip_special_tokens, spaces)
+        self.decode = self._decode
         self._ids: list[int] = []
         self._prefix_offset = self._read_offset = 0
 
@@ -132,9 +142,10 @@ class StopStrings:
     """Finds the earliest of several stop strings in a growing text, looking only at what the new
     text can complete."""
 
-    def __init__(self, strings: tuple[str, ...]):
+    def __init__(self, strings: tuple[str, ...], kept: bool = False):
+        """`kept`: the text keeps the stop string, so nothing needs holding back while streaming."""
         self.strings = tuple(s for s in strings if s)
-        self.hold_back = max((len(s) for s in self.strings), default=1) - 1
+        self.hold_back = 0 if kept else max((len(s) for s in self.strings), default=1) - 1
 
     def search(self, text: str, new_from: int) -> StopMatch | None:
         """The earliest stop string that ends in text[new_from:], or None."""

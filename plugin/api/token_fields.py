@@ -79,3 +79,32 @@ def sglang_mask_fields(tokens: SampleResult) -> dict:
             _finite_list(support[i, :n].tolist()) for i, n in enumerate(lengths)
         ],
     }
+
+
+def weight_version_spans(versions: list[str]) -> list[dict]:
+    """Each run of tokens one weight version sampled, as SGLang's and vLLM's `weight_versions`:
+    `{"version", "start", "end"}` over output-token indexes, `end` exclusive."""
+    spans: list[dict] = []
+    for position, version in enumerate(versions):
+        if spans and spans[-1]["version"] == version:
+            spans[-1]["end"] = position + 1
+        else:
+            spans.append({"version": version, "start": position, "end": position + 1})
+    return spans
+
+
+def token_id_text(token_id: int) -> str:
+    """A token as vLLM's `return_tokens_as_token_ids` names it."""
+    return f"token_id:{token_id}"
+
+
+def empty_tokens() -> SampleResult:
+    """No tokens (what an aborted non-streamed request has to show)."""
+    return SampleResult(
+        output_ids=np.zeros(0, np.int32),
+        output_logprobs=np.zeros(0, np.float32),
+        sampling_mask=np.zeros((0, 0), np.int32),
+        sampling_mask_len=np.zeros(0, np.int32),
+        sampling_logprobs=np.zeros(0, np.float32),
+        sampling_mask_logprobs=np.zeros((0, 0), np.float32),
+    )
