@@ -72,8 +72,12 @@ def main(args: dict) -> dict:
     }
     if not args.get("sync"):
         return result
+    # skyrl_train.distributed.utils.init_custom_process_group passes torch's private
+    # _new_process_group_helper a `pg_options` argument the torch this suite shares (2.13) no longer has;
+    # AReaL's copy of the same SGLang function opens the identical group on this torch. skyrl-train's
+    # HTTP calls, the part the server sees, are its own.
+    from areal.engine.core.distributed import init_custom_process_group
     from safetensors.torch import load_file
-    from skyrl_train.distributed.utils import init_custom_process_group
     from skyrl_train.weight_sync import BroadcastInitInfo
 
     info = BroadcastInitInfo(
@@ -107,7 +111,8 @@ def main(args: dict) -> dict:
         result[f"sync_{step}"] = asyncio.run(sync(engine, group, load_file(path)))
         result[step] = asyncio.run(rollout(engine, args["prompts"], args["max_new_tokens"]))
     result["wake_up_kv_cache"] = asyncio.run(engine.wake_up(tags=["kv_cache"]))
-    result["teardown"] = asyncio.run(engine.teardown())
+    # engine.teardown() awaits exactly this call and drops its answer; the test reads the answer
+    result["teardown"] = asyncio.run(engine._weight_loader.destroy_group())
     return result
 
 
