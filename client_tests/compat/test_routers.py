@@ -50,9 +50,9 @@ def slime_payload() -> dict:
     return body
 
 
-def test_slime_payload_through_the_router_reaches_both_replicas(router):
+def test_slime_payload_through_the_router(router):
     spec = json.loads((FIXTURES / "slime_generate.json").read_text())
-    for _ in range(4):  # round robin: two on each replica
+    for _ in range(4):  # round robin: each replica answers twice
         status, answer = router.post("/generate", slime_payload())
         assert status == 200, (router.kind, answer)
         tokens = read(answer, spec["reads"]["tokens"])
