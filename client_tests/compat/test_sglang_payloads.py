@@ -66,11 +66,24 @@ def test_exact_payload_with_a_mask_request_gets_one_mask_per_token(api_url, name
     assert [sorted(m) for m in masks] == [sorted(m) for m in expected["masks"][: len(tokens)]]
 
 
-def test_slime_top_p_replay_payload_gets_its_kept_sets(api_url):
-    """slime with --rollout-top-p below 1 asks for the top-p kept set of every token
-    (custom_params.return_top_p_token_ids) and reads it back as flat int32 ids plus offsets."""
+def test_slime_top_p_replay_without_a_finite_top_k_is_refused_by_the_contract(api_url):
+    """slime's top-p replay asks for every token's kept set (custom_params.return_top_p_token_ids):
+    a mask. With slime's default --rollout-top-k -1 its width is unbounded, so it is refused as every
+    unbounded mask request is (SGLang PR #35205's message), naming the field to set."""
     spec = fixture("slime_generate_top_p.json")
     status, answer = post(api_url + spec["route"], payload(spec))
+    assert status == 400, answer
+    assert answer["error"]["param"] == "sampling_params.top_k"
+    assert "requires finite top_k" in answer["error"]["message"]
+
+
+def test_slime_top_p_replay_with_a_finite_top_k_gets_its_kept_sets(api_url):
+    """The same payload with --rollout-top-k 8: slime's reads find the kept sets as flat int32 ids
+    plus offsets, and each set is the token's sampling mask (the reference's, seeded)."""
+    spec = fixture("slime_generate_top_p.json")
+    body = payload(spec)
+    body["sampling_params"]["top_k"] = 8
+    status, answer = post(api_url + spec["route"], body)
     assert status == 200, answer
     meta = answer["meta_info"]
     tokens = read(answer, spec["reads"]["tokens"])
@@ -81,6 +94,11 @@ def test_slime_top_p_replay_payload_gets_its_kept_sets(api_url):
     ids = int32_array(read(answer, ids_key))
     offsets = int32_array(read(answer, offsets_key))
     assert offsets[0] == 0 and offsets[-1] == len(ids) and len(offsets) == len(tokens) + 1
+    sampling = spec["payload"]["sampling_params"]
+    expected = generate(
+        api_url, PROMPT, len(tokens), SEED, temperature=sampling["temperature"], top_k=8, top_p=sampling["top_p"]
+    )
     for position, token in enumerate(tokens):
-        kept = ids[offsets[position] : offsets[position + 1]]
+        kept = ids[offsets[position] : offsets[position + 1]].tolist()
         assert token in kept, (position, token, kept)
+        assert sorted(kept) == sorted(expected["masks"][position]), position
