@@ -10,8 +10,9 @@ an unseeded request included), and the typed clients hand back each result's rec
 (`result.receipts`, with `return_receipts=True`); for a seeded request they can also be derived
 from the request alone (`for_sampler`, `for_generation`). `rederive_tokens` runs the engine's own
 sampler on the trainer's logits with each receipt and reports where it would have drawn another
-token: a mismatch within the documented near-tie band (`rng.NEAR_TIE`) is rounding between
-precisions; one outside it means the trainer's logits are not the ones the server sampled from.
+token: a mismatch within the documented near-tie band (`rng.NEAR_TIE`), its served token inside
+the support the trainer's logits give, is rounding between precisions; any other means the
+trainer's logits are not the ones the server sampled from.
 """
 
 from __future__ import annotations
