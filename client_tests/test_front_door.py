@@ -26,9 +26,10 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
+from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.utils import InferenceServerException
 
-from testbed import door_attacks, hostile
+from testbed import api_attacks, door_attacks, hostile
 from testbed import stack as full_stack
 from testbed.server import ExternalTritonServer
 from triton_sampling_mask.client import SamplerClient
@@ -53,6 +54,7 @@ def stack(tmp_path_factory):
         cwd=cwd,
         nofile=1024,  # a common container default: without the proxy ~1,100 idle connections suffice
         legacy=LEGACY,
+        env={} if LEGACY else {"TRITON_CLIENT_KEYS_FILE": full_stack.write_client_keys(work)},  # keyed rules on
     )
     yield running
     running.stop()
@@ -165,6 +167,33 @@ def test_metrics_and_probe_ports_answer_reads_only(stack):
     assert status == 200 and 'proxy_requests_refused_total{frontend="http",reason="queue_full"}' in text, text
 
 
+# The front door's frontends docs/metrics.md lists: the only ones its /metrics exports.
+DOCUMENTED_FRONTENDS = {"http", "grpc", "api", "metrics", "probe"}
+SCRAPES = 5
+
+
+def test_scraping_the_door_metrics_counts_no_refusal(stack):
+    """Each scrape of :probe/metrics reads HAProxy's exporter through a frontend of its own: that
+    is no answer of the door's, so no refusal counter moves, whatever the scrape rate."""
+    if not stack.proxied:
+        pytest.skip("the proxy's own metrics")
+
+    def refused() -> dict[tuple[str, str], float]:
+        status, text = full_stack.request(stack.ports["probe"], "GET", "/metrics")
+        assert status == 200, text
+        families = text_string_to_metric_families(text)
+        samples = [sample for family in families for sample in family.samples]
+        counters = "proxy_requests_refused_total"
+        return {(s.labels["frontend"], s.labels["reason"]): s.value for s in samples if s.name == counters}
+
+    first = refused()
+    for _ in range(SCRAPES - 1):
+        last = refused()
+    assert {frontend for frontend, _ in first} <= DOCUMENTED_FRONTENDS, sorted(first)
+    assert {"http", "grpc", "probe"} <= {frontend for frontend, _ in first}
+    assert {key: last[key] - first[key] for key in first if last[key] != first[key]} == {}
+
+
 def listening_addresses(port: int) -> set[str]:
     """The local IPv4 addresses (dotted) that listen on `port`, IPv4-mapped IPv6 ones included."""
     found = set()
@@ -227,13 +256,12 @@ def test_grpc_admin_methods_need_the_key(stack):
 
 
 def proxy_pid(stack: full_stack.Stack) -> int | None:
-    """The pid of the stack's HAProxy (the one whose config names this stack's ports)."""
+    """The pid of the stack's HAProxy (the one given this stack's HTTP port)."""
     for pid in full_stack.pids_with_argument("-db"):
         try:
-            config = Path(psutil.Process(pid).cmdline()[-1])
-            if f":{stack.ports['http']}\n" in config.read_text():
+            if psutil.Process(pid).environ().get("TRITON_HTTP_PORT") == str(stack.ports["http"]):
                 return pid
-        except (OSError, IndexError, psutil.Error):
+        except psutil.Error:
             continue
     return None
 
@@ -283,3 +311,34 @@ def test_the_front_door_holds(stack, attack):
 
 def test_a_short_admin_key_is_refused_at_start():
     assert door_attacks.short_admin_key(None).held
+
+
+# ---- the HTTP API through the proxy's API port: what one client can cost it, and who pays ----
+
+
+@pytest.mark.parametrize(
+    "attack",
+    [
+        api_attacks.prompt_list,
+        api_attacks.long_prompt,
+        api_attacks.many_messages,
+        api_attacks.many_texts,
+        api_attacks.request_template,
+        api_attacks.big_request,
+        api_attacks.abandoned_streams,
+        api_attacks.gone_mid_body,
+        api_attacks.schema_surface,
+        pytest.param(
+            api_attacks.abandoned_requests,
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="the proxy passes a client's departure on only with `option abortonclose`, which HAProxy "
+                "2.6 honours from a defaults section (docs/api.md, 'Clients that leave')",
+            ),
+        ),
+    ],
+    ids=lambda attack: attack.__name__,
+)
+def test_the_api_holds(stack, attack):
+    skip_unless_proxied(stack)
+    assert_held(attack(stack), stack)

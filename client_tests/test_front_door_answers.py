@@ -75,12 +75,82 @@ def error_of(answer) -> str:
         (b'{"inputs": [{"name": "logits", "shape": [1], "datatype": "FP32", "data": [1]}], "extra": 1}', "extra"),
         (b'{"inputs": [{"name": "\xff", "shape": [1], "datatype": "FP32", "data": [1]}]}', "UTF-8"),
         (b"[" * 40 + b"]" * 40, "levels deep"),
+        # numbers past a double: tritonserver's JSON parser answers them with a 500, wherever they are
+        (b'{"inputs": [{"name": "logits", "shape": [1, 2], "datatype": "FP32", "data": [1e400, 2]}]}', "too large"),
+        (b'{"inputs": [], "parameters": {"x": -1e400}}', "a number too large for a double at byte 35"),
+        (
+            b'{"inputs": [{"name": "logits", "shape": [1, 1], "datatype": "FP32", "data": [1%s]}]}' % (b"0" * 400),
+            "large",
+        ),
     ],
 )
 def test_a_malformed_or_wrongly_typed_infer_body_is_a_400_naming_the_problem(port, body, says):
     answer = send(port, "POST", SAMPLER, body)
     assert answer[0] == 400, answer
     assert says in error_of(answer)
+
+
+def with_parameters(request=None, logits=None, output=None, output_name="output_ids") -> bytes:
+    """A sampler /infer body whose request, logits input and one requested output carry these parameters."""
+    body = {"inputs": [{**LOGITS_4, **({"parameters": logits} if logits else {})}]}
+    if request:
+        body["parameters"] = request
+    if output:
+        body["outputs"] = [{"name": output_name, "parameters": output}]
+    return json.dumps(body).encode()
+
+
+# Parameters tritonserver's HTTP frontend reads with a type: each wrongly typed one was its 500.
+@pytest.mark.parametrize(
+    "body, says",
+    [
+        (
+            with_parameters(output={"binary_data": "yes"}),
+            "output 'output_ids': parameter 'binary_data' must be a boolean",
+        ),
+        (with_parameters(output={"binary_data": 1}, output_name="nope"), "output 'nope': parameter 'binary_data'"),
+        (with_parameters(output={"classification": -1}), "parameter 'classification' must be a non-negative integer"),
+        (with_parameters(output={"classification": 2.5}), "'classification'"),
+        (with_parameters(output={"shared_memory_region": 5, "shared_memory_byte_size": 8}), "'shared_memory_region'"),
+        (with_parameters(output={"shared_memory_byte_size": "8"}), "'shared_memory_byte_size'"),
+        (with_parameters(output={"shared_memory_offset": -1}), "'shared_memory_offset'"),
+        (with_parameters(request={"binary_data_output": 1}), "the request: parameter 'binary_data_output'"),
+        (with_parameters(request={"sequence_start": "yes"}), "'sequence_start' must be a boolean"),
+        (with_parameters(request={"sequence_end": 0}), "'sequence_end' must be a boolean"),
+        (with_parameters(request={"priority": -1}), "'priority' must be a non-negative integer"),
+        (with_parameters(request={"timeout": 1.5}), "'timeout'"),
+        (with_parameters(request={"sequence_id": 1.5}), "'sequence_id' must be a string or a non-negative integer"),
+        (with_parameters(request={"sequence_id": True}), "'sequence_id'"),
+        (with_parameters(request={"sequence_id": 2**64}), "'sequence_id'"),
+        (with_parameters(logits={"shared_memory_offset": "0"}), "input 'logits': parameter 'shared_memory_offset'"),
+        (
+            with_parameters(logits={"shared_memory_byte_size": "16"}),
+            "input 'logits': parameter 'shared_memory_byte_size'",
+        ),
+        (with_parameters(request={"a\u0000b": 1}), "the request: a parameter's name may not hold a NUL character"),
+    ],
+)
+def test_a_wrongly_typed_parameter_tritonserver_reads_is_a_400_naming_it(port, body, says):
+    answer = send(port, "POST", SAMPLER, body)
+    assert answer[0] == 400, answer
+    assert says in error_of(answer)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        with_parameters(output={"binary_data": False, "classification": 0}),
+        with_parameters(output={"classification": 2}),
+        with_parameters(
+            request={"sequence_id": "abc", "priority": 0, "timeout": 2**63 + 5, "binary_data_output": False}
+        ),
+        with_parameters(request={"sequence_id": 2**64 - 1, "sequence_start": False, "sequence_end": False}),
+        with_parameters(request={"anything": "else"}, output={"unread": 1.5}, logits={"unread": True}),
+    ],
+)
+def test_parameters_of_the_types_tritonserver_reads_pass(port, body):
+    status, _, text = send(port, "POST", SAMPLER, body)
+    assert status == 200, text
 
 
 @pytest.mark.parametrize(
@@ -91,6 +161,7 @@ def test_a_malformed_or_wrongly_typed_infer_body_is_a_400_naming_the_problem(por
         (b'{"input_ids": "abc", "max_new_tokens": 2}', "INT32"),
         (b'{"input_ids": [1, 2], "max_new_tokens": 2, "temperature": "hot"}', "FP32"),
         (b'{"input_ids": [1, 2], "max_tokens": 2}', "unknown field 'max_tokens'"),
+        (b'{"input_ids": [1, 2], "max_new_tokens": 2, "temperature": 1e309}', "a number too large for a double"),
         (b'{"input_ids": [1, 2], "max_new_tokens": 2, "stream": true}', "generate_stream"),
     ],
 )
@@ -100,7 +171,16 @@ def test_a_bad_generate_body_is_a_400_naming_the_problem(port, body, says):
     assert says in error_of(answer)
 
 
-@pytest.mark.parametrize("body", [b"", b"0", b'{"logits": "abc"}', b'{"logits": [1, 2], "top_k": 1.5}'])
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"",
+        b"0",
+        b'{"logits": "abc"}',
+        b'{"logits": [1, 2], "top_k": 1.5}',
+        b'{"logits": [1], "parameters": {"\\u0000": 1}}',
+    ],
+)
 def test_the_generate_extension_on_the_sampler_is_checked_too(port, body):
     """The sampler is not decoupled, but tritonserver serves the generate extension on it too."""
     answer = send(port, "POST", "/v2/models/sampler/generate", body)

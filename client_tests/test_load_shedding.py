@@ -2,11 +2,13 @@
 in tritonserver and queues the next ones itself; beyond its queue a request is refused at once,
 and one that waited out the queue timeout is refused too, with 503 / UNAVAILABLE, before its body
 ever reaches the server. Checked through the real proxy in front of a real server whose sampler
-is slowed to 0.5 s an execute, over HTTP and gRPC."""
+is slowed to 0.5 s an execute, over HTTP and gRPC, unary calls and ModelStreamInfer streams (whose
+queue the stream gate keeps)."""
 
 from __future__ import annotations
 
 import json
+import queue
 import shutil
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -23,8 +25,7 @@ from triton_sampling_mask.client import GenerateClient, SamplerClient
 from triton_sampling_mask.client.sampling_params import SamplingParams
 from triton_sampling_mask.client.wire import sampler_inputs
 from triton_sampling_mask.ops import proxy_metrics, settings
-from triton_sampling_mask.ops.proxy import find_haproxy
-from triton_sampling_mask.ops.proxy_config import QUEUE_FULL, QUEUE_TIMEOUT, ProxyLimits
+from triton_sampling_mask.ops.proxy import QUEUE_FULL, QUEUE_TIMEOUT, ProxyLimits, find_haproxy
 
 MODEL = "sampler_slow"
 # Small numbers, so a burst of a few dozen requests covers every case: two requests at the server
@@ -108,18 +109,67 @@ def test_a_burst_is_refused_at_once_beyond_the_queue_and_after_the_queue_timeout
         }, (moved, outcomes)
 
 
+def received(server) -> int:
+    """The requests tritonserver has received for MODEL (it counts every one), asked directly."""
+    url = f"http://{server.server.http_url}/v2/models/{MODEL}/stats"
+    with urllib.request.urlopen(url) as response:
+        stats = json.loads(response.read())["model_stats"][0]["inference_stats"]
+    return int(stats["success"]["count"]) + int(stats["fail"]["count"])
+
+
 def test_refused_requests_never_reach_the_server(slow_server):
     """Triton counts every request it receives: the refused ones must not be among them."""
-
-    def received() -> int:
-        url = f"http://{slow_server.server.http_url}/v2/models/{MODEL}/stats"
-        with urllib.request.urlopen(url) as response:
-            stats = json.loads(response.read())["model_stats"][0]["inference_stats"]
-        return int(stats["success"]["count"]) + int(stats["fail"]["count"])
-
-    before = received()
+    before = received(slow_server)
     outcomes = burst(slow_server, "http", BURST)
-    assert received() - before == outcomes.count("ok"), outcomes
+    assert received(slow_server) - before == outcomes.count("ok"), outcomes
+
+
+def open_stream(server) -> tuple[grpcclient.InferenceServerClient, queue.Queue]:
+    """A tritonclient ModelStreamInfer stream with one request sent, left open: the client, and
+    where its outcome arrives ("ok", or (status, message))."""
+    outcomes: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(
+        callback=lambda result, error: outcomes.put("ok" if error is None else (str(error.status()), error.message()))
+    )
+    logits = np.random.default_rng(2).standard_normal((1, 2000)).astype(np.float32)
+    client.async_stream_infer(MODEL, sampler_inputs(grpcclient, logits, top_k=5))
+    return client, outcomes
+
+
+def test_streams_are_refused_unavailable_with_the_proxys_message_beyond_the_queue_and_after_its_timeout(slow_server):
+    """Streams that keep the route's slots (open after their answer, as a trainer's stream is), then
+    one stream more than the queue holds: one is refused at once, the queued ones after the queue
+    timeout, each with UNAVAILABLE and the message a unary call or HTTP gets (HAProxy 2.4 and 2.6
+    would reset a stream they answer themselves: CANCELLED). None of their requests reaches the
+    server, and the front door's metrics count each refusal under its reason."""
+    stats, gate = slow_server.front_door.stats_socket, slow_server.front_door.gate_socket
+    before = proxy_metrics.counts(stats, gate)["grpc"] if stats else {}
+    streams = []
+    try:
+        streams += [open_stream(slow_server) for _ in range(LIMITS.max_in_flight)]
+        assert [outcomes.get(timeout=60) for _, outcomes in streams] == ["ok"] * LIMITS.max_in_flight
+        reached = received(slow_server)
+        streams += [open_stream(slow_server) for _ in range(LIMITS.max_queue + 1)]
+        refusals = sorted(outcomes.get(timeout=60) for _, outcomes in streams[LIMITS.max_in_flight :])
+        unavailable = "StatusCode.UNAVAILABLE"
+        assert refusals == sorted([(unavailable, QUEUE_FULL)] + [(unavailable, QUEUE_TIMEOUT)] * LIMITS.max_queue)
+        assert received(slow_server) == reached
+        if stats:
+            after = proxy_metrics.counts(stats, gate)["grpc"]
+            moved = {reason: after[reason] - before[reason] for reason in proxy_metrics.REASONS + ("received",)}
+            assert moved == {
+                "queue_full": 1,
+                "queue_timeout": LIMITS.max_queue,
+                "refused": 0,
+                "connection_cap": 0,
+                "bad_request": 0,
+                "received": len(streams),
+            }, moved
+    finally:
+        for client, _ in streams:
+            client.stop_stream(cancel_requests=True)
+            client.close()
 
 
 # The busy contract end to end: a generate deployment whose engine takes few waiting requests,

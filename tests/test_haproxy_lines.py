@@ -1,7 +1,9 @@
-"""The front door's generated config on each image line's HAProxy (2.4 on the 24.10 line, 2.8 on
-26.09, and this host's): `haproxy -c` accepts it without a warning, and, run in front of a stub
+"""The front door's template with the launcher's values on each image line's HAProxy (2.4 on the
+24.10 line, 2.8 on 26.09, and this host's): `haproxy -c` accepts it without a warning, and, run in front of a stub
 server, every framing-header check refuses what it must whatever that version does itself with
-overflowing or repeated lengths, and the Lua JSON checks run on its Lua (5.3 or 5.4).
+overflowing or repeated lengths, and the Lua JSON checks run on its Lua (5.3 or 5.4); and a
+ModelStreamInfer stream refused for want of a slot reaches tritonclient as UNAVAILABLE with the
+proxy's message (2.4 and 2.6 reset a stream after any answer of their own: CANCELLED).
 
 The lines' binaries are unpacked by `make setup` (scripts/haproxy_lines.py); without them those
 cases skip, saying so.
@@ -9,8 +11,10 @@ cases skip, saying so.
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import json
+import queue
 import socket
 import subprocess
 import sys
@@ -18,10 +22,14 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
+import tritonclient.grpc as grpcclient
 
-from triton_sampling_mask.ops import proxy, proxy_config, proxy_metrics
-from triton_sampling_mask.ops.proxy_config import ProxyPlan
+from triton_sampling_mask.client.wire import sampler_inputs
+from triton_sampling_mask.ops import proxy, proxy_metrics
+from triton_sampling_mask.ops.child import Child
+from triton_sampling_mask.ops.proxy import QUEUE_FULL, QUEUE_TIMEOUT, FrontDoor, ProxyLimits
 from triton_sampling_mask.ops.server_process import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,18 +69,20 @@ class _Stub(http.server.BaseHTTPRequestHandler):
         pass
 
 
-def _plan(tmp_path: Path, stub_port: int) -> ProxyPlan:
-    key_file = tmp_path / "admin.key"
-    key_file.write_text("k" * 40 + "\n")
+def _door(tmp_path: Path, stub_port: int, command: list[str]) -> FrontDoor:
     internal = {name: free_port() for name in ("grpc", "metrics", "probe", "stream_gate", "api")}
-    return ProxyPlan(
+    door = FrontDoor(
+        REPOSITORY,
         public={"http": free_port(), "grpc": free_port(), "metrics": free_port(), "probe": 0},
+        admin_key="k" * 40,
         internal={**internal, "http": stub_port},
-        admin_key_file=key_file,
         internal_key="i" * 40,
-        routes=proxy_config.model_routes(REPOSITORY, 12288),
-        stats_socket=tmp_path / "stats.sock",  # the exporter's frontend (ops.proxy_metrics): every line has it
+        haproxy=command,
     )
+    door.directory = tmp_path
+    door.write_files()
+    assert door.stats_socket is not None  # the exporter's frontend (ops.proxy_metrics): every line has it
+    return door
 
 
 def _status(port: int, raw: bytes) -> tuple[int, bytes]:
@@ -119,13 +129,12 @@ def test_each_lines_haproxy_accepts_the_config_and_refuses_every_bad_framing(tmp
     command = _haproxy(line)
     stub = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Stub)
     threading.Thread(target=stub.serve_forever, daemon=True).start()
-    plan = _plan(tmp_path, stub.server_address[1])
-    config = tmp_path / "haproxy.cfg"
-    config.write_text(proxy_config.render(plan))
-    check = subprocess.run([*command, "-c", "-f", str(config)], capture_output=True, text=True, timeout=60)
+    door = _door(tmp_path, stub.server_address[1], command)
+    check = door.check()
     assert check.returncode == 0 and "warning" not in (check.stdout + check.stderr).lower(), check.stdout + check.stderr
-    running = subprocess.Popen([*command, "-db", "-f", str(config)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    port = plan.public["http"]
+    [haproxy] = door.children()[:1]
+    running = subprocess.Popen(haproxy.command, env=haproxy.env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    port = door.public["http"]
     try:
         deadline = time.monotonic() + 20
         while True:
@@ -144,9 +153,110 @@ def test_each_lines_haproxy_accepts_the_config_and_refuses_every_bad_framing(tmp
         }
         assert not wrong, wrong
         # each refusal counted on this line's exporter, read as the supervisor reads it (ops.proxy_metrics)
-        refused = proxy_metrics.refusals(proxy_metrics.scrape(plan.stats_socket))["http"]
+        refused = proxy_metrics.refusals(proxy_metrics.scrape(door.stats_socket))["http"]
         assert refused["refused"] + refused["bad_request"] == len(CASES) and refused["queue_full"] == 0, refused
     finally:
         running.terminate()
         running.wait(10)
         stub.shutdown()
+
+
+class _SilentGrpcServer(threading.Thread):
+    """tritonserver's gRPC stand-in: it speaks HTTP/2's preface and never answers a stream, so the
+    first stream keeps its slot; `data` is set once a stream's request has reached it."""
+
+    def __init__(self):
+        super().__init__(daemon=True)
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.data = threading.Event()
+
+    def run(self) -> None:
+        with contextlib.suppress(OSError):  # the listener closed
+            while True:
+                connection, _ = self.listener.accept()
+                threading.Thread(target=self._serve, args=(connection,), daemon=True).start()
+
+    def _serve(self, connection: socket.socket) -> None:
+        with contextlib.suppress(OSError), connection:  # the gate reset or closed it
+            self._read(connection)
+
+    def _read(self, connection: socket.socket) -> None:
+        connection.sendall(b"\0\0\0\x04\0\0\0\0\0")  # SETTINGS
+        received, acked = b"", False
+        while chunk := connection.recv(65536):
+            if not acked:
+                connection.sendall(b"\0\0\0\x04\x01\0\0\0\0")  # SETTINGS ACK
+                acked = True
+            received += chunk
+            pos = received.find(b"\r\n\r\nSM\r\n\r\n") + 8 if b"SM\r\n" in received else len(received)
+            while len(received) - pos >= 9:  # the frames after the preface: a DATA frame is a request
+                if received[pos + 3] == 0:
+                    self.data.set()
+                pos += 9 + int.from_bytes(received[pos : pos + 3], "big")
+
+
+def _wait_listening(port: int, children: list[Child]) -> None:
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            assert all(child.running() for child in children) and time.monotonic() < deadline, f"nothing on {port}"
+            time.sleep(0.1)
+
+
+def _stream_outcome(url: str, logits: np.ndarray) -> tuple[grpcclient.InferenceServerClient, queue.Queue]:
+    """A tritonclient stream with one request sent: the client, and where its outcome arrives."""
+    outcomes: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(url)
+    client.start_stream(
+        callback=lambda result, error: outcomes.put("ok" if error is None else f"{error.status()} {error.message()}")
+    )
+    client.async_stream_infer("sampler", sampler_inputs(grpcclient, logits, top_k=5))
+    return client, outcomes
+
+
+@pytest.mark.parametrize("line", ["host", "2.4", "2.8"])
+def test_each_lines_stream_refusals_reach_tritonclient_as_unavailable_with_the_proxys_message(tmp_path, line):
+    """One slot and one queue place for ModelStreamInfer: a first stream holds the slot, and of the
+    next two one waits out the queue timeout and one finds the queue full (which is which depends
+    on their arrival); both read UNAVAILABLE and the proxy's message, never CANCELLED."""
+    command = _haproxy(line)
+    upstream = _SilentGrpcServer()
+    upstream.start()
+    internal = {name: free_port() for name in ("http", "metrics", "probe", "stream_gate", "api")}
+    door = FrontDoor(
+        REPOSITORY,
+        public={"http": free_port(), "grpc": free_port(), "metrics": 0, "probe": 0},
+        admin_key=None,
+        internal={**internal, "grpc": upstream.port},
+        limits=ProxyLimits(max_in_flight=1, max_queue=1, queue_timeout_s=0.5),
+        haproxy=command,
+    )
+    door.directory = tmp_path
+    door.write_files()
+    children = door.children()[:2]  # HAProxy and the gate
+    clients = []
+    try:
+        for child in children:
+            child.start()
+        for port in (door.internal["stream_gate"], door.public["grpc"]):
+            _wait_listening(port, children)
+        url = f"127.0.0.1:{door.public['grpc']}"
+        logits = np.zeros((1, 8), dtype=np.float32)
+        clients.append(_stream_outcome(url, logits))
+        assert upstream.data.wait(20), "the first stream's request never reached the server"
+        clients += [_stream_outcome(url, logits) for _ in range(2)]
+        outcomes = {clients[i][1].get(timeout=20) for i in (1, 2)}
+        unavailable = "StatusCode.UNAVAILABLE"
+        assert outcomes == {f"{unavailable} {QUEUE_FULL}", f"{unavailable} {QUEUE_TIMEOUT}"}, outcomes
+        assert clients[0][1].empty()  # the first stream still waits for its answer
+    finally:
+        for client, _ in clients:
+            client.stop_stream(cancel_requests=True)
+            client.close()
+        for child in children:
+            child.stop()
+        upstream.listener.close()

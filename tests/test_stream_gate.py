@@ -6,6 +6,7 @@ offsets computed from the requests' sizes (the reference), for any split of the 
 from __future__ import annotations
 
 import asyncio
+import stat
 import struct
 
 import hpack
@@ -29,6 +30,9 @@ class Transport:
         self.written += data
 
     def resume_reading(self) -> None:
+        pass
+
+    def close(self) -> None:
         pass
 
     def frames(self) -> list[tuple[int, int, int, bytes]]:
@@ -217,3 +221,95 @@ def test_a_lost_client_connection_drains_its_open_streams_then_closes():
     assert (DATA, END_STREAM, STREAM, b"") in sent and not closed
     gate.server_data(frame(HEADERS, END_STREAM | 0x4, STREAM, hpack.Encoder().encode([("grpc-status", "0")])))
     assert closed and gate.closed
+
+
+def _connected(gate: stream_gate.StreamGate) -> stream_gate.Relay:
+    """A relay of `gate` (a proxy connection) with stream 1 opened."""
+    relay = stream_gate.Relay(gate)
+    relay.client.transport, relay.server.transport = Transport(), Transport()
+    relay.client_data(stream_gate.PREFACE + frame(HEADERS, 0x4, STREAM, b"\x83"))
+    relay.server.transport.written.clear()
+    return relay
+
+
+def _answers(relay: stream_gate.Relay) -> list[tuple[int, dict]]:
+    """The header blocks the relay sent the client: (flags, headers)."""
+    decoder = hpack.Decoder()
+    return [(f[1], dict(decoder.decode(f[3]))) for f in relay.client.transport.frames() if f[0] == HEADERS]
+
+
+def _refused_with(relay: stream_gate.Relay, message: str) -> bool:
+    """The client read a trailers-only UNAVAILABLE with `message`, and no reset; the server a reset."""
+    refusal = (END_STREAM | 0x4, {":status": "200", "content-type": "application/grpc", "grpc-status": "14"})
+    (flags, headers), *_ = _answers(relay) or [(0, {})]
+    return (
+        (flags, {k: headers.get(k) for k in refusal[1]}) == refusal
+        and headers["grpc-message"] == message
+        and RST_STREAM not in {f[0] for f in relay.client.transport.frames()}
+        and (RST_STREAM, STREAM) in {(f[0], f[2]) for f in relay.server.transport.frames()}
+    )
+
+
+def test_streams_past_the_slots_wait_in_arrival_order_and_past_the_queue_are_refused_unavailable():
+    """One slot, two places in the queue: the first stream's request goes to the server, the next
+    two wait (nothing of theirs reaches it) and go on in arrival order as slots free, the fourth
+    is refused at once with the proxy's queue-full message."""
+
+    async def run():
+        gate = stream_gate.StreamGate("127.0.0.1:1", 4, 2**31 - 1, max_streams=1, max_queue=2, queue_timeout_s=60)
+        relays = [_connected(gate) for _ in range(4)]
+        for relay in relays:
+            relay.client_data(frame(DATA, 0, STREAM, grpc_message(b"x" * 30)))
+        assert [len(forwarded(relay)[0]) for relay in relays] == [35, 0, 0, 0]
+        assert _refused_with(relays[3], stream_gate.QUEUE_FULL)
+        assert gate.counters() == {"queue_full": 1, "queue_timeout": 0, "waiting": 2, "running": 1}
+        trailers = frame(HEADERS, END_STREAM | 0x4, STREAM, hpack.Encoder().encode([("grpc-status", "0")]))
+        relays[0].server_data(trailers)
+        assert [len(forwarded(relay)[0]) for relay in relays[1:3]] == [35, 0]
+        # the client leaves with its request open: the stream is drained, and holds its slot until the server ends it
+        relays[1].client_data(frame(RST_STREAM, 0, STREAM, struct.pack(">I", 8)))
+        assert len(forwarded(relays[2])[0]) == 0
+        relays[1].server_data(trailers)
+        assert len(forwarded(relays[2])[0]) == 35
+        relays[2].close()
+        assert gate.counters() == {"queue_full": 1, "queue_timeout": 0, "waiting": 0, "running": 0}
+
+    asyncio.run(run())
+
+
+def test_a_stream_that_waits_out_the_queue_timeout_is_refused_unavailable_once_no_header_block_is_open():
+    async def run():
+        gate = stream_gate.StreamGate("127.0.0.1:1", 4, 2**31 - 1, max_streams=1, max_queue=1, queue_timeout_s=0)
+        first, second = _connected(gate), _connected(gate)
+        first.client_data(frame(DATA, 0, STREAM, grpc_message(b"x" * 30)))
+        second.client_data(frame(DATA, 0, STREAM, grpc_message(b"y" * 30)))
+        second.client_data(frame(HEADERS, 0, 3, b"\x83"))  # the proxy begins another stream's header block
+        await asyncio.sleep(0.01)
+        assert not _answers(second) and RST_STREAM not in {f[0] for f in second.server.transport.frames()}
+        second.client_data(frame(stream_gate.CONTINUATION, 0x4, 3, b"\x86"))
+        assert _refused_with(second, stream_gate.QUEUE_TIMEOUT) and not forwarded(second)[0]
+        credited = [f for f in second.client.transport.frames() if f[0] == WINDOW_UPDATE and f[2] == 0]
+        assert sum(int.from_bytes(f[3], "big") for f in credited) == 35  # its held request, never read
+        assert gate.counters() == {"queue_full": 0, "queue_timeout": 1, "waiting": 0, "running": 1}
+
+    asyncio.run(run())
+
+
+def test_the_counters_are_served_on_their_unix_socket(tmp_path):
+    from triton_sampling_mask.ops import proxy_metrics
+    from triton_sampling_mask.ops.server_process import free_port
+
+    async def run():
+        gate = stream_gate.StreamGate("127.0.0.1:1", 4, 2**31 - 1, max_streams=2, max_queue=3)
+        gate.refusals["queue_timeout"] = 5
+        stop = asyncio.Event()
+        serving = asyncio.ensure_future(gate.serve(f"127.0.0.1:{free_port()}", stop, str(tmp_path / "gate.sock")))
+        while not (tmp_path / "gate.sock").exists():
+            await asyncio.sleep(0.01)
+        read = await asyncio.to_thread(proxy_metrics.gate_counters, tmp_path / "gate.sock")
+        assert stat.S_IMODE((tmp_path / "gate.sock").stat().st_mode) == 0o600
+        stop.set()
+        await serving
+        return read
+
+    assert asyncio.run(run()) == {"queue_full": 0, "queue_timeout": 5, "waiting": 0, "running": 0}

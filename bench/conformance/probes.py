@@ -96,6 +96,21 @@ def probes() -> list[Probe]:
                 ("POST", SAMPLER, json_body({"inputs": [{**LOGITS, "data": [1, 2, 3]}]})),
                 ("POST", SAMPLER, json_body({"inputs": [{**LOGITS, "data": ["a", "b", "c", "d"]}]})),
                 ("POST", SAMPLER, json_body({"inputs": [{**LOGITS, "datatype": "FP99"}]})),
+                # parameters tritonserver reads with a type, names it truncates, numbers past a double
+                (
+                    "POST",
+                    SAMPLER,
+                    json_body(
+                        {**SAMPLER_BODY, "outputs": [{"name": "output_ids", "parameters": {"binary_data": "yes"}}]}
+                    ),
+                ),
+                ("POST", SAMPLER, json_body({**SAMPLER_BODY, "parameters": {"priority": -1}})),
+                ("POST", SAMPLER, json_body({**SAMPLER_BODY, "parameters": {"a\u0000b": 1}})),
+                (
+                    "POST",
+                    SAMPLER,
+                    b'{"inputs": [{"name": "logits", "shape": [1, 1], "datatype": "FP32", "data": [1e400]}]}',
+                ),
                 ("POST", GENERATE, b"{}"),
                 ("POST", GENERATE, json_body({"input_ids": "5", "max_new_tokens": 1})),
                 ("POST", GENERATE, json_body({"input_ids": [5], "max_new_tokens": "1"})),

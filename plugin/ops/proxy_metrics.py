@@ -1,16 +1,18 @@
 """The front door's refusals as Prometheus metrics, read from HAProxy's own counters.
 
 HAProxy serves its counters through its built-in Prometheus exporter on a unix socket in the
-front door's private directory (mode 0600; `stats_socket` of the generated config). A stats
+front door's private directory (mode 0600; `fe_stats` of haproxy/haproxy.cfg). A stats
 socket would do too, but its `show acl` prints the admin key file's contents; the exporter
 answers counters only. The supervisor serves `render(socket)` at GET :TRITON_PROBE_PORT/metrics
-(through the proxy), as these series, per public frontend (`frontend`: http, grpc, api, ...):
+(through the proxy), as these series, per public frontend (`frontend`: http, grpc, api, metrics,
+probe; HAProxy's others, such as the exporter's own, are not the door's answers):
 
 - `proxy_requests_refused_total{frontend, reason}`, a counter by why the front door answered a
   request itself instead of passing it on:
   `queue_full` (its route already had PROXY_MAX_QUEUE waiting: 503 / UNAVAILABLE at once; on HTTP
   and the HTTP API the frontend's own 5xx, which its rules give for nothing else; on gRPC the
-  requests of the backend that answers them, since every gRPC refusal is a 200 with trailers),
+  requests of the backend that answers them, since every gRPC refusal is a 200 with trailers, and
+  the streams the stream gate refused, which keeps the ModelStreamInfer route's queue),
   `queue_timeout` (it waited PROXY_QUEUE_TIMEOUT_S for a slot, or tritonserver was not there: 503 /
   UNAVAILABLE), `refused` (every other answer of the rules: a failed check, a wrong or missing
   key, an unknown route), `connection_cap` (connections over the per-address or total cap) and
@@ -23,14 +25,20 @@ from __future__ import annotations
 
 import functools
 import http.client
+import json
 import socket
 import subprocess
 from collections import defaultdict
 from pathlib import Path
 
-from .proxy_config import GRPC_QUEUE_FULL_BACKEND
-
 EXPORTER_QUERY = "/metrics?scope=frontend&scope=backend"
+# The public frontends (fe_<name>, docs/metrics.md): HAProxy's others (the exporter's own frontend,
+# which counts every scrape as an answer of its own) are not exported.
+FRONTENDS = ("http", "grpc", "api", "metrics", "probe")
+# The route whose streams the stream gate queues (ops.stream_gate), by frontend and backend, and
+# the backend of haproxy.cfg that answers a gRPC call refused for a full queue.
+GATE_FRONTEND, GATE_BACKEND = "grpc", "be_grpc_stream"
+GRPC_QUEUE_FULL_BACKEND = "be_grpc_queue_full"
 # The public frontends whose rules answer 5xx only when a route's queue is full.
 QUEUE_FULL_BY_5XX = ("http", "api")
 REASONS = ("queue_full", "queue_timeout", "refused", "connection_cap", "bad_request")
@@ -48,10 +56,10 @@ TYPES = {REFUSED: "counter", RECEIVED: "counter", WAITING: "gauge"}
 
 
 @functools.cache
-def exporter_available(binary: str) -> bool:
-    """Whether this haproxy has the Prometheus exporter built in (`haproxy -vv` lists it)."""
+def exporter_available(*haproxy: str) -> bool:
+    """Whether this haproxy (its command) has the Prometheus exporter built in (`-vv` lists it)."""
     try:
-        done = subprocess.run([binary, "-vv"], capture_output=True, text=True, timeout=30, check=False)
+        done = subprocess.run([*haproxy, "-vv"], capture_output=True, text=True, timeout=30, check=False)
     except (OSError, subprocess.TimeoutExpired):
         return False
     return "prometheus-exporter" in done.stdout
@@ -84,6 +92,18 @@ def scrape(socket_path: Path, timeout_s: float = 2.0) -> str:
         connection.close()
 
 
+def gate_counters(socket_path: Path, timeout_s: float = 2.0) -> dict[str, int]:
+    """The stream gate's refusals by reason and its waiting streams (JSON on its unix socket);
+    raises OSError when it does not answer."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout_s)
+        sock.connect(str(socket_path))
+        answer = b""
+        while chunk := sock.recv(4096):
+            answer += chunk
+    return json.loads(answer)
+
+
 def _samples(text: str):
     """(name, labels, value) of every sample in Prometheus text (prometheus_client's parser)."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -94,18 +114,19 @@ def _samples(text: str):
 
 
 def _frontend_of(backend: str, frontends: set[str]) -> str | None:
-    """The public frontend a backend serves: `be_http_sampler` -> http (by name, as proxy_config names them)."""
+    """The public frontend a backend serves: `be_http_sampler` -> http (by name, as haproxy.cfg names them)."""
     name = backend.removeprefix("be_")
     return next((f for f in sorted(frontends, key=len, reverse=True) if name == f or name.startswith(f + "_")), None)
 
 
-def refusals(exporter_text: str) -> dict[str, dict]:
-    """Per public frontend (fe_<name>): {reason: count}, "received" and "waiting" {backend: n}."""
+def refusals(exporter_text: str, gate: dict[str, int] | None = None) -> dict[str, dict]:
+    """Per public frontend (fe_<name>): {reason: count}, "received" and "waiting" {backend: n};
+    `gate`: the stream gate's counters, added to its route's."""
     fe, be = defaultdict(lambda: defaultdict(float)), defaultdict(lambda: defaultdict(float))
     for name, labels, value in _samples(exporter_text):
         proxy = labels.get("proxy", "")
         key = name + (f":{labels['code']}" if "code" in labels else "")
-        if name.startswith("haproxy_frontend_") and proxy.startswith("fe_"):
+        if name.startswith("haproxy_frontend_") and proxy.removeprefix("fe_") in FRONTENDS:
             fe[proxy.removeprefix("fe_")][key] += value
         elif name.startswith("haproxy_backend_") and proxy.startswith("be_"):
             be[proxy][key] += value
@@ -133,7 +154,19 @@ def refusals(exporter_text: str) -> dict[str, dict]:
             "received": counters["haproxy_frontend_http_requests_total"],
             "waiting": {b: c["haproxy_backend_current_queue"] for b, c in backends.items()},
         }
+    if gate and GATE_FRONTEND in out:
+        route = out[GATE_FRONTEND]
+        route["queue_full"] += gate["queue_full"]
+        route["queue_timeout"] += gate["queue_timeout"]
+        route["waiting"][GATE_BACKEND] = route["waiting"].get(GATE_BACKEND, 0.0) + gate["waiting"]
+        keyed = f"{GATE_BACKEND}_keyed"
+        route["waiting"][keyed] = route["waiting"].get(keyed, 0.0) + gate.get("keyed_waiting", 0)
     return out
+
+
+def counts(stats_socket: Path, gate_socket: Path | None = None) -> dict[str, dict]:
+    """`refusals` read now from HAProxy's exporter and the stream gate (when it runs)."""
+    return refusals(scrape(stats_socket), gate_counters(gate_socket) if gate_socket else None)
 
 
 def exposition(by_frontend: dict[str, dict]) -> str:
@@ -154,6 +187,6 @@ def exposition(by_frontend: dict[str, dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render(socket_path: Path) -> str:
+def render(stats_socket: Path, gate_socket: Path | None = None) -> str:
     """What GET /metrics on the probe port answers: the front door's refusals, read now."""
-    return exposition(refusals(scrape(socket_path)))
+    return exposition(counts(stats_socket, gate_socket))

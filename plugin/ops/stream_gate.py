@@ -11,6 +11,17 @@ request only while fewer than `max_open` of the stream's requests wait for their
 server holds at most `max_open` requests' responses for it. Messages larger than
 `max_message_bytes` are refused (RESOURCE_EXHAUSTED), the cap HAProxy cannot apply to gRPC.
 
+It is also the route's queue: at most `max_streams` streams at the server, the next ones held
+(their requests wait here) until one ends; beyond `max_queue` waiting, or after `queue_timeout_s`
+waiting, a stream is refused with UNAVAILABLE and the proxy's message. HAProxy's own queue cannot
+answer a stream: after any answer HAProxy makes itself to a stream the client is still sending on,
+2.4 and 2.6 reset it with CANCEL (HAProxy issue #1219, fixed in 3.2 and 2.8), and the client
+reads CANCELLED instead of the refusal; an answer that comes from this gate passes through whole.
+Keyed clients' streams (docs/operations.md, "Keyed clients") come on a listener of their own
+(`--keyed-listen`) with a queue of their own (`--keyed-max-streams`, ...). The
+refusals are counted, and served as JSON on a unix socket (`--counters-socket`) to
+ops.proxy_metrics.
+
 It relays HTTP/2 frames, not gRPC calls: each connection from the proxy gets one connection to
 tritonserver, and frames pass through as they are, except that
 - a stream's request DATA is held back, from the first byte of a request past its bound, until
@@ -32,18 +43,23 @@ Each response message's leading bytes are read to tell a final one; nothing is d
 a streamed token costs a socket read, a write and a little frame parsing here (no grpc runtime).
 
     python -m triton_sampling_mask.ops.stream_gate --listen 127.0.0.1:P --upstream 127.0.0.1:Q
-        [--max-open N] [--max-message-bytes B]
+        [--max-open N] [--max-message-bytes B] [--max-streams N --max-queue N --queue-timeout S]
+        [--counters-socket PATH] [--keyed-listen 127.0.0.1:R --keyed-max-streams N ...]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import os
 import signal
 import struct
 from collections import OrderedDict
 
 import hpack
+
+from .proxy import QUEUE_FULL, QUEUE_TIMEOUT
 
 FINAL_PARAMETER = b"triton_final_response"
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
@@ -58,7 +74,7 @@ MAX_FRAME_BYTES = 16384
 GRPC_PREFIX_BYTES = 5  # compressed flag, big-endian length
 # The leading bytes of a response kept to tell whether it is final (its fields before `outputs`).
 RESPONSE_HEAD_BYTES = 65536
-RESOURCE_EXHAUSTED = "8"
+RESOURCE_EXHAUSTED, UNAVAILABLE = "8", "14"
 COMPACT_BYTES = 65536  # held bytes already forwarded are dropped once past this and half the buffer
 REFUSED_MEMORY = 1024  # streams the gate ended, remembered to drop their late frames
 READ_BYTES = 65536  # one socket read at most
@@ -164,6 +180,7 @@ class _Stream:
 
     __slots__ = ("open", "request_head", "request_left", "held", "held_from", "held_end", "response_head")
     __slots__ += ("response_left", "response_bytes", "answered", "sent_end", "draining", "window", "model", "first")
+    __slots__ += ("admitted", "expired")
 
     def __init__(self):
         self.open = 0
@@ -181,6 +198,8 @@ class _Stream:
         self.window = DEFAULT_WINDOW  # what the server may still send on it toward the client
         self.model: bytes | None = None  # the model its first request names, once read
         self.first = bytearray()  # that request's leading bytes, until the name is read
+        self.admitted: bool | None = None  # holds one of the server's slots (False: waits for one)
+        self.expired = False  # it waited out the queue timeout
 
     @property
     def waiting(self) -> int:
@@ -294,6 +313,9 @@ class Relay:
         if not self.closed:
             self.closed = True
             self.gate.relays.discard(self)
+            streams, self.streams = self.streams, {}
+            for stream_id, stream in streams.items():
+                self.gate.release(self, stream_id, stream)
             for half in (self.client, self.server):
                 if half.transport is not None:
                     half.transport.close()
@@ -398,11 +420,20 @@ class Relay:
                 self._release_pending()
         self._flush()
 
+    def resume(self, stream_id: int, stream: _Stream) -> None:
+        """A waiting stream has its slot, or has waited out the queue timeout: its held requests go
+        on, or it is refused (once no header block is half sent to the server)."""
+        if self.client_block_open:
+            self.pending[stream_id] = None
+        else:
+            self._release(stream_id, stream)
+            self._flush()
+
     def _release_pending(self) -> None:
         pending, self.pending = self.pending, {}
         for stream_id in pending:
             stream = self.streams.get(stream_id)
-            if stream is not None and stream.waiting:
+            if stream is not None and (stream.waiting or stream.expired):
                 self._release(stream_id, stream)
 
     def _client_data_frame(self, stream_id: int, flags: int, payload: bytes, raw: bytes) -> None:
@@ -445,7 +476,15 @@ class Relay:
 
     def _admit(self, stream_id: int, stream: _Stream, data: bytearray, pos: int, force: bool) -> int | None:
         """Where the stream's request bytes `data[pos:]` must stop: at the first request past the
-        bound (none when `force`), or their end; None after refusing an oversized request."""
+        bound (none when `force`), at `pos` while the stream waits for a slot, or their end; None
+        after refusing the stream (an oversized request, or no slot: the queue full or waited out)."""
+        if stream.admitted is None:  # its first bytes: a slot at the server, a place in the queue, or neither
+            stream.admitted = self.gate.enter(self, stream_id)
+        if stream.admitted is None or stream.expired:
+            self._refuse(stream_id, stream, QUEUE_TIMEOUT if stream.expired else QUEUE_FULL, UNAVAILABLE)
+            return None
+        if not stream.admitted:
+            return pos
         size, limit = len(data), self.gate.max_message_bytes
         while pos < size:
             if stream.request_left:
@@ -466,22 +505,25 @@ class Relay:
                 length = int.from_bytes(stream.request_head[1:], "big")
                 stream.request_head = b""
                 if length > limit:
-                    self._refuse(stream_id, stream, f"request message of {length} bytes, more than {limit}")
+                    message = f"request message of {length} bytes, more than {limit}"
+                    self._refuse(stream_id, stream, message, RESOURCE_EXHAUSTED)
                     return None
                 stream.request_left = length
         return pos
 
-    def _refuse(self, stream_id: int, stream: _Stream, message: str) -> None:
-        """End a stream with RESOURCE_EXHAUSTED: reset toward the server, trailers to the client,
-        the client's bytes the server will never read credited back."""
+    def _refuse(self, stream_id: int, stream: _Stream, message: str, status: str) -> None:
+        """End a stream with gRPC `status`: reset toward the server, trailers to the client (which
+        HAProxy passes on whole: no reset follows them), the client's bytes the server will never
+        read credited back."""
         self.to_client.append(window_update(0, stream.waiting))
         del self.streams[stream_id]
+        self.gate.release(self, stream_id, stream)
         self.refused[stream_id] = None
         while len(self.refused) > REFUSED_MEMORY:
             self.refused.popitem(last=False)
         self.to_server.append(frame(RST_STREAM, 0, stream_id, struct.pack(">I", CANCEL)))
         headers = [] if stream.answered else [(":status", "200"), ("content-type", "application/grpc")]
-        headers += [("grpc-status", RESOURCE_EXHAUSTED), ("grpc-message", message)]
+        headers += [("grpc-status", status), ("grpc-message", message)]
         self._headers_to_client(stream_id, END_STREAM, headers)
 
     def _forget(self, stream_id: int) -> None:
@@ -489,6 +531,7 @@ class Relay:
         stream = self.streams.pop(stream_id, None)
         if stream is not None:
             self.to_client.append(window_update(0, stream.waiting))
+            self.gate.release(self, stream_id, stream)
         if self.client_gone and not self.streams:
             self._flush()
             self.close()
@@ -614,22 +657,86 @@ class Relay:
 
 
 class StreamGate:
-    """Relays ModelStreamInfer calls to `upstream`, each with at most `max_open` open requests."""
+    """Relays ModelStreamInfer calls to `upstream`, each with at most `max_open` open requests, and
+    at most `max_streams` streams at once (0: no bound), `max_queue` more waiting `queue_timeout_s`."""
 
-    def __init__(self, upstream: str, max_open: int, max_message_bytes: int, cancellable: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        upstream: str,
+        max_open: int,
+        max_message_bytes: int,
+        cancellable: tuple[str, ...] = (),
+        max_streams: int = 0,
+        max_queue: int = 0,
+        queue_timeout_s: float = 0.0,
+    ):
         self.upstream = upstream
         self.max_open = max_open
         self.max_message_bytes = max_message_bytes
         self.cancellable = frozenset(name.encode() for name in cancellable)  # models a reset may cancel
         self.relays: set[Relay] = set()  # the connections open now
+        self.max_streams, self.max_queue, self.queue_timeout_s = max_streams, max_queue, queue_timeout_s
+        self.running = 0  # streams holding a slot
+        self.queue: OrderedDict[tuple[Relay, int], asyncio.TimerHandle] = OrderedDict()  # waiting, oldest first
+        self.refusals = {"queue_full": 0, "queue_timeout": 0}
+        self.keyed: StreamGate | None = None  # keyed clients' gate, when it runs: its queue in the counters
 
-    async def serve(self, listen: str, stop: asyncio.Event) -> None:
-        """Serve on `listen` until `stop` is set."""
+    def enter(self, relay: Relay, stream_id: int) -> bool | None:
+        """A stream's first request: True (it has a slot), False (it waits for one), None (the queue is full)."""
+        if not self.max_streams or (self.running < self.max_streams and not self.queue):
+            self.running += 1
+            return True
+        if len(self.queue) >= self.max_queue:
+            self.refusals["queue_full"] += 1
+            return None
+        expire = asyncio.get_running_loop().call_later(self.queue_timeout_s, self._expire, relay, stream_id)
+        self.queue[relay, stream_id] = expire
+        return False
+
+    def release(self, relay: Relay, stream_id: int, stream: _Stream) -> None:
+        """A stream has ended: its slot goes to the stream that has waited longest, or its place in
+        the queue is freed."""
+        if stream.admitted:
+            stream.admitted = False
+            self.running -= 1
+        elif (expire := self.queue.pop((relay, stream_id), None)) is not None:
+            expire.cancel()
+        while self.queue and self.running < self.max_streams:
+            (waiting_relay, waiting_id), expire = self.queue.popitem(last=False)
+            expire.cancel()
+            if (waiting := waiting_relay.streams.get(waiting_id)) is not None:  # none on a closed relay
+                self.running += 1
+                waiting.admitted = True
+                waiting_relay.resume(waiting_id, waiting)
+
+    def _expire(self, relay: Relay, stream_id: int) -> None:
+        if self.queue.pop((relay, stream_id), None) is not None and stream_id in relay.streams:
+            self.refusals["queue_timeout"] += 1
+            relay.streams[stream_id].expired = True
+            relay.resume(stream_id, relay.streams[stream_id])
+
+    def counters(self) -> dict[str, int]:
+        """The streams refused for want of a slot, by reason, and those waiting or holding one now."""
+        keyed = {"keyed_waiting": len(self.keyed.queue)} if self.keyed else {}
+        return {**self.refusals, "waiting": len(self.queue), "running": self.running, **keyed}
+
+    async def _answer_counters(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(json.dumps(self.counters()).encode())
+        writer.close()
+
+    async def serve(self, listen: str, stop: asyncio.Event, counters_socket: str | None = None) -> None:
+        """Serve on `listen` until `stop` is set (and the counters on the unix socket `counters_socket`)."""
         host, port = listen.rsplit(":", 1)
         loop = asyncio.get_running_loop()
         server = await loop.create_server(lambda: Relay(self).client, host, int(port))
+        counters = None
+        if counters_socket:
+            counters = await asyncio.start_unix_server(self._answer_counters, counters_socket)
+            os.chmod(counters_socket, 0o600)  # this user's only, as HAProxy's exporter socket (in a 0700 directory)
         await stop.wait()
         server.close()  # no new connections; those open get STOP_GRACE_S to finish
+        if counters is not None:
+            counters.close()
         deadline = loop.time() + STOP_GRACE_S
         while self.relays and loop.time() < deadline:
             await asyncio.sleep(0.05)
@@ -642,8 +749,22 @@ async def _main(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    gate = StreamGate(args.upstream, args.max_open, args.max_message_bytes, tuple(args.cancellable))
-    await gate.serve(args.listen, stop)
+    gate = StreamGate(
+        args.upstream,
+        args.max_open,
+        args.max_message_bytes,
+        tuple(args.cancellable),
+        args.max_streams,
+        args.max_queue,
+        args.queue_timeout,
+    )
+    serving = [gate.serve(args.listen, stop, args.counters_socket)]
+    if args.keyed_listen:  # the same relay, with keyed clients' queue; its refusals counted with the others
+        limits = (args.keyed_max_streams, args.keyed_max_queue, args.keyed_queue_timeout)
+        gate.keyed = StreamGate(args.upstream, args.max_open, args.max_message_bytes, tuple(args.cancellable), *limits)
+        gate.keyed.refusals = gate.refusals
+        serving.append(gate.keyed.serve(args.keyed_listen, stop))
+    await asyncio.gather(*serving)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -658,6 +779,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--max-message-bytes", type=int, default=2**31 - 1, help="largest request message (default %(default)s)"
     )
+    parser.add_argument("--max-streams", type=int, default=0, help="streams at the server at once (0: no bound)")
+    parser.add_argument("--max-queue", type=int, default=0, help="streams waiting for one of those (default 0)")
+    parser.add_argument("--queue-timeout", type=float, default=0.0, help="seconds a stream may wait (default 0)")
+    parser.add_argument("--counters-socket", help="a unix socket to serve the refusal counters on, as JSON")
+    parser.add_argument("--keyed-listen", help="host:port to serve keyed clients' streams on")
+    parser.add_argument("--keyed-max-streams", type=int, default=0, help="their streams at the server (0: no bound)")
+    parser.add_argument("--keyed-max-queue", type=int, default=0, help="their streams waiting (default 0)")
+    parser.add_argument("--keyed-queue-timeout", type=float, default=0.0, help="seconds one may wait (default 0)")
     asyncio.run(_main(parser.parse_args(argv)))
 
 

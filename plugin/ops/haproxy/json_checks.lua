@@ -1,5 +1,7 @@
--- HAProxy actions over the JSON of an HTTP request body (plugin/ops/proxy_config.py loads this file
--- and calls them on /infer and /generate routes, once the body has arrived).
+-- HAProxy actions over the JSON of an HTTP request body (haproxy.cfg loads this file and calls them
+-- on /infer and /generate routes, once the body has arrived). Why by hand: HAProxy has no JSON
+-- validation of its own, and no Lua JSON library is this strict (duplicate keys, numbers past a
+-- double, shapes against the data that carries them).
 --
 -- tritonserver 2.51 answers a body whose JSON is malformed or wrongly typed with a 500, sizes a
 -- JSON input from its declared "shape" before it reads "data" (a 100-byte body can ask for all
@@ -136,15 +138,20 @@ local function parse(text)
       p, integral = stop, false
     end
     local raw = text:sub(start, p - 1)
+    local number = tonumber(raw)
+    if number == math.huge or number == -math.huge then -- tritonserver's parser refuses it with a 500
+      pos = start -- the message names where it begins
+      bad("a number too large for a double")
+    end
     pos = p
     if integral then
-      local value = math.tointeger(tonumber(raw))
+      local value = math.tointeger(number)
       if value ~= nil and tostring(value) == raw:gsub("^%-0$", "0") then
         return value
       end
       return setmetatable({ raw = raw }, BIG)
     end
-    return tonumber(raw) + 0.0
+    return number + 0.0
   end
 
   local parse_value
@@ -304,7 +311,29 @@ local function data_count(data, shape, datatype, name)
   return data.n
 end
 
-local function check_parameters(parameters, owner)
+-- The parameters tritonserver's HTTP frontend reads with a type, by what they must be: any other
+-- value is its 500 (for a parameter of an output it does not have, too).
+local UINT, ID = "a non-negative integer", "a string or a non-negative integer"
+local KINDS = {
+  ["a boolean"] = function(value) return type(value) == "boolean" end,
+  ["a string"] = function(value) return type(value) == "string" end,
+  [UINT] = function(value) return fits(value, "UINT64") end,
+  [ID] = function(value) return type(value) == "string" or fits(value, "UINT64") end,
+}
+local REQUEST_PARAMETERS = {
+  binary_data_output = "a boolean", sequence_start = "a boolean", sequence_end = "a boolean",
+  priority = UINT, timeout = UINT, sequence_id = ID,
+}
+local SHARED_MEMORY = { shared_memory_region = "a string", shared_memory_byte_size = UINT, shared_memory_offset = UINT }
+local INPUT_PARAMETERS = setmetatable({ binary_data_size = UINT }, { __index = SHARED_MEMORY })
+local OUTPUT_PARAMETERS = setmetatable({ binary_data = "a boolean", classification = UINT }, { __index = SHARED_MEMORY })
+
+-- The parameters only the front door may set: the client's address, which the models read as a
+-- request parameter (the door sets it as a gRPC header; tritonserver forwards none on HTTP).
+local RESERVED = { ["triton-client-address"] = true }
+
+-- `parameters`: an object of scalars, each of `kinds` (name -> what it must be) of that kind.
+local function check_parameters(parameters, owner, kinds)
   if parameters == nil then
     return
   end
@@ -312,8 +341,18 @@ local function check_parameters(parameters, owner)
     fail(owner .. ": 'parameters' must be an object")
   end
   for key, value in pairs(parameters) do
+    if key:find("\0", 1, true) then -- tritonserver reads the name up to it, finds no such key: a 500
+      fail(owner .. ": a parameter's name may not hold a NUL character")
+    end
+    if RESERVED[key] then
+      fail(string.format("%s: parameter '%s' is the front door's to set", owner, key))
+    end
     if not is_scalar(value) then
       fail(string.format("%s: parameter '%s' must be a string, number or boolean", owner, key))
+    end
+    local kind = kinds and kinds[key]
+    if kind and not KINDS[kind](value) then
+      fail(string.format("%s: parameter '%s' must be %s", owner, key, kind))
     end
   end
 end
@@ -346,7 +385,7 @@ local function check_infer(request, binary_bytes)
   if request.id ~= nil and type(request.id) ~= "string" then
     fail("'id' must be a string")
   end
-  check_parameters(request.parameters, "the request")
+  check_parameters(request.parameters, "the request", REQUEST_PARAMETERS)
   local inputs = request.inputs
   if not is_array(inputs) or inputs.n == 0 then
     fail("'inputs' must be a non-empty list of tensors")
@@ -376,7 +415,7 @@ local function check_infer(request, binary_bytes)
       elements = elements * shape[d]
     end
     shape.n = nil
-    check_parameters(input.parameters, where(name))
+    check_parameters(input.parameters, where(name), INPUT_PARAMETERS)
     local parameters = input.parameters or {}
     local region, binary = parameters.shared_memory_region, parameters.binary_data_size
     if region ~= nil or binary ~= nil then
@@ -419,7 +458,7 @@ local function check_infer(request, binary_bytes)
         fail("each of 'outputs' must be an object with a 'name' (a string)")
       end
       only_keys(output, OUTPUT_KEYS, string.format("output '%s'", output.name))
-      check_parameters(output.parameters, string.format("output '%s'", output.name))
+      check_parameters(output.parameters, string.format("output '%s'", output.name), OUTPUT_PARAMETERS)
     end
   end
 end
@@ -488,7 +527,10 @@ core.register_action("check_infer_json", { "http-req" }, function(txn)
   end)
 end, 0)
 
-core.register_action("check_generate_json", { "http-req" }, function(txn, spec, route)
+-- The model's inputs and the route come from the proxy's variables (the model's line of
+-- input_specs.map, and generate or generate_stream).
+core.register_action("check_generate_json", { "http-req" }, function(txn)
+  local spec, route = txn:get_var("txn.input_spec") or "", txn:get_var("txn.json_route")
   guarded(txn, function()
     local body = txn.f:req_body() or ""
     if #body < (tonumber(txn.f:req_body_size()) or 0) then
@@ -496,4 +538,4 @@ core.register_action("check_generate_json", { "http-req" }, function(txn, spec, 
     end
     check_generate(parse(body), spec, route == "generate_stream")
   end)
-end, 2)
+end, 0)
