@@ -227,7 +227,13 @@ FIELD_RULES: tuple[FieldRule, ...] = tuple(
             "sampling_logprobs_mode": '"selected" or "support"',
         },
     )
-    + _honoured(GENERATE, "sglang-router", {"model": "null or the served model name (404 otherwise)"})
+    + _honoured(
+        GENERATE,
+        "sglang-router",
+        {
+            "model": 'null, "unknown" (what smg sends for a request that named none) or the served model name (404 otherwise)'
+        },
+    )
     + _honoured(GENERATE, "this API", {"return_timings": "the generate model's timings in meta_info"})
     + _rules(GENERATE, "SGLang", NEUTRAL, _NO_MEDIA, "image_data video_data audio_data modalities", (None, []))
     + _rules(

@@ -36,6 +36,8 @@ SGLANG_TOP_K_ALL = 1 << 30
 # Where SGLang carries each field a message may name: the sampling parameters and the budget in
 # `sampling_params` (the seed as `sampling_seed`), return_sampling_mask at the top level.
 SGLANG_RENAMES = {"seed": "sampling_seed"}
+# What smg (1.13) puts in `model` when the client named none: treated as no model.
+ROUTER_NO_MODEL = "unknown"
 SGLANG_NAMES = {
     spec.name: f"sampling_params.{SGLANG_RENAMES.get(spec.name, spec.name)}"
     for spec in PARAM_SPECS
@@ -166,7 +168,7 @@ class GenerateHandler:
         """The sequences of a request (prompt i's n copies in a row), whether to answer a list,
         and each sequence's id."""
         service = self.service
-        service.check_model(request.model)
+        service.check_model(None if request.model == ROUTER_NO_MODEL else request.model)
         prompts, batch, field = _prompts(request, service)
         per_prompt = _sampling_params(request.sampling_params, len(prompts))
         if len(per_prompt) != len(prompts):
