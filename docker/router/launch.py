@@ -3,10 +3,21 @@ sglang-router, with its API key read from a file, never from its command line.
 
     python launch.py [--router smg|sglang-router] [--api-key-file FILE] [router flags...]
 
-Every other flag is the router's own (`python -m smg.launch_router --help`). The key in FILE
-(first line; a Docker or Kubernetes secret) becomes the router's `--api-key` inside this process:
-the router then requires `Authorization: Bearer <key>` from its clients and sends it to the
+Every other flag is the router's own (`python -m smg.launch_router --help`), given after this
+deployment's defaults (DEPLOYMENT_FLAGS), so a flag given here wins. The key in FILE (first
+line; a Docker or Kubernetes secret) becomes the router's `--api-key` inside this process: the
+router then requires `Authorization: Bearer <key>` from its clients and sends it to the
 replicas, whose front door counts the router as one keyed client (docs/deploy.md).
+
+The defaults, and why (docs/deploy.md, "Scale-out: the router"):
+- `--policy least_load`: the generate engine keeps no prefix cache (a request's KV cache is its
+  own and freed when it ends), so cache-aware routing would gain nothing and would pile a group's
+  samples, which share their prompt, onto one replica; least_load sends each request to the
+  replica with the least work (the replicas' `/v1/loads`, and the router's own count of requests
+  in flight). sglang-router 0.3.2 has no least_load: power_of_two there.
+- Health checks every 5 s on `/health`, which answers 200 only while the replica's readiness
+  probe does (the supervisor's /ready: a real inference of every model); 2 failures take a
+  replica out, 1 success brings it back.
 """
 
 from __future__ import annotations
@@ -16,6 +27,20 @@ import sys
 from pathlib import Path
 
 ROUTERS = ("smg", "sglang-router")
+POLICIES = {"smg": "least_load", "sglang-router": "power_of_two"}
+HEALTH_FLAGS = [
+    *("--health-check-endpoint", "/health", "--health-check-interval-secs", "5", "--health-check-timeout-secs", "3"),
+    *("--health-failure-threshold", "2", "--health-success-threshold", "1"),
+]
+
+
+# smg reads each replica's /v1/loads this often (its default, 10 s, is longer than a rollout burst).
+LOAD_FLAGS = {"smg": ["--load-monitor-interval", "2"], "sglang-router": []}
+
+
+def deployment_flags(router: str) -> list[str]:
+    """The flags this deployment gives `router` before the caller's own."""
+    return ["--policy", POLICIES[router], *HEALTH_FLAGS, *LOAD_FLAGS[router]]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -38,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
         from smg.launch_router import launch_router, parse_router_args
     else:
         from sglang_router.launch_router import launch_router, parse_router_args
-    launch_router(parse_router_args(rest))
+    launch_router(parse_router_args([*deployment_flags(ours.router), *rest]))
 
 
 if __name__ == "__main__":

@@ -174,6 +174,9 @@ class FrontDoor:
             f"--triton-url=127.0.0.1:{self.internal['grpc']}",
             "--host=127.0.0.1",
             f"--port={self.internal['api']}",
+            # what routers read of this replica: /health follows the supervisor's readiness, /v1/loads the engine's gauges
+            f"--readiness-url=http://127.0.0.1:{self.internal['probe']}/ready",
+            f"--metrics-url=http://127.0.0.1:{self.internal['metrics']}/metrics",
             *([f"--model-path={model_path}"] if model_path else []),
             # the admin key only where it is sent for trusted networks' keyless weight calls
             *(
