@@ -5,7 +5,8 @@ client holding the admin key, can still do to `make serve`.
     HOSTILE_LAUNCHER="/work/main/.venv/bin/python -m triton_sampling_mask.ops.launcher" \\
         HOSTILE_LAUNCHER_CWD=/work/main python -m bench.hostile      # another checkout's launcher
 
-Starts the launcher (supervisor and proxy on) on free ports with the shipped models, inside a
+Starts the launcher (supervisor and proxy on, a client key file set: the door's keyed rules on, as a
+trainer's deployment has them) on free ports with the shipped models, inside a
 memory-limited cgroup of its own where this host has one (the destructive attacks run only
 there), runs each attack and prints whether the service held, what was measured and how long it
 took to answer again, with what a well-behaved client on 127.0.0.1 got meanwhile (sampler calls
@@ -26,6 +27,12 @@ client_tests/test_front_door.py runs too. Attacks (docs/operations.md, "Threat m
 - the front door's third round (testbed/door_attacks.py): route-share, trickled-bodies,
   header-only-calls, header-spellings, abandoned-streams, probe-flood, admin-key-guessing,
   short-admin-key;
+- the HTTP API's round (testbed/api_attacks.py, through the proxy's API port): api-prompt-list,
+  api-long-prompt, api-many-messages, api-many-texts (refused before any tokenizing, the API's
+  memory and another API client watched), api-request-template (a chat bringing its own
+  template), api-big-request (n 256 x 500 tokens, then another client's chat), api-abandoned-streams
+  and api-abandoned-requests (clients that reset their sockets: cancelled in the engine),
+  api-gone-mid-body, api-schema, api-silent-body (70 s: a body that stops half-way);
 - memory-blowup (destructive, in a memory-limited cgroup only): the JSON shape body straight to
   tritonserver's loopback port, past the proxy: the memory limit must kill the server, not the
   host, and the supervisor bring it back.
@@ -40,12 +47,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-from testbed import door_attacks, hostile
+from testbed import api_attacks, door_attacks, hostile
 from testbed.hostile import MemoryWatch, Prober, wait_until_answering
-from testbed.stack import launch, shipped_repository
+from testbed.stack import launch, shipped_repository, write_client_keys
 
-# The front door's own attacks first; the destructive memory-blowup last.
-ATTACKS = {**door_attacks.ATTACKS, **hostile.ATTACKS}
+# The front door's own attacks first, then the HTTP API's; the destructive memory-blowup last.
+ATTACKS = {**door_attacks.ATTACKS, **api_attacks.ATTACKS, **hostile.ATTACKS}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         cwd=cwd,
         nofile=args.nofile,
         legacy=args.legacy,
+        env={} if args.legacy else {"TRITON_CLIENT_KEYS_FILE": write_client_keys(work)},
     )
     print(
         f"stack up: public {stack.ports}, tritonserver HTTP {stack.server_http_port}, log {stack.log_path}", flush=True

@@ -25,8 +25,7 @@ from triton_sampling_mask.client import GenerateClient, SamplerClient
 from triton_sampling_mask.client.sampling_params import SamplingParams
 from triton_sampling_mask.client.wire import sampler_inputs
 from triton_sampling_mask.ops import proxy_metrics, settings
-from triton_sampling_mask.ops.proxy import find_haproxy
-from triton_sampling_mask.ops.proxy_config import QUEUE_FULL, QUEUE_TIMEOUT, ProxyLimits
+from triton_sampling_mask.ops.proxy import QUEUE_FULL, QUEUE_TIMEOUT, ProxyLimits, find_haproxy
 
 MODEL = "sampler_slow"
 # Small numbers, so a burst of a few dozen requests covers every case: two requests at the server

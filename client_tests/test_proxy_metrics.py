@@ -8,7 +8,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from triton_sampling_mask.ops import proxy_metrics
-from triton_sampling_mask.ops.proxy_config import QUEUE_FULL, QUEUE_TIMEOUT
+from triton_sampling_mask.ops.proxy import QUEUE_FULL, QUEUE_TIMEOUT
 
 from .test_load_shedding import BURST, burst, slow_server  # noqa: F401 (slow_server: a fixture)
 

@@ -49,7 +49,7 @@ from triton_sampling_mask.client import SamplerClient, SamplerError
 from triton_sampling_mask.client.sampler_client import ADMIN_HEADER as CLIENT_ADMIN_HEADER
 from triton_sampling_mask.client.sampling_params import SamplingParams
 from triton_sampling_mask.ops import server_process
-from triton_sampling_mask.ops.proxy_config import RESTRICTED
+from triton_sampling_mask.ops.proxy import RESTRICTED
 from triton_sampling_mask.ops.server_process import TritonServer
 from triton_sampling_mask.ops.shm_cleanup import remove_unused_regions, server_shm_prefix
 

@@ -22,9 +22,10 @@ import numpy as np
 import tritonclient.http as httpclient
 from tritonclient.grpc import service_pb2
 
-from triton_sampling_mask.ops.proxy_config import WRONG_KEYS_PER_MINUTE, ProxyLimits
+from triton_sampling_mask.ops.proxy import ProxyLimits
 from triton_sampling_mask.ops.server_process import ADMIN_HEADER, GRPC_ADMIN_HEADER
 from triton_sampling_mask.ops.stream_gate import DATA, END_HEADERS, END_STREAM, HEADERS, SETTINGS, frame
+from triton_sampling_mask.sampling.admin import WRONG_KEYS_PER_MINUTE
 
 from .hostile import SHAPE_ATTACK, Outcome, tiny_sampler_request
 from .process_memory import process_tree_rss

@@ -9,8 +9,7 @@ import time
 from pathlib import Path
 
 from triton_sampling_mask.ops.child import Child
-from triton_sampling_mask.ops.proxy import FrontDoor
-from triton_sampling_mask.ops.proxy_config import ProxyLimits
+from triton_sampling_mask.ops.proxy import FrontDoor, ProxyLimits
 from triton_sampling_mask.ops.server_process import PORT_NAMES, LoopbackUrls, TritonServer, free_port, loopback_args
 
 

@@ -25,7 +25,7 @@ from tritonclient.utils import InferenceServerException
 from triton_sampling_mask.ops.server_process import ADMIN_HEADER, GRPC_ADMIN_HEADER
 
 from .process_memory import process_tree_rss
-from .stack import ADMIN_KEY, GREEDY, STACK_MEMORY_BYTES, Stack, command_lines, pids_with_argument, request
+from .stack import ADMIN_KEY, CLIENT_KEY, GREEDY, STACK_MEMORY_BYTES, Stack, command_lines, pids_with_argument, request
 
 RECOVERY_LIMIT_S = 60.0
 SHAPE_ATTACK = json.dumps(
@@ -378,7 +378,7 @@ def admin_surface(stack: Stack) -> Outcome:
 def secrets_exposed(stack: Stack) -> Outcome:
     """Attack 4's share here: the admin key on any process's command line (what `ps` shows every
     local user), and the modes of the front door's key and config files."""
-    in_argv = sum(any(ADMIN_KEY in arg for arg in line) for line in command_lines())
+    in_argv = sum(any(ADMIN_KEY in arg or CLIENT_KEY in arg for arg in line) for line in command_lines())
     loose = []
     for directory in Path(tempfile.gettempdir()).glob("triton-front-door-*"):
         if stat.S_IMODE(directory.stat().st_mode) != 0o700:
@@ -389,7 +389,7 @@ def secrets_exposed(stack: Stack) -> Outcome:
     return Outcome(
         "secrets",
         in_argv == 0 and not loose,
-        f"admin key on {in_argv} command line(s); front-door files not private: {loose or 'none'}",
+        f"admin or client key on {in_argv} command line(s); front-door files not private: {loose or 'none'}",
     )
 
 

@@ -19,11 +19,13 @@ import psutil
 
 from triton_sampling_mask.ops.child import Child, log_tail
 from triton_sampling_mask.ops.memory_limit import MemoryCage, make_cage
+from triton_sampling_mask.ops.proxy import INTERNAL_PORTS
 from triton_sampling_mask.ops.server_process import LoopbackUrls, free_port
 
 from .server import REPO_ROOT, copy_model
 
 ADMIN_KEY = "hostile-suite-admin-key-0123456789abcdef"
+CLIENT_KEY = "trainer-burst-client-key-0123456789abcdef"  # a keyed client's (TRITON_CLIENT_KEYS_FILE)
 START_LIMIT_S = 180.0
 STOP_LIMIT_S = 30.0  # SIGKILL for the launcher's group after this
 GREEDY_LOGITS = [0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 6.0]  # greedy: id 7
@@ -139,6 +141,16 @@ class Stack(LoopbackUrls):
         """The end of the launcher's log."""
         return log_tail(self.log_path, chars)
 
+    @property
+    def api_internal_port(self) -> int:
+        """The HTTP API's own port behind the proxy (loopback)."""
+        return self.server_http_port + INTERNAL_PORTS.index("api")
+
+    def api_pid(self) -> int | None:
+        """The HTTP API process's pid (the one serving `api_internal_port`)."""
+        pids = pids_with_argument(f"--port={self.api_internal_port}")
+        return pids[0] if pids else None
+
     def sampler_check(self) -> tuple[bool, str]:
         """Whether a greedy sampler request through the public port is answered correctly; else
         why not (a short key)."""
@@ -180,6 +192,14 @@ class Stack(LoopbackUrls):
         return time.monotonic() - started
 
 
+def write_client_keys(directory: Path) -> Path:
+    """A client key file naming CLIENT_KEY "trainer" (mode 0600), for TRITON_CLIENT_KEYS_FILE."""
+    path = directory / "client.keys"
+    path.write_text(f"trainer {CLIENT_KEY}\n")
+    path.chmod(0o600)
+    return path
+
+
 def shipped_repository(dest: Path, models: tuple[str, ...] = ("sampler", "generate")) -> Path:
     """A copy of the shipped `models` (sampler and generate) in `dest` (created)."""
     for model in models:
@@ -212,7 +232,7 @@ def launch(
     `stack_memory_bytes` the whole stack runs in a memory cgroup of that size when one can be
     made; without `api` no HTTP API runs."""
     ports = {name: free_port() for name in ("http", "grpc", "metrics", "probe", *(("api",) if api else ()))}
-    internal_base = free_port_block(6)
+    internal_base = free_port_block(len(INTERNAL_PORTS))
     environment = {
         **os.environ,
         **{f"TRITON_{name.upper()}_PORT": str(port) for name, port in ports.items()},

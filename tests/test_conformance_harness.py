@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from bench.conformance import request_line
 from bench.conformance.checks import Answer, answer_failures
 from bench.conformance.strict_json import StrictJsonError, sse_data, strict_loads
-from triton_sampling_mask.ops import proxy_config
+from triton_sampling_mask.ops.proxy import TEMPLATE, FrontDoor
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SPEC = REPO_ROOT / "bench" / "conformance" / "openapi_v2.yaml"
@@ -124,6 +124,23 @@ def test_request_head_fuzz_repeats_and_its_reproducers_send_the_same_bytes():
 
 
 # ---- the spec against the front door's allow-list ----
+
+
+def expanded(template: str, environment: dict[str, str]) -> str:
+    """The template as HAProxy reads it with `environment`: `.if defined(...)` blocks decided and
+    "${NAME}" replaced."""
+    lines, keep = [], [True]
+    for line in template.splitlines():
+        directive = line.strip()
+        if directive.startswith(".if defined("):
+            keep.append(keep[-1] and directive.removeprefix(".if defined(").rstrip(")") in environment)
+        elif directive == ".else":
+            keep[-1] = not keep[-1] and keep[-2]
+        elif directive == ".endif":
+            keep.pop()
+        elif keep[-1] and not directive.startswith("."):
+            lines.append(re.sub(r"\$\{(\w+)\}", lambda match: environment.get(match[1], match[0]), line))
+    return "\n".join(lines) + "\n"
 
 
 def _http_frontend(config: str) -> list[str]:
@@ -237,16 +254,10 @@ def candidate_requests() -> set[tuple[str, str]]:
 
 @pytest.fixture(scope="module")
 def front_door(tmp_path_factory) -> FrontDoorRules:
-    key_file = tmp_path_factory.mktemp("keys") / "admin.key"
-    key_file.write_text("key\n")
-    plan = proxy_config.ProxyPlan(
-        public={"http": 18000, "grpc": 18001, "metrics": 18002, "probe": 18003},
-        internal={"http": 19000, "grpc": 19001, "metrics": 19002, "probe": 19003, "stream_gate": 19004},
-        admin_key_file=key_file,
-        internal_key="internal",
-        routes=proxy_config.model_routes(REPO_ROOT / "model_repository", 12288),
-    )
-    rules = FrontDoorRules(proxy_config.render(plan))
+    internal = {"http": 19000, "grpc": 19001, "metrics": 19002, "probe": 19003, "stream_gate": 19004}
+    door = FrontDoor(REPO_ROOT / "model_repository", {"http": 18000, "grpc": 18001}, "key", internal)
+    door.directory = tmp_path_factory.mktemp("door")
+    rules = FrontDoorRules(expanded(TEMPLATE.read_text(), door.environment()))
     assert rules.stop("GET", "/v2/health/ready") is None and rules.stop("GET", "/v2/logging") == 403
     return rules
 

@@ -1,11 +1,12 @@
-"""The front door's parts without a server: the generated HAProxy config (valid for `haproxy -c`,
-body caps derived from the model configs), its private files, the stream gate's reading of
-Triton's responses, and the memory cage."""
+"""The front door's parts without a server: the HAProxy template with the values the launcher gives
+it (valid for `haproxy -c`, body caps derived from the model configs), its private files, the
+stream gate's reading of Triton's responses, and the memory cage."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -16,10 +17,11 @@ import pytest
 from tritonclient.grpc import service_pb2
 
 from triton_sampling_mask.model_config import dims, read_config_file
-from triton_sampling_mask.ops import memory_limit, proxy, proxy_config, proxy_metrics
-from triton_sampling_mask.ops.proxy import FrontDoor, ProxyError
-from triton_sampling_mask.ops.proxy_config import ProxyLimits, ProxyPlan
+from triton_sampling_mask.ops import memory_limit, model_limits, proxy, proxy_metrics
+from triton_sampling_mask.ops.proxy import TEMPLATE, FrontDoor, ProxyError, ProxyLimits
+from triton_sampling_mask.ops.secret_files import API_KEY_CLIENT, write_secret_file
 from triton_sampling_mask.ops.stream_gate import is_final
+from triton_sampling_mask.sampling.refusals import RETRY_MARKER
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 REPOSITORY = REPO_ROOT / "model_repository"
@@ -39,11 +41,11 @@ def row_bytes(config: dict, variable: int) -> int:
 
 
 def test_body_caps_follow_the_model_configs():
-    routes = {route.name: route for route in proxy_config.model_routes(REPOSITORY, 12288)}
+    routes = {route.name: route for route in model_limits.model_routes(REPOSITORY, 12288)}
     sampler, generate = parsed("sampler"), parsed("generate")
     vocab = int(sampler["parameters"]["max_vocab_size"]["string_value"])
     row = row_bytes(sampler, vocab)
-    assert routes["sampler"].body_limit_bytes == sampler["max_batch_size"] * row + 12288 + proxy_config.BODY_SLACK_BYTES
+    assert routes["sampler"].body_limit_bytes == sampler["max_batch_size"] * row + 12288 + model_limits.BODY_SLACK_BYTES
     assert routes["sampler"].body_limit_bytes >= 256 * 262144 * 4  # the largest request the README promises
     assert (
         not routes["sampler"].decoupled
@@ -51,7 +53,7 @@ def test_body_caps_follow_the_model_configs():
     )
     budget = int(generate["parameters"]["kv_budget_tokens"]["string_value"])
     row = row_bytes(generate, budget)
-    expected = generate["max_batch_size"] * row * proxy_config.JSON_TEXT_FACTOR + 12288 + proxy_config.BODY_SLACK_BYTES
+    expected = generate["max_batch_size"] * row * model_limits.JSON_TEXT_FACTOR + 12288 + model_limits.BODY_SLACK_BYTES
     assert routes["generate"].body_limit_bytes == expected
 
 
@@ -60,77 +62,99 @@ def test_a_model_without_a_bound_on_its_variable_dims_gets_the_fallback_cap(tmp_
     (tmp_path / "free" / "config.pbtxt").write_text(
         'name: "free"  # a comment with "quotes"\nmax_batch_size: 4\ninput [ { name: "x", data_type: TYPE_FP32, dims: [ -1 ] } ]\n'
     )
-    [route] = proxy_config.model_routes(tmp_path, 100)
-    assert route.body_limit_bytes == proxy_config.UNBOUNDED_MODEL_BODY_BYTES and not route.decoupled
+    [route] = model_limits.model_routes(tmp_path, 100)
+    assert route.body_limit_bytes == model_limits.UNBOUNDED_MODEL_BODY_BYTES and not route.decoupled
 
 
-def plan(tmp_path: Path, **limits) -> ProxyPlan:
-    key_file = tmp_path / "admin.key"
-    key_file.write_text("user-key\n")
-    return ProxyPlan(
-        public={"http": 18000, "grpc": 18001, "metrics": 18002, "probe": 18003, "api": 18004},
-        internal={"http": 19000, "grpc": 19001, "metrics": 19002, "probe": 19003, "stream_gate": 19004, "api": 19005},
-        admin_key_file=key_file,
-        internal_key="internal-key",
-        routes=proxy_config.model_routes(REPOSITORY, 12288),
-        limits=ProxyLimits(**limits),
+PUBLIC = {"http": 18000, "grpc": 18001, "metrics": 18002, "probe": 18003, "api": 18004}
+INTERNAL = {"http": 19000, "grpc": 19001, "metrics": 19002, "probe": 19003, "stream_gate": 19004, "api": 19005}
+
+
+def door(tmp_path: Path, admin_key: str | None = "user-key", **limits) -> FrontDoor:
+    """A front door on fixed ports, with client keys (TRITON_API_KEY's among them), its files
+    written into `tmp_path`."""
+    keys = {"trainer": "t" * 40, API_KEY_CLIENT: "a" * 40}
+    front = FrontDoor(
+        REPOSITORY, PUBLIC, admin_key, dict(INTERNAL), ProxyLimits(**limits), "internal-key", client_keys=keys
     )
+    front.directory = tmp_path
+    front.write_files()
+    return front
+
+
+def template_variables() -> set[str]:
+    """Every variable the template reads ("${NAME}" or `.if defined(NAME)`), but the messages it sets itself."""
+    names = re.findall(r"\$\{(\w+)\}|defined\((\w+)\)", TEMPLATE.read_text())
+    return {name for pair in names for name in pair if name and not name.startswith("MSG_")}
 
 
 @needs_haproxy
 @pytest.mark.parametrize("open_admin", [False, True])
-def test_the_generated_config_passes_haproxy_check_without_a_warning(tmp_path, open_admin):
-    config = plan(tmp_path)
-    if open_admin:
-        config = dataclasses.replace(config, admin_key_file=None)
-    exporter = proxy_metrics.exporter_available(proxy.find_haproxy())
-    if exporter:  # the counters' unix socket (ops.proxy_metrics), where this haproxy has the exporter
-        config = dataclasses.replace(config, stats_socket=tmp_path / "stats.sock")
-    path = tmp_path / "haproxy.cfg"
-    path.write_text(proxy_config.render(config))
-    done = subprocess.run([proxy.find_haproxy(), "-c", "-f", str(path)], capture_output=True, text=True, timeout=60)
+def test_the_template_passes_haproxy_check_without_a_warning(tmp_path, open_admin):
+    front = door(tmp_path, None if open_admin else "user-key")
+    done = front.check()
     assert done.returncode == 0 and "Warning" not in done.stdout + done.stderr, done.stdout + done.stderr
-    text = path.read_text()
-    assert "stats socket" not in text.replace("# no stats socket", "")  # 'show acl' would print the key
-    assert ("admin_ok always_true" in text) == open_admin
-    assert "user-key" not in text  # the user's key stays in its own file
-    assert (f"bind unix@{tmp_path / 'stats.sock'} mode 600" in text) == exporter
+    environment = front.environment()
+    assert ("DOOR_ADMIN_KEY_FILE" in environment) != open_admin
+    assert "user-key" not in environment.values()  # the user's key stays in its own file
+    assert "stats socket" not in TEMPLATE.read_text().replace("# no stats socket", "")  # 'show acl' would print it
+    exporter = proxy_metrics.exporter_available(proxy.find_haproxy())
+    assert environment.get("DOOR_STATS_SOCKET") == (str(tmp_path / "stats.sock") if exporter else None)
 
 
-def test_the_config_holds_the_limits_it_is_given(tmp_path):
-    text = proxy_config.render(
-        plan(tmp_path, max_connections=900, max_in_flight=7, max_queue=5, queue_timeout_s=1.5, requests_per_ip=3)
+def test_the_launcher_gives_the_template_every_value_it_reads_and_nothing_else(tmp_path):
+    environment = door(tmp_path).environment()
+    # the connection cap and a stream's open requests become other values (DOOR_MAXCONN, the gate's)
+    assert set(environment) == template_variables() | {"PROXY_MAX_CONNECTIONS", "PROXY_STREAM_MAX_OPEN"}
+    assert all(environment.values())  # a switch that is off is left undefined, never empty
+    off = FrontDoor(REPOSITORY, {"http": 1, "grpc": 2}, None, dict(INTERNAL), stream_gate=False, json_checks=False)
+    switches = {"DOOR_ADMIN_KEY_FILE", "DOOR_JSON_CHECKS", "DOOR_STREAM_GATE", "DOOR_STATS_SOCKET", "DOOR_CLIENT_KEYS"}
+    switches |= {"DOOR_API_AUTHORIZATION"}
+    ports = {"TRITON_METRICS_PORT", "TRITON_PROBE_PORT", "TRITON_API_PORT"}
+    assert set(off.environment()) == set(environment) - switches - ports
+
+
+def test_the_values_hold_the_limits_and_models_they_are_given(tmp_path):
+    front = door(tmp_path, max_connections=900, max_in_flight=7, max_queue=5, queue_timeout_s=1.5, requests_per_ip=3)
+    environment = front.environment()
+    # half for each of the HTTP and gRPC ports, and on each HTTP port room for one keyed client
+    keyed = ProxyLimits().keyed_connections_per_ip
+    assert environment["DOOR_PORT_MAXCONN"] == str(450 + keyed)
+    assert environment["DOOR_MAXCONN"] == str(900 + 2 * keyed + 2 * proxy.SIDE_PORT_CONNECTIONS)
+    assert (environment["PROXY_MAX_IN_FLIGHT"], environment["PROXY_MAX_QUEUE"]) == ("7", "5")
+    assert (environment["PROXY_QUEUE_TIMEOUT_MS"], environment["PROXY_REQUESTS_PER_IP"]) == ("1500", "3")
+    routes = {route.name: route for route in model_limits.model_routes(REPOSITORY, 12288)}
+    maps = {
+        path.stem: dict(line.split(" ", 1) for line in path.read_text().splitlines()) for path in tmp_path.glob("*.map")
+    }
+    assert maps["model_kinds"] == {"generate": "generator", "sampler": "sampler"}
+    assert maps["body_limits"] == {name: str(route.body_limit_bytes) for name, route in routes.items()}
+    assert (
+        maps["input_specs"]["sampler"].split()[0] == "logits:FP32"
+        and "admin_key:BYTES" in maps["input_specs"]["generate"]
     )
-    assert "maxconn 450\n" in text  # half for each of the HTTP and gRPC ports
-    assert text.count("maxconn 7\n") == 6  # every model route's server, HTTP and unary gRPC, and the API's
-    assert "127.0.0.1:19004 proto h2 maxconn 0\n" in text  # streams: the stream gate keeps their queue
-    # each model route counts every address's requests in a table of its own, refused past 3
-    for backend in proxy_config.SHARED_BACKENDS:
-        assert f"track-sc2 src table st_share_{backend} if " in text and f"backend st_share_{backend}\n" in text
-    assert text.count("{ sc2_trackers gt 3 }") == 3  # HTTP, gRPC and the API's frontends
-    assert "queue(be_http_sampler) ge 5" in text and "queue(be_grpc_infer) ge 5" in text
-    assert "timeout queue 1500ms" in text
-    assert "bind 0.0.0.0:18000\n" in text and "127.0.0.1:19004 proto h2" in text
 
 
 @needs_haproxy
-def test_prepare_writes_private_files_and_a_bad_config_fails_loudly(tmp_path, monkeypatch):
+def test_prepare_writes_private_files_and_a_bad_value_fails_loudly(tmp_path):
     door = FrontDoor(REPOSITORY, {"http": 18000, "grpc": 18001, "metrics": 18002, "probe": 0}, "user-key")
     try:
         door.prepare()
         assert stat.S_IMODE(door.directory.stat().st_mode) == 0o700
-        for name in ("admin.key", "haproxy.cfg"):
-            assert stat.S_IMODE((door.directory / name).stat().st_mode) == 0o600
+        for path in door.directory.iterdir():
+            assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        assert {path.name for path in door.directory.iterdir()} >= {"admin.key", "body_limits.map"}
         assert (door.directory / "admin.key").read_text() == "user-key\n"
-        assert door.internal_key in door.config_path.read_text() and door.internal_key != "user-key"
+        assert door.environment()["DOOR_INTERNAL_KEY"] == door.internal_key != "user-key"
         with pytest.raises(FileExistsError):  # never written through a file someone planted
-            proxy.write_private(door.directory / "admin.key", "x")
+            write_secret_file(door.directory / "admin.key", "x")
     finally:
         door.clean_up()
-    monkeypatch.setattr(proxy_config, "render", lambda plan: "frontend broken\n    bind :notaport\n")
-    broken = FrontDoor(REPOSITORY, {"http": 18000, "grpc": 18001, "metrics": 18002, "probe": 0}, "user-key")
+    # TRITON_SIDE_PORTS_ADDRESS naming no address
+    ports = {"http": 18000, "grpc": 18001, "metrics": 18002, "probe": 0}
+    broken = FrontDoor(REPOSITORY, ports, "user-key", side_bind_address="no-such-host.invalid")
     try:
-        with pytest.raises(ProxyError, match="haproxy refuses the generated config"):
+        with pytest.raises(ProxyError, match=r"(?s)haproxy refuses the front door.s values.*no-such-host"):
             broken.prepare()
     finally:
         broken.clean_up()
@@ -194,6 +218,13 @@ def test_a_cgroup_cage_kills_only_what_runs_in_it_and_counts_it():
 
 
 def test_the_side_ports_bind_where_the_deployment_says(tmp_path):
-    text = proxy_config.render(dataclasses.replace(plan(tmp_path), side_bind_address="127.0.0.1"))
-    assert "bind 127.0.0.1:18002\n" in text and "bind 127.0.0.1:18003\n" in text  # metrics, probe
-    assert "bind 0.0.0.0:18000\n" in text and "bind 0.0.0.0:18001 proto h2\n" in text  # the public ones
+    front = dataclasses.replace(door(tmp_path), side_bind_address="127.0.0.1")
+    assert front.environment()["DOOR_SIDE_BIND_ADDRESS"] == "127.0.0.1"  # metrics, probe
+    assert front.environment()["DOOR_BIND_ADDRESS"] == "0.0.0.0"  # the public ones
+    assert TEMPLATE.read_text().count('bind "${DOOR_SIDE_BIND_ADDRESS}:') == 2
+
+
+def test_the_messages_the_door_sets_fit_inside_its_json_answers():
+    """Each `setenv MSG_*` text is written inside a JSON string as it is: no quote, backslash or control."""
+    assert proxy.MESSAGES and all(re.fullmatch(r"[^\"\\\x00-\x1f]+", text) for text in proxy.MESSAGES.values())
+    assert proxy.QUEUE_FULL.endswith(RETRY_MARKER) and proxy.QUEUE_TIMEOUT.endswith(RETRY_MARKER)

@@ -14,7 +14,7 @@ from triton_sampling_mask.client.generate_client import AsyncGenerateClient, _Jo
 from triton_sampling_mask.client.generate_transport import GenerateError
 from triton_sampling_mask.client.replicas import Attempts, BusyPolicy, ReplicaSet, is_replica_failure
 from triton_sampling_mask.client.sampler_client import SamplerClient, SamplerError
-from triton_sampling_mask.ops import proxy_config, settings
+from triton_sampling_mask.ops import proxy, settings
 from triton_sampling_mask.sampling.outputs import FINISH_REASON, TOKEN_OUTPUTS
 from triton_sampling_mask.sampling.refusals import DEFAULT_ROUTE_CAPACITY, RETRY_MARKER
 
@@ -22,7 +22,7 @@ ENGINE_FULL = f"generate is at capacity: 3 requests already wait; {RETRY_MARKER}
 
 
 def test_one_busy_marker_for_the_proxy_the_engine_and_both_clients():
-    for shed in (proxy_config.QUEUE_FULL, proxy_config.QUEUE_TIMEOUT, ENGINE_FULL):
+    for shed in (proxy.QUEUE_FULL, proxy.QUEUE_TIMEOUT, ENGINE_FULL):
         assert RETRY_MARKER in shed
         assert GenerateError("in-band", shed).busy
         assert not is_replica_failure("503", shed)  # busy is not broken: the replica stays in
@@ -48,7 +48,7 @@ def test_the_backoff_doubles_up_to_its_cap_with_jitter():
 
 def test_a_busy_refusal_is_retried_until_the_busy_timeout_then_raised():
     """The sampler client's calls: busy answers neither eject the replica nor use up the one try."""
-    answers = iter([SamplerError("503", proxy_config.QUEUE_FULL)] * 3 + ["served"])
+    answers = iter([SamplerError("503", proxy.QUEUE_FULL)] * 3 + ["served"])
     replicas = ReplicaSet(["a:1"], lambda url: object(), 0.5, 5.0)
     attempts = Attempts(replicas, 1, lambda: None, lambda exc: exc, BusyPolicy(backoff_s=0.001, max_backoff_s=0.002))
 
@@ -63,7 +63,7 @@ def test_a_busy_refusal_is_retried_until_the_busy_timeout_then_raised():
     stubborn = Attempts(replicas, 1, lambda: None, lambda exc: exc, BusyPolicy(0.001, 0.002, timeout_s=0.05))
 
     async def always_busy(_client):
-        raise SamplerError("503", proxy_config.QUEUE_TIMEOUT)
+        raise SamplerError("503", proxy.QUEUE_TIMEOUT)
 
     with pytest.raises(SamplerError, match=RETRY_MARKER):
         asyncio.run(stubborn.acall(always_busy))

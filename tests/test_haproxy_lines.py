@@ -1,5 +1,5 @@
-"""The front door's generated config on each image line's HAProxy (2.4 on the 24.10 line, 2.8 on
-26.09, and this host's): `haproxy -c` accepts it without a warning, and, run in front of a stub
+"""The front door's template with the launcher's values on each image line's HAProxy (2.4 on the
+24.10 line, 2.8 on 26.09, and this host's): `haproxy -c` accepts it without a warning, and, run in front of a stub
 server, every framing-header check refuses what it must whatever that version does itself with
 overflowing or repeated lengths, and the Lua JSON checks run on its Lua (5.3 or 5.4); and a
 ModelStreamInfer stream refused for want of a slot reaches tritonclient as UNAVAILABLE with the
@@ -27,9 +27,9 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from triton_sampling_mask.client.wire import sampler_inputs
-from triton_sampling_mask.ops import proxy, proxy_config, proxy_metrics
+from triton_sampling_mask.ops import proxy, proxy_metrics
 from triton_sampling_mask.ops.child import Child
-from triton_sampling_mask.ops.proxy_config import QUEUE_FULL, QUEUE_TIMEOUT, ProxyLimits, ProxyPlan
+from triton_sampling_mask.ops.proxy import QUEUE_FULL, QUEUE_TIMEOUT, FrontDoor, ProxyLimits
 from triton_sampling_mask.ops.server_process import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -69,18 +69,20 @@ class _Stub(http.server.BaseHTTPRequestHandler):
         pass
 
 
-def _plan(tmp_path: Path, stub_port: int) -> ProxyPlan:
-    key_file = tmp_path / "admin.key"
-    key_file.write_text("k" * 40 + "\n")
+def _door(tmp_path: Path, stub_port: int, command: list[str]) -> FrontDoor:
     internal = {name: free_port() for name in ("grpc", "metrics", "probe", "stream_gate", "api")}
-    return ProxyPlan(
+    door = FrontDoor(
+        REPOSITORY,
         public={"http": free_port(), "grpc": free_port(), "metrics": free_port(), "probe": 0},
+        admin_key="k" * 40,
         internal={**internal, "http": stub_port},
-        admin_key_file=key_file,
         internal_key="i" * 40,
-        routes=proxy_config.model_routes(REPOSITORY, 12288),
-        stats_socket=tmp_path / "stats.sock",  # the exporter's frontend (ops.proxy_metrics): every line has it
+        haproxy=command,
     )
+    door.directory = tmp_path
+    door.write_files()
+    assert door.stats_socket is not None  # the exporter's frontend (ops.proxy_metrics): every line has it
+    return door
 
 
 def _status(port: int, raw: bytes) -> tuple[int, bytes]:
@@ -127,13 +129,12 @@ def test_each_lines_haproxy_accepts_the_config_and_refuses_every_bad_framing(tmp
     command = _haproxy(line)
     stub = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Stub)
     threading.Thread(target=stub.serve_forever, daemon=True).start()
-    plan = _plan(tmp_path, stub.server_address[1])
-    config = tmp_path / "haproxy.cfg"
-    config.write_text(proxy_config.render(plan))
-    check = subprocess.run([*command, "-c", "-f", str(config)], capture_output=True, text=True, timeout=60)
+    door = _door(tmp_path, stub.server_address[1], command)
+    check = door.check()
     assert check.returncode == 0 and "warning" not in (check.stdout + check.stderr).lower(), check.stdout + check.stderr
-    running = subprocess.Popen([*command, "-db", "-f", str(config)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    port = plan.public["http"]
+    [haproxy] = door.children()[:1]
+    running = subprocess.Popen(haproxy.command, env=haproxy.env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    port = door.public["http"]
     try:
         deadline = time.monotonic() + 20
         while True:
@@ -152,7 +153,7 @@ def test_each_lines_haproxy_accepts_the_config_and_refuses_every_bad_framing(tmp
         }
         assert not wrong, wrong
         # each refusal counted on this line's exporter, read as the supervisor reads it (ops.proxy_metrics)
-        refused = proxy_metrics.refusals(proxy_metrics.scrape(plan.stats_socket))["http"]
+        refused = proxy_metrics.refusals(proxy_metrics.scrape(door.stats_socket))["http"]
         assert refused["refused"] + refused["bad_request"] == len(CASES) and refused["queue_full"] == 0, refused
     finally:
         running.terminate()
@@ -226,16 +227,17 @@ def test_each_lines_stream_refusals_reach_tritonclient_as_unavailable_with_the_p
     upstream = _SilentGrpcServer()
     upstream.start()
     internal = {name: free_port() for name in ("http", "metrics", "probe", "stream_gate", "api")}
-    door = proxy.FrontDoor(
+    door = FrontDoor(
         REPOSITORY,
         public={"http": free_port(), "grpc": free_port(), "metrics": 0, "probe": 0},
         admin_key=None,
         internal={**internal, "grpc": upstream.port},
         limits=ProxyLimits(max_in_flight=1, max_queue=1, queue_timeout_s=0.5),
+        haproxy=command,
     )
-    config = tmp_path / "haproxy.cfg"
-    config.write_text(proxy_config.render(door.plan()))
-    children = [Child("haproxy", [*command, "-db", "-f", str(config)]), Child("gate", door.gate_command())]
+    door.directory = tmp_path
+    door.write_files()
+    children = door.children()[:2]  # HAProxy and the gate
     clients = []
     try:
         for child in children:

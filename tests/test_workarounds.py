@@ -8,15 +8,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from triton_sampling_mask.ops import capabilities, proxy, proxy_config, server_process, workarounds
+from triton_sampling_mask.ops import capabilities, proxy, server_process, workarounds
 from triton_sampling_mask.ops.capabilities import ServerCapabilities
 from triton_sampling_mask.ops.proxy import FrontDoor
-from triton_sampling_mask.ops.proxy_config import ProxyPlan
 from triton_sampling_mask.ops.workarounds import BY_NAME, WORKAROUNDS, Workaround
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -158,35 +156,22 @@ def test_a_namespace_is_told_from_the_kernels_initial_one(tmp_path):
     assert here == (inode != 0xEFFFFFFF)
 
 
-def _proxy_plan(tmp_path: Path, **switches) -> ProxyPlan:
-    return ProxyPlan(
-        public={"http": 18000, "grpc": 18001, "metrics": 18002, "probe": 18003},
-        internal={"http": 19000, "grpc": 19001, "metrics": 19002, "probe": 19003, "stream_gate": 19004},
-        admin_key_file=tmp_path / "admin.key",
-        internal_key="internal-key",
-        routes=proxy_config.model_routes(REPO_ROOT / "model_repository", 12288),
-        **switches,
-    )
-
-
-def _stream_backend(text: str) -> str:
-    return text[text.index("\nbackend be_grpc_stream\n") + 1 :].split("\n\n", 1)[0]
-
-
 @needs_haproxy
 @pytest.mark.parametrize("switches", [{}, {"stream_gate": False, "json_checks": False}])
-def test_the_proxy_config_follows_the_plan_and_stays_valid(tmp_path, switches):
-    (tmp_path / "admin.key").write_text("user-key\n")
-    text = proxy_config.render(_proxy_plan(tmp_path, **switches))
-    path = tmp_path / "haproxy.cfg"
-    path.write_text(text)
-    done = subprocess.run([proxy.find_haproxy(), "-c", "-f", str(path)], capture_output=True, text=True, timeout=60)
+def test_the_proxy_values_follow_the_plan_and_stay_valid(tmp_path, switches):
+    internal = {"http": 19000, "grpc": 19001, "metrics": 19002, "probe": 19003, "stream_gate": 19004}
+    door = FrontDoor(REPO_ROOT / "model_repository", {"http": 18000, "grpc": 18001}, "user-key", internal, **switches)
+    door.directory = tmp_path
+    door.write_files()
+    done = door.check()
     assert done.returncode == 0 and "Warning" not in done.stdout + done.stderr, done.stdout + done.stderr
     gated, checked = switches.get("stream_gate", True), switches.get("json_checks", True)
-    assert ("127.0.0.1:19004" in _stream_backend(text)) == gated
-    assert ("127.0.0.1:19001" in _stream_backend(text)) != gated
-    assert ("lua-load-per-thread" in text) == checked
-    assert len(re.findall(r"http-request lua\.check_\w+_json", text)) == (5 if checked else 0)
+    environment = door.environment()
+    assert ("DOOR_STREAM_GATE" in environment) == gated  # be_grpc_stream's server: the gate or tritonserver
+    assert environment.get("DOOR_JSON_CHECKS") == (str(proxy.LUA_CHECKS) if checked else None)
+    # the template turns them on and off by these switches only (the gate: each stream route's server)
+    template = proxy.TEMPLATE.read_text()
+    assert template.count(".if defined(DOOR_STREAM_GATE)") == 2 and template.count("lua-load") == 1
 
 
 def test_the_front_door_starts_the_gate_only_when_the_plan_runs_it(tmp_path):
@@ -195,7 +180,7 @@ def test_the_front_door_starts_the_gate_only_when_the_plan_runs_it(tmp_path):
     assert [child.name for child in door.children()] == ["haproxy", "stream gate"]
     door = dataclasses.replace(door, stream_gate=False, json_checks=False)
     assert [child.name for child in door.children()] == ["haproxy"]
-    assert not door.plan().stream_gate and not door.plan().json_checks
+    assert {"DOOR_STREAM_GATE", "DOOR_JSON_CHECKS"}.isdisjoint(door.environment())
 
 
 def test_the_environment_preloads_the_private_shm_library_only_when_asked(monkeypatch):
@@ -222,6 +207,26 @@ def test_the_registry_names_real_modules_files_and_rows():
             assert (REPO_ROOT / file).exists(), (workaround.name, file)
 
 
+def markdown(columns: dict[str, ServerCapabilities]) -> str:
+    """The table of docs/upstream-issues.md, "Which defences run where": one row per defence, one
+    column per named set of capabilities (a line on a bare host or in a container)."""
+    header = ["Defence", "Module", "Runs when", *columns, "Native equivalent"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for workaround in WORKAROUNDS:
+        names = [module.rsplit(".", 1)[-1] for module in workaround.modules]
+        names += [file.removeprefix("plugin/ops/") for file in workaround.files]
+        where = ", ".join(f"`{name}`" for name in names)
+        cells = [
+            f"[{workaround.title}](#{workaround.anchor})",
+            where,
+            workaround.on_when,
+            *("on" if workaround.runs(caps) else "off" for caps in columns.values()),
+            workaround.native,
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def doc_table() -> str:
     """The table between the markers of docs/upstream-issues.md."""
     text = UPSTREAM_ISSUES.read_text()
@@ -231,7 +236,7 @@ def doc_table() -> str:
 
 
 def test_the_doc_table_is_the_registrys():
-    expected = workarounds.markdown(COLUMNS)
+    expected = markdown(COLUMNS)
     assert doc_table() == expected, "docs/upstream-issues.md, 'Which defences run where', should read:\n" + expected
 
 

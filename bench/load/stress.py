@@ -47,7 +47,7 @@ from testbed.process_memory import ProcessMemory, cpu_seconds, mapped_shm_region
 from testbed.soak import run_threads_for
 from triton_sampling_mask.client.replicas import DEFAULT_EJECT_BACKOFF_S, DEFAULT_MAX_EJECT_BACKOFF_S
 from triton_sampling_mask.ops import settings
-from triton_sampling_mask.ops.proxy_config import QUEUE_TIMEOUT
+from triton_sampling_mask.ops.proxy import QUEUE_TIMEOUT
 from triton_sampling_mask.ops.server_process import TritonServer
 from triton_sampling_mask.sampling.outputs import SAMPLING_MASK_LOGPROBS, TOKEN_OUTPUT_NAMES
 

@@ -10,7 +10,10 @@ detokenizer, stop strings), `schemas` (the request bodies, typed as each upstrea
 generations and turning their chunks into text deltas), `token_fields` (ids, log-probs and masks
 as JSON), `field_table` (every upstream request field and what is done with it), `openai_routes`,
 `sglang_routes`, `token_route` (vLLM's `/inference/v1/generate`), `info_routes` (the worker
-routes routers read), `in_flight` (requests by id, for the aborts), `weight_routes` and `app`
-(the FastAPI application). May import
+routes routers read), `in_flight` (requests by id, for the aborts), `weight_routes`,
+`request_limits` (the key, the body's size and silence), `input_bounds` (what a request may ask
+before any tokenizing), `preparation` (parsing and tokenizing off the event loop), `admission`
+(the order sequences enter the engine in), `disconnects` (a client that leaves cancels its
+generation; the SSE response) and `app` (the FastAPI application). May import
 `sampling`, `generation` (paths only), `model_config` and `client`; never `serving` or `ops`.
 """

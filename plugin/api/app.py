@@ -1,17 +1,19 @@
-"""The FastAPI application and the process: routes, the API key, the body limit, every error in
-OpenAI's shape, Server-Sent Events, and `main` (uvicorn, SIGTERM drains requests in flight).
+"""The FastAPI application and the process: routes, every error in OpenAI's shape, Server-Sent
+Events, and `main` (uvicorn, SIGTERM drains requests in flight).
 
 Routes: GET /health (200 while the generate model is ready, else 503), GET /v1/models,
 POST /v1/completions, POST /v1/chat/completions, POST /generate, POST /inference/v1/generate
 (vLLM's token route), SGLang's weight routes (weight_routes) and worker routes (info_routes:
 server and model info, flush_cache, the aborts). With an API key every route but /health needs
-`Authorization: Bearer <key>`.
+`Authorization: Bearer <key>` (request_limits.py, which also bounds the body). A request's body
+is parsed, checked and tokenized on the preparing threads (preparation.py, input_bounds.py); its
+sequences then wait their turn in the engine (admission.py), and a client that leaves cancels them
+(disconnects.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import signal
 import sys
@@ -20,19 +22,23 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ValidationError
 from pydantic_core import from_json
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+from starlette.responses import Response
 
 from ..client.generate_transport import GrpcConnection
 from .config import ApiConfig, build_parser, config_from_args, forwarded_allow_ips
-from .encoding import JsonBody, sse_event
+from .disconnects import ClientLeft, EventStream, answer_error, unless_client_leaves
+from .encoding import JsonBody
 from .errors import ApiError, bad_request, from_validation_error
 from .field_table import CHAT, COMPLETIONS, GENERATE, TOKENS, accept
 from .in_flight import InFlight
 from .info_routes import add_info_routes
+from .input_bounds import PromptPastContext
 from .openai_routes import OPENAI_NAMES, CompletionStream, OpenAIHandlers
+from .request_limits import RequestLimits
 from .schemas import ChatCompletionRequest, CompletionRequest, GenerateRequest, TokenGenerateRequest
 from .service import ApiService
 from .sglang_routes import SGLANG_NAMES, GenerateHandler, SequenceSoFar
@@ -47,59 +53,35 @@ _HEALTH_TIMEOUT_S = 2.0
 # connection the server closed just as it sent a request on it sees a connection error, which a
 # trainer pausing between rollout batches (or the gRPC half of bench/api_cost.py) meets at 5 s.
 _KEEP_ALIVE_S = 75
-_OPEN_PATHS = ("/health",)
 
 
-async def _body(request: Request, model: type[BaseModel], limit: int, route: str) -> BaseModel:
-    """The request body parsed into `model` as `route`'s upstream parses it: the route's neutral and
-    ignored fields checked and taken out first (field_table), a 400 naming each problem, 413 past
-    `limit`."""
-    raw = await request.body()
-    if len(raw) > limit:
-        raise ApiError(413, f"the body is {len(raw)} bytes; at most {limit} are accepted", None, code="body_too_large")
+def _json(body: bytes) -> dict:
+    """The body as a JSON object (a 400 saying what is wrong)."""
     try:
-        data = from_json(raw)
+        data = from_json(body)
     except ValueError as error:
         raise bad_request(f"the body is not valid JSON: {error}") from None
     if not isinstance(data, dict):
         raise bad_request("the body must be a JSON object")
+    return data
+
+
+def _validated(data: dict, model: type[BaseModel], route: str) -> BaseModel:
+    """`data` parsed into `model` as `route`'s upstream parses it: the route's neutral and ignored
+    fields checked and taken out first (field_table), a 400 naming each problem."""
     try:
         return model.model_validate(accept(route, data))
     except ValidationError as error:
         raise from_validation_error(error) from None
 
 
-class KeyAndBodyLimit:
-    """ASGI middleware (no task per request, streams untouched): the Bearer key on every route
-    but /health, and a body whose Content-Length is over the limit refused before it is read."""
-
-    def __init__(self, app, api_key: str | None, max_body_bytes: int):
-        self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http":
-            refusal = self._refusal(scope)
-            if refusal is not None:
-                await refusal.response()(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-    def _refusal(self, scope) -> ApiError | None:
-        headers = {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in scope["headers"]}
-        length = headers.get("content-length", "")
-        if length.isdigit() and int(length) > self.max_body_bytes:
-            return ApiError(413, f"the body is {length} bytes; at most {self.max_body_bytes} are accepted")
-        if self.api_key and scope["path"] not in _OPEN_PATHS:
-            scheme, _, token = headers.get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
-                return ApiError(
-                    401,
-                    "a valid API key is required: Authorization: Bearer <key>",
-                    None,
-                    "authentication_error",
-                    "invalid_api_key",
-                )
-        return None
+def _naming(field: str, prepare, request):
+    """`prepare(request)`, a prompt past the context named as `field`."""
+    try:
+        return prepare(request)
+    except PromptPastContext as error:
+        error.param = field
+        raise
 
 
 def create_app(config: ApiConfig, service: ApiService | None = None) -> FastAPI:
@@ -109,16 +91,24 @@ def create_app(config: ApiConfig, service: ApiService | None = None) -> FastAPI:
     sglang = GenerateHandler(service)
     tokens = TokenHandler(service)
     in_flight = InFlight()
+    bounds = service.bounds
 
     @asynccontextmanager
     async def lifespan(_app):
         yield
         await service.close()
 
-    app = FastAPI(title="triton-sampling-mask API", lifespan=lifespan, docs_url=None, redoc_url=None)
+    # No /openapi.json: the API is documented in docs/api.md (its generated schema would list every
+    # route, the weight routes included, to whoever asks where no key is set).
+    app = FastAPI(title="triton-sampling-mask API", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = service
 
-    app.add_middleware(KeyAndBodyLimit, api_key=config.api_key, max_body_bytes=config.max_body_bytes)
+    app.add_middleware(
+        RequestLimits,
+        api_key=config.api_key,
+        max_body_bytes=config.max_body_bytes,
+        client_timeout_s=config.client_timeout_s,
+    )
 
     @app.exception_handler(ApiError)
     async def api_error(_request, error: ApiError):
@@ -133,6 +123,15 @@ def create_app(config: ApiConfig, service: ApiService | None = None) -> FastAPI:
         return ApiError(
             error.status_code, str(error.detail), None, code="not_found" if error.status_code == 404 else None
         ).response()
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_left_mid_body(request: Request, _error):
+        logger.info("%s %s: the client left before sending its whole body", request.method, request.url.path)
+        return Response(status_code=400)  # nobody reads it
+
+    @app.exception_handler(ClientLeft)
+    async def client_left(_request, _error):
+        return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
 
     @app.exception_handler(Exception)
     async def unexpected(_request, error: Exception):
@@ -167,129 +166,107 @@ def create_app(config: ApiConfig, service: ApiService | None = None) -> FastAPI:
     async def models():
         return openai.models()
 
-    async def run_openai(request, prompts, sequences, render):
+    # What runs on a preparing thread: parse, bound, tokenize or render (the sync part of a request).
+    def prepare_completion(body: bytes):
+        request = _validated(_json(body), CompletionRequest, COMPLETIONS)
+        bounds.check_completion(request.prompt, request.n)
+        return request, *_naming("prompt", openai.completion_sequences, request)
+
+    def prepare_chat(body: bytes):
+        data = _json(body)
+        bounds.check_message_count(data)  # before each message is validated: that is the costly part
+        request = _validated(data, ChatCompletionRequest, CHAT)
+        bounds.check_chat(request.messages, request.chat_template_kwargs, getattr(request, "chat_template", None))
+        return request, *openai.chat_sequences(request)
+
+    def prepare_generate(body: bytes):
+        request = _validated(_json(body), GenerateRequest, GENERATE)
+        bounds.check_generate(request.text, request.input_ids, request.sampling_params)
+        field = "text" if request.text is not None else "input_ids"
+        return request, *_naming(field, sglang.sequences, request)
+
+    def prepare_tokens(body: bytes):
+        request = _validated(_json(body), TokenGenerateRequest, TOKENS)
+        return request, tokens.job(request)
+
+    def errors_of(names: dict[str, str], prompt_field: str):
+        return lambda error: answer_error(error, lambda e: service.api_error(e, names, prompt_field))
+
+    async def whole(raw: Request, generation, to_error):
+        """The result of `generation` (every sequence to its end), cancelled when the client leaves."""
         try:
-            if not request.stream:
-                results = await service.runner.generate(sequences)
-                return JsonBody(render(request, prompts, results))
-            stream = CompletionStream(openai, request, prompts, sequences)
-            return await _streamed(service.runner.stream(sequences), stream.opening(), stream.chunk, stream.closing)
-        except ApiError:
+            return await unless_client_leaves(raw.receive, generation)
+        except ClientLeft:
             raise
         except Exception as error:
-            raise service.api_error(error, OPENAI_NAMES, "prompt") from None
+            raise to_error(error) from None
+
+    async def run_openai(raw: Request, prepare, render):
+        request, prompts, sequences = await service.preparation.run(prepare, await raw.body())
+        to_error = errors_of(OPENAI_NAMES, "prompt")
+        if not request.stream:
+            return JsonBody(render(request, prompts, await whole(raw, service.runner.generate(sequences), to_error)))
+        stream = CompletionStream(openai, request, prompts, sequences)
+        return EventStream(service.runner.stream(sequences), stream.chunk, to_error, stream.opening(), stream.closing)
 
     @app.post("/v1/completions")
     async def completions(raw: Request):
-        request = await _body(raw, CompletionRequest, config.max_body_bytes, COMPLETIONS)
-        prompts, sequences = openai.completion_sequences(request)
-        return await run_openai(request, prompts, sequences, openai.completion_body)
+        return await run_openai(raw, prepare_completion, openai.completion_body)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request):
-        request = await _body(raw, ChatCompletionRequest, config.max_body_bytes, CHAT)
-        prompts, sequences = openai.chat_sequences(request)
-        return await run_openai(request, prompts, sequences, openai.chat_body)
+        return await run_openai(raw, prepare_chat, openai.chat_body)
 
     @app.post("/generate")
     async def generate(raw: Request):
-        request = await _body(raw, GenerateRequest, config.max_body_bytes, GENERATE)
-        sequences, batch, rids = sglang.sequences(request)
         started = time.monotonic()
+        request, sequences, batch, rids = await service.preparation.run(prepare_generate, await raw.body())
+        to_error = errors_of(SGLANG_NAMES, "input_ids")
         aborts = in_flight.register([*rids, *([request.rid] if isinstance(request.rid, str) else [])])
-        try:
-            if not request.stream:
-                results = await aborts.run(service.runner.generate(sequences))
-                if results is None:  # aborted by /abort_request
-                    return JsonBody(sglang.aborted(request, sequences, rids, started, batch))
-                now = await service.weight_version() if any(not r.weight_versions for r in results) else None
-                items = [sglang.item(request, r, rid, started, now) for r, rid in zip(results, rids)]
-                return JsonBody(items if batch else items[0])
-            so_far = [SequenceSoFar(s) for s in sequences]
-
-            def event(delta):
-                item = sglang.item(request, so_far[delta.index].add(delta), rids[delta.index], started)
-                if batch:
-                    item["index"] = delta.index
-                return item
-
-            def closing():
-                return sglang.aborted_events(request, so_far, rids, started, batch) if aborts.aborted else []
-
-            deltas = aborts.stream(service.runner.stream(sequences))
-            return await _streamed(deltas, [], event, closing, aborts.release)
-        except ApiError:
-            aborts.release()
-            raise
-        except Exception as error:
-            aborts.release()
-            raise service.api_error(error, SGLANG_NAMES, "input_ids") from None
-        finally:
-            if not request.stream:
+        if not request.stream:
+            try:
+                results = await whole(raw, aborts.run(service.runner.generate(sequences)), to_error)
+            finally:
                 aborts.release()
+            if results is None:  # aborted by /abort_request
+                return JsonBody(sglang.aborted(request, sequences, rids, started, batch))
+            now = await service.weight_version() if any(not r.weight_versions for r in results) else None
+            items = [
+                sglang.item(request, r, rid, started, now, s.top_p_token_ids)
+                for r, rid, s in zip(results, rids, sequences)
+            ]
+            return JsonBody(items if batch else items[0])
+        so_far = [SequenceSoFar(s) for s in sequences]
+
+        def event(delta):
+            state = so_far[delta.index].add(delta)
+            item = sglang.item(request, state, rids[delta.index], started, top_p_ids=state.top_p_token_ids)
+            if batch:
+                item["index"] = delta.index
+            return item
+
+        def closing():
+            return sglang.aborted_events(request, so_far, rids, started, batch) if aborts.aborted else []
+
+        deltas = aborts.stream(service.runner.stream(sequences))
+        return EventStream(deltas, event, to_error, closing=closing, done=aborts.release)
 
     @app.post("/inference/v1/generate")
     async def inference_generate(raw: Request):
-        request = await _body(raw, TokenGenerateRequest, config.max_body_bytes, TOKENS)
-        job = tokens.job(request)
+        request, job = await service.preparation.run(prepare_tokens, await raw.body())
+        to_error = errors_of(TOKEN_NAMES, "token_ids")
         aborts = in_flight.register([job.request_id])
-        try:
-            if not request.stream:
-                results = await aborts.run(service.runner.generate(job.sequences))
-                return JsonBody(tokens.body(job, results, aborted=results is None))
-            stream = tokens.stream(job, aborts)
-            deltas = aborts.stream(service.runner.stream(job.sequences))
-            return await _streamed(deltas, [], stream.chunk, stream.closing, aborts.release)
-        except ApiError:
-            aborts.release()
-            raise
-        except Exception as error:
-            aborts.release()
-            raise service.api_error(error, TOKEN_NAMES, "token_ids") from None
-        finally:
-            if not request.stream:
+        if not request.stream:
+            try:
+                results = await whole(raw, aborts.run(service.runner.generate(job.sequences)), to_error)
+            finally:
                 aborts.release()
+            return JsonBody(tokens.body(job, results, aborted=results is None))
+        stream = tokens.stream(job, aborts)
+        deltas = aborts.stream(service.runner.stream(job.sequences))
+        return EventStream(deltas, stream.chunk, to_error, closing=stream.closing, done=aborts.release)
 
     return app
-
-
-async def _streamed(deltas, opening: list[dict], render, closing, done=None) -> StreamingResponse:
-    """An SSE response of `deltas`; the first is awaited before answering, so a request refused
-    before its first token gets its 4xx, not a 200 stream. A failure later in the stream is sent
-    as an `{"error": ...}` event; a client that leaves cancels the generation. `done` is called
-    when the stream ends, however it ends."""
-    iterator = deltas.__aiter__()
-    try:
-        first = await iterator.__anext__()
-    except StopAsyncIteration:
-        first = None
-
-    async def events():
-        try:
-            for chunk in opening:
-                yield sse_event(chunk)
-            if first is not None:
-                yield sse_event(render(first))
-                async for delta in iterator:
-                    yield sse_event(render(delta))
-            for chunk in closing():
-                yield sse_event(chunk)
-            yield sse_event("[DONE]")
-        except Exception as error:  # after the status line: the error travels in the stream
-            yield sse_event(_stream_error(error).body())
-            yield sse_event("[DONE]")
-        finally:
-            await iterator.aclose()
-            if done is not None:
-                done()
-
-    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-
-
-def _stream_error(error: Exception) -> ApiError:
-    if isinstance(error, ApiError):
-        return error
-    return ApiError(502, f"the generation failed: {error}", None, "upstream_error")
 
 
 def main(argv: list[str] | None = None) -> None:

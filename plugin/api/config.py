@@ -39,6 +39,10 @@ class ApiConfig:
     busy_timeout_s: float = 5.0
     retry_after_s: int = 1
     max_model_len: int | None = None  # None: the checkpoint's own context length
+    max_prompt_chars: int | None = None  # None: what the context can hold (input_bounds)
+    client_timeout_s: float = 60.0  # client silence mid-body (the front door's PROXY_CLIENT_TIMEOUT_S)
+    tokenizer_threads: int = 2
+    trust_request_chat_template: bool = False
     admin_key: str | None = None  # sent for keyless weight calls from trusted_networks
     trusted_networks: tuple[Network, ...] = ()
     readiness_url: str | None = None  # the supervisor's /ready: /health answers 503 while it does
@@ -56,6 +60,13 @@ def _non_negative_float(text: str) -> float:
     value = float(text)
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
     return value
 
 
@@ -93,6 +104,30 @@ def build_parser() -> argparse.ArgumentParser:
         help="how long a request the model refuses as busy is retried before the API answers 503",
     )
     parser.add_argument("--max-model-len", type=_positive_int, default=None, help="context length (default: the LM's)")
+    parser.add_argument(
+        "--max-prompt-chars",
+        type=_positive_int,
+        default=None,
+        help="longest prompt text (and chat content) in characters, refused before tokenizing (default: what the "
+        "context can hold at the vocabulary's longest token, twice over)",
+    )
+    parser.add_argument(
+        "--client-timeout-s",
+        type=_positive_float,
+        default=60.0,
+        help="seconds a client may stay silent while sending a body (408 beyond)",
+    )
+    parser.add_argument(
+        "--tokenizer-threads",
+        type=_positive_int,
+        default=2,
+        help="threads that parse bodies, tokenize prompts and render chat templates, off the event loop",
+    )
+    parser.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="render a chat template a request brings (chat_template_kwargs.chat_template); refused by default",
+    )
     parser.add_argument(
         "--admin-key-file",
         type=Path,
@@ -183,6 +218,10 @@ def config_from_args(args: argparse.Namespace) -> ApiConfig:
         max_body_bytes=args.max_body_bytes,
         busy_timeout_s=args.busy_timeout_s,
         max_model_len=args.max_model_len,
+        max_prompt_chars=args.max_prompt_chars,
+        client_timeout_s=args.client_timeout_s,
+        tokenizer_threads=args.tokenizer_threads,
+        trust_request_chat_template=args.trust_request_chat_template,
         admin_key=admin_key,
         trusted_networks=networks,
         readiness_url=_local_url(args.readiness_url, "--readiness-url"),

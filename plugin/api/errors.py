@@ -6,6 +6,8 @@ the message)."""
 
 from __future__ import annotations
 
+import re
+
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
@@ -16,6 +18,12 @@ INVALID_REQUEST = "invalid_request_error"
 SERVICE_UNAVAILABLE = "service_unavailable"
 # gRPC codes of a failed call that a later try may get past.
 _UNAVAILABLE_CODES = ("StatusCode.UNAVAILABLE", "StatusCode.RESOURCE_EXHAUSTED", "503")
+# An address a transport error may name (gRPC writes "ipv4:127.0.0.1:8001"): the model server's
+# port is internal, so no answer carries one.
+_ADDRESS = re.compile(
+    r"(?:ipv4:|ipv6:|unix:|dns:(?://[^/\s]*/)?)?(?:\[[0-9A-Fa-f:.%]+\]|\d{1,3}(?:\.\d{1,3}){3}|localhost)(?::\d+)?"
+)
+INTERNAL_SERVER = "the model server"
 
 
 class ApiError(Exception):
@@ -55,16 +63,28 @@ def from_sampling_error(error: SamplingRequestError, renames: dict[str, str] | N
     return ApiError(400, error.message, field, code=error.reason)
 
 
-def from_generate_error(error: GenerateError, retry_after_s: int, param: str | None = None) -> ApiError:
+def without_addresses(message: str, internal_url: str | None = None) -> str:
+    """`message` without the internal addresses it may name: tritonserver's `internal_url` (and the
+    client's `replica <url>: ` prefix) and any IP address, each said as INTERNAL_SERVER."""
+    if internal_url:
+        message = message.replace(f"replica {internal_url}: ", "").replace(internal_url, INTERNAL_SERVER)
+    return _ADDRESS.sub(INTERNAL_SERVER, message)
+
+
+def from_generate_error(
+    error: GenerateError, retry_after_s: int, param: str | None = None, internal_url: str | None = None
+) -> ApiError:
     """The generate model's refusal or failure: busy or unreachable as 503 (with Retry-After), a
-    request it refused as 400, anything else as 502 (the model failed, not the request)."""
+    request it refused as 400, anything else as 502 (the model failed, not the request); the
+    message names no internal address."""
+    message = without_addresses(error.message, internal_url)
     if error.busy or error.status is None or error.status in _UNAVAILABLE_CODES:
         what = "the generate model is busy" if error.busy else "the generate model is unavailable"
-        return ApiError(503, f"{what}: {error.message}", None, SERVICE_UNAVAILABLE, "overloaded", retry_after_s)
+        return ApiError(503, f"{what}: {message}", None, SERVICE_UNAVAILABLE, "overloaded", retry_after_s)
     if error.status in (IN_BAND, "400", "StatusCode.INVALID_ARGUMENT"):
         # The model answers every rule it checks per request in band (the others the API checked first).
-        return ApiError(400, error.message, param)
-    return ApiError(502, f"the generate model failed: {error.message}", None, "upstream_error", "upstream_error")
+        return ApiError(400, message, param)
+    return ApiError(502, f"the generate model failed: {message}", None, "upstream_error", "upstream_error")
 
 
 # Parts of a pydantic error location that name a member of a union type, not a field.

@@ -1,17 +1,18 @@
 """Running generations for the API: token-id prompts to the generate model through
 `AsyncGenerateClient`, and its chunks turned into text deltas, stop strings applied.
 
-Sequences without stop strings that share their stop ids and `ignore_eos` go in one client call
-(one gRPC stream); a sequence with stop strings is streamed in a call of its own, so that the
-API can cancel it on the server the moment its text reaches a stop string. Every sequence yields
-`Delta`s: its new tokens (the generate model's outputs, aligned 1:1), the text they complete, and
-on its last one why it finished.
+Every sequence goes in a client call of its own, once its turn comes (admission.py: the engine
+holds so many sequences at once, and a request asking for many does not hold back the others); a
+sequence with stop strings is streamed, so that the API can cancel it on the server the moment its
+text reaches a stop string. Every sequence yields `Delta`s: its new tokens (the generate model's
+outputs, aligned 1:1), the text they complete, and on its last one why it finished.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager, nullcontext
 from dataclasses import dataclass, field
 
 from ..client import AsyncGenerateClient, GenerateResult, SampleResult, concatenate_tokens
@@ -59,6 +60,8 @@ class SequenceRequest:
     # tokens (the routes admit it above 0 only where no EOS or stop id can end it earlier).
     min_tokens: int = 0
     spaces_between_special_tokens: bool = True
+    # slime's custom_params.return_top_p_token_ids: the masks also as meta_info.top_p_token_ids / _offsets
+    top_p_token_ids: bool = False
 
 
 def check_min_tokens(min_tokens: int, ignore_eos: bool, stop_token_ids, field: str) -> None:
@@ -178,8 +181,9 @@ def _outputs(requests: list[SequenceRequest]) -> tuple[str, ...]:
 class SequenceRunner:
     """Runs a request's sequences on the generate model; see the module docstring."""
 
-    def __init__(self, client: AsyncGenerateClient, tokenizer):
-        self.client, self.tokenizer = client, tokenizer
+    def __init__(self, client: AsyncGenerateClient, tokenizer, admission=None):
+        """`admission`: an async callable giving the FairAdmission sequences wait in (or None)."""
+        self.client, self.tokenizer, self._admission = client, tokenizer, admission
         self._decoders = {
             (skip, spaces): ids_decoder(tokenizer, skip, spaces) for skip in (False, True) for spaces in (False, True)
         }
@@ -192,72 +196,81 @@ class SequenceRunner:
             StopStrings(request.stop_strings, request.keep_stop_text),
         )
 
-    def stream(self, requests: list[SequenceRequest]) -> AsyncIterator[Delta]:
-        """Every sequence's deltas as they come (one per generated token), in arrival order."""
-        states = [self._state(r) for r in requests]
-        groups: dict[tuple, list[int]] = {}
-        for i, request in enumerate(requests):
-            key = (i,) if request.stop_strings else (request.stop_token_ids, request.ignore_eos)
-            groups.setdefault(key, []).append(i)
-        producers = [self._group(indices, requests, states) for indices in groups.values()]
-        return _merge(producers)
+    @asynccontextmanager
+    async def _share(self):
+        """This request's share of the admission (None without one), given up at its end."""
+        admission = await self._admission() if self._admission is not None else None
+        share = admission.share() if admission is not None else None
+        try:
+            yield share
+        finally:
+            if share is not None:
+                admission.leave(share)
 
-    async def _group(self, indices: list[int], requests: list[SequenceRequest], states: list[_SequenceState]):
-        members = [requests[i] for i in indices]
-        first = members[0]
-        chunks = self.client.stream(
-            [list(r.prompt_ids) for r in members],
-            [r.params for r in members],
-            [r.max_new_tokens for r in members],
-            stop_token_ids=first.stop_token_ids,
-            ignore_eos=first.ignore_eos,
-            outputs=_outputs(members),
-        )
-        async with chunks:  # leaving early (a stop string, a cancelled request) cancels it on the server
-            async for chunk in chunks:
-                index = indices[chunk.index]
-                state = states[index]
-                if state.finished:
-                    continue
-                yield state.feed(index, chunk)
-                if all(states[i].finished for i in indices):
-                    return
+    @staticmethod
+    def _slot(share, request: SequenceRequest):
+        """The sequence's turn in the engine (at once without an admission)."""
+        if share is None:
+            return nullcontext()
+        return share.slot(len(request.prompt_ids) + request.max_new_tokens)
+
+    async def stream(self, requests: list[SequenceRequest]) -> AsyncIterator[Delta]:
+        """Every sequence's deltas as they come (one per generated token), in arrival order."""
+        async with self._share() as share:
+            producers = [self._sequence(i, request, share) for i, request in enumerate(requests)]
+            async for delta in _merge(producers):
+                yield delta
+
+    async def _sequence(self, index: int, request: SequenceRequest, share):
+        """One sequence streamed in a call of its own, once admitted."""
+        state = self._state(request)
+        async with self._slot(share, request):
+            chunks = self.client.stream(
+                [list(request.prompt_ids)],
+                [request.params],
+                [request.max_new_tokens],
+                stop_token_ids=request.stop_token_ids,
+                ignore_eos=request.ignore_eos,
+                outputs=_outputs([request]),
+            )
+            async with chunks:  # leaving early (a stop string, a cancelled request) cancels it on the server
+                async for chunk in chunks:
+                    yield state.feed(index, chunk)
+                    if state.finished:
+                        return
 
     async def generate(self, requests: list[SequenceRequest]) -> list[SequenceResult]:
-        """Every sequence to its end. Sequences without stop strings are generated in one
-        non-streamed call per group (one response each); the others are streamed."""
+        """Every sequence to its end, each in a non-streamed call of its own (one response);
+        sequences with stop strings are streamed, to be cancelled at their string."""
         if any(r.stop_strings for r in requests):
             return await collect(self.stream(requests), requests)
-        groups: dict[tuple, list[int]] = {}
-        for i, request in enumerate(requests):
-            groups.setdefault((request.stop_token_ids, request.ignore_eos), []).append(i)
         results: list[SequenceResult | None] = [None] * len(requests)
 
-        async def run(indices: list[int]) -> None:
-            members = [requests[i] for i in indices]
-            answers = await self.client.generate(
-                [list(r.prompt_ids) for r in members],
-                [r.params for r in members],
-                [r.max_new_tokens for r in members],
-                stop_token_ids=members[0].stop_token_ids,
-                ignore_eos=members[0].ignore_eos,
-                outputs=_outputs(members),
-            )
-            for index, request, answer in zip(indices, members, answers):
-                delta = self._state(request).feed(index, answer)
-                results[index] = SequenceResult(
-                    index,
-                    delta.tokens,
-                    delta.text,
-                    delta.token_texts,
-                    delta.finish_reason,
-                    delta.stop_reason,
-                    request.prompt_ids,
-                    delta.timings,
-                    delta.weight_versions,
+        async def run(index: int, request: SequenceRequest, share) -> None:
+            async with self._slot(share, request):
+                (answer,) = await self.client.generate(
+                    [list(request.prompt_ids)],
+                    [request.params],
+                    [request.max_new_tokens],
+                    stop_token_ids=request.stop_token_ids,
+                    ignore_eos=request.ignore_eos,
+                    outputs=_outputs([request]),
                 )
+            delta = self._state(request).feed(index, answer)
+            results[index] = SequenceResult(
+                index,
+                delta.tokens,
+                delta.text,
+                delta.token_texts,
+                delta.finish_reason,
+                delta.stop_reason,
+                request.prompt_ids,
+                delta.timings,
+                delta.weight_versions,
+            )
 
-        await _gather_or_cancel([run(indices) for indices in groups.values()])
+        async with self._share() as share:
+            await _gather_or_cancel([run(i, request, share) for i, request in enumerate(requests)])
         return results
 
 

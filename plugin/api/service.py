@@ -1,17 +1,23 @@
-"""What both dialects share: the tokenizer, the generate client and runner, and the checks every
-request passes before any token is generated (prompt and budget within the context, choice and
-stop-list bounds, the sampling rules of plugin/sampling/validation.py through SamplingParams)."""
+"""What both dialects share: the tokenizer, the generate client and runner, the preparing threads,
+and the checks every request passes before any token is generated (its input's bounds before any
+tokenizing, input_bounds.py; prompt and budget within the context, choice and stop-list bounds,
+the sampling rules of plugin/sampling/validation.py through SamplingParams)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
 
 from ..client import AsyncGenerateClient, GenerateError
+from ..client.generate_transport import GrpcConnection
 from ..client.sampling_params import SamplingParams
 from ..sampling.params import PARAM_SPECS, SEED
 from ..sampling.validation import SamplingRequestError
+from .admission import EngineCapacity, FairAdmission
 from .config import ApiConfig
 from .errors import ApiError, bad_request, from_generate_error, from_sampling_error
+from .input_bounds import InputBounds
+from .preparation import PreparationPool
 from .sequences import SequenceRunner
 from .text import context_length, load_tokenizer
 
@@ -39,9 +45,36 @@ class ApiService:
         self.client = AsyncGenerateClient(
             config.triton_url, "grpc", config.triton_model, busy_timeout_s=config.busy_timeout_s
         )
-        self.runner = SequenceRunner(self.client, self.tokenizer)
+        self.bounds = InputBounds.of(
+            self.tokenizer,
+            self.context_length,
+            config.max_choices,
+            config.max_prompt_chars,
+            config.trust_request_chat_template,
+        )
+        self.preparation = PreparationPool(config.tokenizer_threads, config.retry_after_s)
+        self._admission: FairAdmission | None = None
+        self._admission_read = asyncio.Lock()
+        self.runner = SequenceRunner(self.client, self.tokenizer, self.admission)
+
+    async def admission(self) -> FairAdmission | None:
+        """The order sequences enter the engine in, once the model's config has been read (None
+        while it cannot be, or when it names no bounds: sequences then go as they come)."""
+        async with self._admission_read:
+            if self._admission is None:
+                connection = GrpcConnection(self.config.triton_url, self.config.triton_model)
+                try:
+                    capacity = EngineCapacity.from_model_config(await connection.model_config())
+                except Exception:  # the model is not up: its generation call will say so
+                    return None
+                finally:
+                    await connection.close()
+                if capacity is not None:
+                    self._admission = FairAdmission(capacity)
+        return self._admission
 
     async def close(self) -> None:
+        self.preparation.close()
         await self.client.close()
 
     def check_model(self, model: str | None) -> None:
@@ -108,7 +141,9 @@ class ApiService:
         return wanted
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        """The ids of a prompt text (its length bounded before, input_bounds), refused at once
+        when they pass the context."""
+        return self.bounds.check_tokens(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     async def weight_version(self) -> str | None:
         """The generate model's weight version now (for an answer with no token to carry one)."""
@@ -126,5 +161,5 @@ class ApiService:
             return from_sampling_error(error, names)
         if isinstance(error, GenerateError):
             param = prompt_field if "input_ids" in error.message else None
-            return from_generate_error(error, self.config.retry_after_s, param)
+            return from_generate_error(error, self.config.retry_after_s, param, self.config.triton_url)
         raise error

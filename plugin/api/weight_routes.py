@@ -24,7 +24,7 @@ from ..client import GenerateError
 from ..client.generate_transport import IN_BAND, GrpcConnection
 from ..client.weight_updates import on_every_replica
 from ..sampling.admin import ADMIN_HEADER, CLIENT_ADDRESS_PARAMETER, TOO_MANY_WRONG_KEYS
-from .errors import from_validation_error
+from .errors import from_validation_error, without_addresses
 from .weight_access import WeightAccess
 from .weight_schemas import (
     ContinueGeneration,
@@ -110,7 +110,7 @@ def add_weight_routes(app: FastAPI, triton_url: str, triton_model: str, access: 
         try:
             answers = await on_every_replica(connect, [triton_url], [command], key, extra)
         except GenerateError as error:  # without the replica's (internal) address
-            message = error.message.removeprefix(f"replica {triton_url}: ")
+            message = without_addresses(error.message, triton_url)
             raise refusal_of(GenerateError(error.status, message)) from None
         return next(iter(answers.values()))
 

@@ -353,7 +353,9 @@ _CLIENT_ARGS_DOC = """
     `max_backoff_s` (each pause jittered), until `busy_timeout_s` has passed since the request's
     first refusal. `mask_width` skips reading W from the model config. `channel_options` go to
     each gRPC channel. `admin_key` is sent with the weight operations (update_weights_from_*,
-    pause_generation, continue_generation), which every replica gets, each answering for itself."""
+    pause_generation, continue_generation), which every replica gets, each answering for itself.
+    `api_key` goes with every request as `Authorization: Bearer`: a front door's client key (its
+    keyed clients wait for capacity where others are refused, docs/api.md)."""
 
 
 class AsyncGenerateClient(ReplicatedClient):
@@ -377,6 +379,7 @@ class AsyncGenerateClient(ReplicatedClient):
         max_eject_backoff_s: float = DEFAULT_MAX_EJECT_BACKOFF_S,
         channel_options: Sequence[tuple] = (),
         admin_key: str | None = None,
+        api_key: str | None = None,
     ):
         if protocol not in _PROTOCOLS:
             raise ValueError(f"protocol must be one of {_PROTOCOLS}, got {protocol!r}")
@@ -389,14 +392,14 @@ class AsyncGenerateClient(ReplicatedClient):
         self._mask_width = mask_width
         self._limits: GenerateLimits | None = None
         self._channel_options = tuple(channel_options)
-        self._admin_key = admin_key
+        self._admin_key, self._api_key = admin_key, api_key
         self._init_replicas(urls, self._connect, max_attempts, eject_backoff_s, max_eject_backoff_s, busy_policy)
         self._in_flight = asyncio.Semaphore(self.max_in_flight)
 
     def _connect(self, url: str):
         if self.protocol == "grpc":
-            return GrpcConnection(url, self.model_name, self._channel_options)
-        return HttpConnection(url, self.model_name, self.max_in_flight)
+            return GrpcConnection(url, self.model_name, self._channel_options, self._api_key)
+        return HttpConnection(url, self.model_name, self.max_in_flight, self._api_key)
 
     async def server_limits(self) -> GenerateLimits:
         """The deployment's mask rules, read once from the model config."""

@@ -91,8 +91,10 @@ def _text(value) -> str:
 class GrpcConnection:
     """One replica over gRPC: a channel, made on first use inside the running event loop."""
 
-    def __init__(self, url: str, model_name: str, channel_options: tuple = ()):
+    def __init__(self, url: str, model_name: str, channel_options: tuple = (), api_key: str | None = None):
         self.url, self.model_name = url, model_name
+        # the client key every call carries (the front door's keyed clients: docs/api.md)
+        self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         self._options = (
             ("grpc.max_send_message_length", _MAX_GRPC_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", _MAX_GRPC_MESSAGE_BYTES),
@@ -111,7 +113,7 @@ class GrpcConnection:
 
     def open_stream(self) -> GrpcStream:
         """A new bidirectional stream for one call."""
-        return GrpcStream(self.stub(), self.model_name)
+        return GrpcStream(self.stub(), self.model_name, self.metadata)
 
     async def model_config(self) -> dict:
         """The model config as the JSON Triton serves over HTTP (dims as strings)."""
@@ -119,7 +121,8 @@ class GrpcConnection:
         from tritonclient.grpc import service_pb2
 
         try:
-            reply = await self.stub().ModelConfig(service_pb2.ModelConfigRequest(name=self.model_name))
+            request = service_pb2.ModelConfigRequest(name=self.model_name)
+            reply = await self.stub().ModelConfig(request, metadata=self.metadata)
         except Exception as exc:
             raise _grpc_error(exc) from None
         return json_format.MessageToDict(reply.config, preserving_proto_field_name=True)
@@ -129,8 +132,9 @@ class GrpcConnection:
         from tritonclient.grpc import service_pb2
 
         stub = self.stub()
-        server = await stub.ServerReady(service_pb2.ServerReadyRequest(), timeout=timeout_s)
-        model = await stub.ModelReady(service_pb2.ModelReadyRequest(name=self.model_name), timeout=timeout_s)
+        server = await stub.ServerReady(service_pb2.ServerReadyRequest(), timeout=timeout_s, metadata=self.metadata)
+        request = service_pb2.ModelReadyRequest(name=self.model_name)
+        model = await stub.ModelReady(request, timeout=timeout_s, metadata=self.metadata)
         return bool(server.ready and model.ready)
 
     async def control(self, request: WireRequest) -> dict:
@@ -160,14 +164,14 @@ def _grpc_error(exc: BaseException) -> GenerateError:
 class GrpcStream:
     """One bidirectional stream: requests are written as they come, responses routed by request id."""
 
-    def __init__(self, stub, model_name: str):
+    def __init__(self, stub, model_name: str, metadata: tuple = ()):
         import asyncio
 
         self._asyncio, self.model_name = asyncio, model_name
         self._outgoing: asyncio.Queue = asyncio.Queue()
         self._routes: dict[str, asyncio.Queue] = {}
         self.ended: GenerateError | None = None
-        self._call = stub.ModelStreamInfer(self._requests())
+        self._call = stub.ModelStreamInfer(self._requests(), metadata=metadata)
         self._reader = asyncio.get_running_loop().create_task(self._read())
 
     async def _requests(self):
@@ -307,8 +311,9 @@ def _texts(values) -> np.ndarray:
 class HttpConnection:
     """One replica over HTTP: an aiohttp session, made on first use inside the running event loop."""
 
-    def __init__(self, url: str, model_name: str, max_connections: int):
+    def __init__(self, url: str, model_name: str, max_connections: int, api_key: str | None = None):
         self.url, self.model_name, self._max_connections = url, model_name, max_connections
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._session = None
 
     def session(self):
@@ -316,6 +321,7 @@ class HttpConnection:
             import aiohttp
 
             self._session = aiohttp.ClientSession(
+                headers=self._headers,
                 connector=aiohttp.TCPConnector(limit=self._max_connections),
                 timeout=aiohttp.ClientTimeout(total=None),
             )

@@ -4,8 +4,9 @@ Owns `launcher` (the command line of `make serve` and the image), `server_proces
 `tritonserver` of `nvidia-pytriton` or of a Triton image: its environment, flags and locked admin
 APIs, and `TritonServer`, a child server for tests and benchmarks), `child` (how every child process
 is started, stopped and restarted), `supervisor` (restarts, a
-model watchdog, the readiness endpoint), `proxy` and `proxy_config` (the front door: HAProxy on
-the public ports, its config generated from the settings and the model configs), `stream_gate`
+model watchdog, the readiness endpoint), `proxy` (the front door: HAProxy on the public ports
+running `haproxy/haproxy.cfg`, given values from the settings and, by `model_limits`, from the
+model configs; `door_commands`: its other children's command lines), `stream_gate`
 (bounds the requests a gRPC stream has open), `memory_limit` (a cgroup or address-space limit
 around tritonserver), `settings` (every environment variable with its default and meaning),
 `probe` (one real inference, for Kubernetes exec probes), `shm_cleanup` (removes a dead server's

@@ -1,5 +1,6 @@
 """One way to run a child process: its command, environment, umask and pre-exec settings, a
-bounded graceful stop, and the backoff between restarts of one that keeps dying.
+bounded graceful stop, and the backoff between restarts of one that keeps dying. Why by hand:
+`subprocess` gives no parent-death signal, process-group stop or restart backoff.
 
 Every child runs in a session (process group) of its own, so a terminal's Ctrl-C reaches only
 its parent, and a stop can end whatever the child forked. Used for tritonserver (the supervisor's

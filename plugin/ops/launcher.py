@@ -43,7 +43,7 @@ from pathlib import Path
 from . import capabilities, settings
 from .memory_limit import MemoryCage, make_cage
 from .proxy import FrontDoor, ProxyError, find_haproxy, internal_ports
-from .secret_files import check_chosen_path, private_directory, write_secret_file
+from .secret_files import check_chosen_path, private_directory, read_client_keys, write_secret_file
 from .server_process import (
     ADMIN_APIS,
     ADMIN_HEADER,
@@ -87,6 +87,19 @@ def resolve_admin_key(http_port: int) -> tuple[str, str, Path | None]:
         where = f"TRITON_ADMIN_KEY_FILE={chosen}" if chosen else "the admin key file"
         raise SystemExit(f"[launcher] {where}: {error}") from None
     return key, f"generated and written to {path} (mode 0600; set TRITON_ADMIN_KEY to choose it)", path
+
+
+def client_keys() -> dict[str, str]:
+    """The front door's client keys (TRITON_CLIENT_KEYS_FILE, TRITON_API_KEY), their names logged;
+    a file that cannot be used stops the start, saying why."""
+    chosen = settings.TRITON_CLIENT_KEYS_FILE.value()
+    try:
+        keys = read_client_keys(Path(chosen) if chosen else None, settings.TRITON_API_KEY.value())
+    except (ValueError, OSError) as error:
+        raise SystemExit(f"[launcher] TRITON_CLIENT_KEYS_FILE: {error}") from None
+    if keys:
+        print(f"[launcher] keyed clients (Authorization: Bearer <key>): {', '.join(keys)}", flush=True)
+    return keys
 
 
 def ports_from_environment() -> dict[str, int]:
@@ -210,6 +223,7 @@ def main(argv: list[str] | None = None) -> None:
             internal_ports(settings.TRITON_INTERNAL_PORT_BASE.value()),
             stream_gate=defences.runs("stream_gate"),
             json_checks=defences.runs("json_checks"),
+            client_keys=client_keys(),
         )
         try:
             front_door.prepare()

@@ -1,5 +1,7 @@
 """A memory limit around tritonserver and its stubs, so a request that blows up the server's
 memory kills the server (which the supervisor restarts), never a random process of the host.
+Why by hand: tritonserver bounds no memory of its own, and on a bare host nothing else gives one
+child a cgroup (in a container, the container's own limit does: ops.workarounds turns this off).
 
 Where the supervisor can make one it runs tritonserver in a cgroup of its own, below its own:
 cgroup v2 (`memory.max`, no swap) or v1 (`memory.limit_in_bytes`), whichever hierarchy has a

@@ -1,19 +1,19 @@
-"""The front door's processes: HAProxy on the public ports and the stream gate behind it.
+"""The front door's values: HAProxy runs haproxy/haproxy.cfg (the whole configuration, in its own
+syntax) as it is, and this module decides only what the template reads: settings, ports and the key
+file as environment variables, and each model's kind, body cap and inputs (from its config.pbtxt)
+as map files; the template's header lists them. No rule is written here.
 
-`FrontDoor` plans the ports and keys, writes the generated config (`ops.proxy_config`) into a
-private directory (0700, files 0600, created exclusively), validates it with `haproxy -c` (a bad
-config fails the start loudly) and gives the command lines of its two children; the supervisor
-runs them as `Child` processes and restarts one that dies. HAProxy runs in the foreground as the
-invoking user, with its descriptor limit raised to the hard limit.
-
-The user's admin key lives only in the key file the proxy reads; tritonserver gets a random
-internal key on its command line, which the proxy sets on admin requests it has let through.
+`FrontDoor.prepare` writes the key and map files into a private directory (0700, files 0600,
+created exclusively) and checks the template with them (`haproxy -c`: a refused value stops the
+start); `children` are HAProxy, the stream gate and the HTTP API, which the supervisor runs and
+restarts. tritonserver gets a random internal key on its command line, which the proxy sets on the
+admin requests it admits: the user's key is only in the key file.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
+import re
 import resource
 import secrets
 import shutil
@@ -21,23 +21,51 @@ import signal
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, make_dataclass
 from pathlib import Path
 
-from . import proxy_config, settings
+from ..sampling.admin import WRONG_KEYS_PER_MINUTE
+from . import settings
 from .child import HARD_LIMIT, Child
-from .proxy_config import ProxyLimits, ProxyPlan
+from .door_commands import api_command, api_runs, gate_command
+from .model_limits import model_routes
 from .proxy_metrics import exporter_available
+from .secret_files import API_KEY_CLIENT, KEY_PATTERN, write_secret_file
 from .server_process import free_port
 
+TEMPLATE = Path(__file__).resolve().with_name("haproxy") / "haproxy.cfg"
+LUA_CHECKS = TEMPLATE.with_name("json_checks.lua")
 HAPROXY_PATHS = ("/usr/sbin/haproxy", "/usr/local/sbin/haproxy")
-GENERATE_MODEL = "generate"  # the model the HTTP API serves
-# The supervisor's children behind the proxy, in the order of their loopback ports.
-INTERNAL_PORTS = ("http", "grpc", "metrics", "stream_gate", "probe", "api")
+# On loopback, in this order (stream_gate_keyed: the gate's listener for keyed clients' streams).
+INTERNAL_PORTS = ("http", "grpc", "metrics", "stream_gate", "probe", "api", "stream_gate_keyed")
+SIDE_PORT_CONNECTIONS = 64  # the metrics and probe ports' maxconn in the template
+UNIX_PATH_MAX = 107  # the longest unix socket path (sun_path holds 108 bytes with its NUL)
+# What clients read when shed or refused, as the template sets it (`setenv MSG_...`).
+MESSAGES = dict(re.findall(r'^\s+setenv (MSG_\w+) "(.*)"$', TEMPLATE.read_text(), re.MULTILINE))
+QUEUE_FULL, QUEUE_TIMEOUT, RESTRICTED = (MESSAGES[f"MSG_{n}"] for n in ("QUEUE_FULL", "QUEUE_TIMEOUT", "RESTRICTED"))
 
 
 class ProxyError(RuntimeError):
-    """The proxy cannot start: not installed, a descriptor limit too low, or a config HAProxy refuses."""
+    """The proxy cannot start: not installed, a descriptor limit too low, or values HAProxy refuses."""
+
+
+# The proxy's numbers: one field per PROXY_* setting (PROXY_MAX_QUEUE is `max_queue`), defaulting
+# as it does, passed to the template under the setting's name (seconds as `..._MS` milliseconds).
+LIMIT_SETTINGS = {name[6:].lower(): value for name, value in vars(settings).items() if name.startswith("PROXY_")}
+ProxyLimits = make_dataclass(
+    "ProxyLimits",
+    [(name, type(s.default), field(default=s.default)) for name, s in LIMIT_SETTINGS.items()],
+    frozen=True,
+)
+ProxyLimits.__module__ = __name__
+ProxyLimits.from_settings = classmethod(lambda cls: cls(**{name: s.value() for name, s in LIMIT_SETTINGS.items()}))
+
+
+def limit_variables(limits: ProxyLimits) -> dict[str, str]:
+    """The PROXY_* variables of `limits`, as the template reads them (seconds as `..._MS`)."""
+    values = {f"PROXY_{name.upper()}": getattr(limits, name) for name in LIMIT_SETTINGS}
+    times = {f"{name[:-2]}_MS": str(max(1, round(value * 1000))) for name, value in values.items() if name[-2:] == "_S"}
+    return {name: str(value) for name, value in values.items() if name[-2:] != "_S"} | times
 
 
 def find_haproxy() -> str | None:
@@ -47,201 +75,162 @@ def find_haproxy() -> str | None:
 
 def internal_ports(base: int = 0) -> dict[str, int]:
     """Loopback ports for what runs behind the proxy: `base`, base+1, ... or free ones when 0."""
-    if base:
-        return {name: base + offset for offset, name in enumerate(INTERNAL_PORTS)}
-    return {name: free_port() for name in INTERNAL_PORTS}
-
-
-def write_private(path: Path, text: str) -> None:
-    """Create `path` for this user only (0600), failing if anything is already there."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "w") as handle:
-        handle.write(text)
-
-
-# The longest path a unix socket may have, less one (sun_path holds 108 bytes with its NUL).
-UNIX_PATH_MAX = 107
+    return {name: base + offset if base else free_port() for offset, name in enumerate(INTERNAL_PORTS)}
 
 
 @dataclass
 class FrontDoor:
-    """HAProxy and the stream gate for one supervised tritonserver (see the module docstring)."""
+    """HAProxy, the stream gate and the HTTP API for one tritonserver (the module docstring).
+    `public` maps http, grpc, metrics, probe and api to ports (0: none); `admin_key` None opens the
+    admin APIs; `stream_gate` and `json_checks` are the defences `ops.workarounds` may turn off."""
 
     repository: Path
-    public: dict[str, int]  # http, grpc, metrics, probe (0: none)
-    admin_key: str | None  # None: the admin APIs are open to anyone (--open-admin-apis)
+    public: dict[str, int]
+    admin_key: str | None
     internal: dict[str, int] = field(default_factory=internal_ports)
     limits: ProxyLimits = field(default_factory=ProxyLimits.from_settings)
     internal_key: str = field(default_factory=lambda: secrets.token_urlsafe(32))
     directory: Path | None = None
-    # The defences `ops.workarounds` may turn off for a server that does not need them.
     stream_gate: bool = True
     json_checks: bool = True
+    client_keys: dict[str, str] = field(default_factory=dict)  # name -> key (secret_files.read_client_keys)
+    side_bind_address: str = field(default_factory=settings.TRITON_SIDE_PORTS_ADDRESS.value)
+    haproxy: list[str] = field(default_factory=lambda: [find_haproxy()])  # its command (tests: other lines')
 
-    def plan(self) -> ProxyPlan:
-        """What the config is generated from."""
-        routes = proxy_config.model_routes(self.repository, self.limits.json_header_bytes)
-        return ProxyPlan(
-            public={**self.public, "api": self.public.get("api", 0) if self.serves_api() else 0},
-            internal=self.internal,
-            admin_key_file=self.directory / "admin.key" if self.admin_key is not None else None,
-            internal_key=self.internal_key,
-            routes=routes,
-            limits=self.limits,
-            stream_gate=self.stream_gate,
-            json_checks=self.json_checks,
-            side_bind_address=settings.TRITON_SIDE_PORTS_ADDRESS.value(),
-            stats_socket=self.stats_socket,
-        )
+    def __post_init__(self) -> None:
+        self.internal = {"stream_gate_keyed": free_port(), **self.internal}  # where a caller names none
 
     @property
     def stats_socket(self) -> Path | None:
         """HAProxy's exporter socket (ops.proxy_metrics), where this haproxy has the exporter."""
-        binary = find_haproxy()
-        if not (self.directory and binary and exporter_available(binary)):
-            return None
-        path = self.directory / "stats.sock"
-        return path if len(str(path)) < UNIX_PATH_MAX else None  # a longer path cannot be bound
+        path = self.socket("stats.sock")
+        return path if path and self.haproxy[0] and exporter_available(*self.haproxy) else None
+
+    def socket(self, name: str) -> Path | None:
+        """`name` in the private directory, where a unix socket fits (sun_path: 107 bytes)."""
+        path = self.directory / name if self.directory else None
+        return path if path and len(str(path)) < UNIX_PATH_MAX else None
 
     @property
     def gate_socket(self) -> Path | None:
         """The unix socket the stream gate serves its refusal counters on (ops.proxy_metrics)."""
-        if not (self.directory and self.stream_gate):
-            return None
-        path = self.directory / "stream_gate.sock"
-        return path if len(str(path)) < UNIX_PATH_MAX else None
+        return self.socket("stream_gate.sock") if self.stream_gate else None
 
-    @property
-    def config_path(self) -> Path:
-        """The generated haproxy.cfg (0600: it holds the internal key)."""
-        return self.directory / "haproxy.cfg"
+    def environment(self) -> dict[str, str]:
+        """Every value the template reads (its header says what each is)."""
+        public = {**self.public, "api": self.public.get("api", 0) if self.serves_api() else 0}
+        api_key = self.client_keys.get(API_KEY_CLIENT)
+        total, per_port = self.connection_caps()
+        switches = {
+            "DOOR_ADMIN_KEY_FILE": self.directory / "admin.key" if self.admin_key is not None else None,
+            "DOOR_JSON_CHECKS": LUA_CHECKS if self.json_checks else None,
+            "DOOR_STREAM_GATE": "on" if self.stream_gate else None,
+            "DOOR_STATS_SOCKET": self.stats_socket,
+            "DOOR_CLIENT_KEYS": "on" if self.client_keys else None,
+            "DOOR_API_AUTHORIZATION": f"Bearer {api_key}" if api_key else None,
+            **{f"TRITON_{name.upper()}_PORT": port for name, port in public.items()},
+        }
+        return {
+            **limit_variables(self.limits),
+            **{name: str(value) for name, value in switches.items() if value},
+            **{f"DOOR_{name.upper()}_SERVER_PORT": str(port) for name, port in self.internal.items()},
+            "DOOR_BIND_ADDRESS": "0.0.0.0",
+            "DOOR_SIDE_BIND_ADDRESS": self.side_bind_address,
+            "DOOR_MAXCONN": str(total),
+            "DOOR_PORT_MAXCONN": str(per_port),
+            "DOOR_INTERNAL_KEY": self.internal_key,
+            "DOOR_ADMIN_KEY_PATTERN": f"^{KEY_PATTERN.pattern}$",
+            "DOOR_WRONG_KEYS_PER_MINUTE": str(WRONG_KEYS_PER_MINUTE),
+            "DOOR_MAPS": str(self.directory),
+        }
+
+    def connection_caps(self) -> tuple[int, int]:
+        """(HAProxy's cap, each of the HTTP, gRPC and API ports'): half PROXY_MAX_CONNECTIONS a port,
+        with client keys room for a keyed client on each HTTP port, and the side ports' own."""
+        keyed = self.limits.keyed_connections_per_ip if self.client_keys else 0
+        total = self.limits.max_connections + 2 * keyed + 2 * SIDE_PORT_CONNECTIONS
+        return total, max(1, self.limits.max_connections // 2) + keyed
+
+    def write_files(self) -> None:
+        """The admin key file and the model maps, into `directory`."""
+        if self.admin_key is not None:
+            write_secret_file(self.directory / "admin.key", self.admin_key + "\n")
+        routes = model_routes(self.repository, self.limits.json_header_bytes)
+        for name, value in (
+            ("model_kinds", lambda r: "generator" if r.decoupled else "sampler"),
+            ("body_limits", lambda r: r.body_limit_bytes),
+            ("input_specs", lambda r: r.input_spec),
+        ):
+            write_secret_file(self.directory / f"{name}.map", "".join(f"{r.name} {value(r)}\n" for r in routes))
+        if self.client_keys:
+            keys = "".join(f"{key} {name}\n" for name, key in self.client_keys.items())
+            write_secret_file(self.directory / "client_keys.map", keys)
+
+    def check(self) -> subprocess.CompletedProcess:
+        """`haproxy -c` of the template with this door's values."""
+        command = [*self.haproxy, "-c", "-f", str(TEMPLATE)]
+        return subprocess.run(command, env=self.environment(), capture_output=True, text=True, timeout=60)
 
     def prepare(self) -> None:
-        """Write the key file and the config into a fresh private directory and validate them;
-        raises ProxyError when HAProxy is missing, the descriptor limit is too low, or the config
-        does not pass `haproxy -c`."""
-        binary = find_haproxy()
-        if binary is None:
+        """Write the files into a fresh private directory and check the template with them; raises
+        ProxyError when HAProxy is missing, the descriptor limit too low or a value refused."""
+        if self.haproxy[0] is None:
             raise ProxyError("haproxy is not installed")
         hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-        needed = self.limits.descriptors_needed()
+        needed = 2 * self.connection_caps()[0] + 200  # a client and a server side each
         if hard != resource.RLIM_INFINITY and hard < needed:
             raise ProxyError(
                 f"PROXY_MAX_CONNECTIONS={self.limits.max_connections} needs about {needed} file descriptors "
                 f"but the hard limit (ulimit -Hn) is {hard}: lower PROXY_MAX_CONNECTIONS or raise the limit"
             )
         self.directory = Path(tempfile.mkdtemp(prefix="triton-front-door-"))  # 0700
-        if self.admin_key is not None:
-            write_private(self.directory / "admin.key", self.admin_key + "\n")
-        write_private(self.config_path, proxy_config.render(self.plan()))
-        check = subprocess.run([binary, "-c", "-f", str(self.config_path)], capture_output=True, text=True, timeout=60)
-        if check.returncode != 0:
-            raise ProxyError(f"haproxy refuses the generated config {self.config_path}:\n{check.stderr.strip()}")
-
-    def proxy_command(self) -> list[str]:
-        """HAProxy in the foreground (-db) on the generated config."""
-        return [find_haproxy(), "-db", "-f", str(self.config_path)]
-
-    def gate_command(self) -> list[str]:
-        """The stream gate between the proxy and tritonserver's gRPC port."""
-        largest = max((route.body_limit_bytes for route in self.plan().routes), default=2**31 - 1)
-        return [
-            sys.executable,
-            "-m",
-            "triton_sampling_mask.ops.stream_gate",
-            f"--listen=127.0.0.1:{self.internal['stream_gate']}",
-            f"--upstream=127.0.0.1:{self.internal['grpc']}",
-            f"--max-open={self.limits.stream_max_open}",
-            f"--max-message-bytes={min(largest, 2**31 - 1)}",
-            # the stream route's queue (HAProxy's cannot answer a stream: ops.stream_gate)
-            f"--max-streams={self.limits.max_in_flight}",
-            f"--max-queue={self.limits.max_queue}",
-            f"--queue-timeout={self.limits.queue_timeout_s}",
-            *([f"--counters-socket={self.gate_socket}"] if self.gate_socket else []),
-            # decoupled models stop a cancelled request at their next step (the generate engine)
-            *(f"--cancellable={route.name}" for route in self.plan().routes if route.decoupled),
-        ]
-
-    def api_command(self) -> list[str]:
-        """The HTTP API (plugin/api) on loopback, over tritonserver's own gRPC port, with the
-        generate model's checkpoint for its tokenizer."""
-        config = Path(self.repository) / GENERATE_MODEL / "config.pbtxt"
-        model_path = proxy_config.config_parameters(config).get("model_path", "") if config.exists() else ""
-        return [
-            sys.executable,
-            "-m",
-            "triton_sampling_mask.api",
-            f"--triton-url=127.0.0.1:{self.internal['grpc']}",
-            "--host=127.0.0.1",
-            f"--port={self.internal['api']}",
-            # what routers read of this replica: /health follows the supervisor's readiness, /v1/loads the engine's gauges
-            f"--readiness-url=http://127.0.0.1:{self.internal['probe']}/ready",
-            f"--metrics-url=http://127.0.0.1:{self.internal['metrics']}/metrics",
-            *([f"--model-path={model_path}"] if model_path else []),
-            # the admin key only where it is sent for trusted networks' keyless weight calls
-            *(
-                [f"--admin-key-file={self.directory / 'admin.key'}"]
-                if self.admin_key is not None and settings.TRITON_API_TRUSTED_NETWORKS.value()
-                else []
-            ),
-        ]
+        self.write_files()
+        if (check := self.check()).returncode != 0:
+            raise ProxyError(f"haproxy refuses the front door's values ({TEMPLATE}):\n{check.stderr.strip()}")
 
     def serves_api(self) -> bool:
-        """Whether the HTTP API runs: a public port for it, a generate model, and its extra installed."""
-        wanted = bool(self.public.get("api")) and (Path(self.repository) / GENERATE_MODEL / "config.pbtxt").exists()
-        return wanted and importlib.util.find_spec("fastapi") is not None
+        return api_runs(self.repository, self.public.get("api", 0))
 
     def children(self, log_path: Path | None = None) -> list[Child]:
-        """The proxy, the gate and the HTTP API, ready to start (their output to `log_path`, or
-        inherited): each dies with its parent and may hold as many descriptors as the hard limit
-        allows (HAProxy needs about two per connection)."""
-        commands = [("haproxy", self.proxy_command())]
-        if self.stream_gate:
-            commands.append(("stream gate", self.gate_command()))
-        if self.serves_api():
-            commands.append(("http api", self.api_command()))
+        """The proxy (its values in its environment; SIGUSR1 stops it accepting while what is in
+        flight finishes), the gate and the API: each dies with its parent and may hold as many
+        descriptors as the hard limit allows (HAProxy needs about two per connection)."""
+        commands = [("haproxy", [*self.haproxy, "-db", "-f", str(TEMPLATE)], self.environment(), signal.SIGUSR1)]
+        commands += [("stream gate", gate_command(self), None, signal.SIGTERM)] if self.stream_gate else []
+        commands += [("http api", api_command(self), None, signal.SIGTERM)] if self.serves_api() else []
         return [
-            Child(
-                name,
-                command,
-                log_path=log_path,
-                die_with_parent=True,
-                nofile=HARD_LIMIT,
-                soft_stop=signal.SIGUSR1 if name == "haproxy" else signal.SIGTERM,
-            )
-            for name, command in commands
+            Child(name, command, env=env, log_path=log_path, die_with_parent=True, nofile=HARD_LIMIT, soft_stop=stop)
+            for name, command, env, stop in commands
         ]
 
     def clean_up(self) -> None:
-        """Remove the private directory (keys and config)."""
+        """Remove the private directory (key and maps)."""
         if self.directory is not None:
             shutil.rmtree(self.directory, ignore_errors=True)
             self.directory = None
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Generate the config `make serve` would run for a repository and check it with `haproxy -c`
-    (the image's build runs this); --print shows it, with a placeholder internal key."""
+    """`haproxy -c` of the template with the values `make serve` gives it for a repository (the
+    image's build runs this); --print shows them and the map files, secrets redacted."""
     import argparse
-
-    from . import settings
 
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--model-repository", type=Path, default=Path(settings.MODEL_REPOSITORY.value()))
-    parser.add_argument("--print", action="store_true", help="print the generated config")
+    parser.add_argument("--print", action="store_true", help="print the values and the maps")
     args = parser.parse_args(argv)
-    public = {
-        "http": settings.TRITON_HTTP_PORT.value(),
-        "grpc": settings.TRITON_GRPC_PORT.value(),
-        "metrics": settings.TRITON_METRICS_PORT.value(),
-        "probe": settings.TRITON_PROBE_PORT.value(),
-    }
-    door = FrontDoor(args.model_repository, public, secrets.token_urlsafe(32), internal_key="INTERNAL-KEY-PLACEHOLDER")
+    names = ("http", "grpc", "metrics", "probe", "api")
+    ports = {name: getattr(settings, f"TRITON_{name.upper()}_PORT").value() for name in names}
+    door = FrontDoor(args.model_repository, ports, secrets.token_urlsafe(32))
     try:
         door.prepare()
-        if args.print:
-            print(door.config_path.read_text(), end="")
-        print(f"haproxy accepts the config generated for {args.model_repository}", file=sys.stderr)
+        for name, value in sorted(door.environment().items()) if args.print else ():
+            print(f"{name}={'<secret>' if name in ('DOOR_INTERNAL_KEY', 'DOOR_API_AUTHORIZATION') else value}")
+        for path in (
+            sorted(set(door.directory.glob("*.map")) - {door.directory / "client_keys.map"}) if args.print else ()
+        ):
+            print(f"\n{path.name}:\n{path.read_text()}", end="")
+        print(f"haproxy accepts the front door's values for {door.repository}", file=sys.stderr)
     except ProxyError as error:
         raise SystemExit(str(error)) from None
     finally:

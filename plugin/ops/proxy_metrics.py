@@ -1,7 +1,7 @@
 """The front door's refusals as Prometheus metrics, read from HAProxy's own counters.
 
 HAProxy serves its counters through its built-in Prometheus exporter on a unix socket in the
-front door's private directory (mode 0600; `stats_socket` of the generated config). A stats
+front door's private directory (mode 0600; `fe_stats` of haproxy/haproxy.cfg). A stats
 socket would do too, but its `show acl` prints the admin key file's contents; the exporter
 answers counters only. The supervisor serves `render(socket)` at GET :TRITON_PROBE_PORT/metrics
 (through the proxy), as these series, per public frontend (`frontend`: http, grpc, api, metrics,
@@ -31,14 +31,14 @@ import subprocess
 from collections import defaultdict
 from pathlib import Path
 
-from .proxy_config import GRPC_QUEUE_FULL_BACKEND
-
 EXPORTER_QUERY = "/metrics?scope=frontend&scope=backend"
 # The public frontends (fe_<name>, docs/metrics.md): HAProxy's others (the exporter's own frontend,
 # which counts every scrape as an answer of its own) are not exported.
 FRONTENDS = ("http", "grpc", "api", "metrics", "probe")
-# The route whose streams the stream gate queues (ops.stream_gate), by frontend and backend.
+# The route whose streams the stream gate queues (ops.stream_gate), by frontend and backend, and
+# the backend of haproxy.cfg that answers a gRPC call refused for a full queue.
 GATE_FRONTEND, GATE_BACKEND = "grpc", "be_grpc_stream"
+GRPC_QUEUE_FULL_BACKEND = "be_grpc_queue_full"
 # The public frontends whose rules answer 5xx only when a route's queue is full.
 QUEUE_FULL_BY_5XX = ("http", "api")
 REASONS = ("queue_full", "queue_timeout", "refused", "connection_cap", "bad_request")
@@ -56,10 +56,10 @@ TYPES = {REFUSED: "counter", RECEIVED: "counter", WAITING: "gauge"}
 
 
 @functools.cache
-def exporter_available(binary: str) -> bool:
-    """Whether this haproxy has the Prometheus exporter built in (`haproxy -vv` lists it)."""
+def exporter_available(*haproxy: str) -> bool:
+    """Whether this haproxy (its command) has the Prometheus exporter built in (`-vv` lists it)."""
     try:
-        done = subprocess.run([binary, "-vv"], capture_output=True, text=True, timeout=30, check=False)
+        done = subprocess.run([*haproxy, "-vv"], capture_output=True, text=True, timeout=30, check=False)
     except (OSError, subprocess.TimeoutExpired):
         return False
     return "prometheus-exporter" in done.stdout
@@ -114,7 +114,7 @@ def _samples(text: str):
 
 
 def _frontend_of(backend: str, frontends: set[str]) -> str | None:
-    """The public frontend a backend serves: `be_http_sampler` -> http (by name, as proxy_config names them)."""
+    """The public frontend a backend serves: `be_http_sampler` -> http (by name, as haproxy.cfg names them)."""
     name = backend.removeprefix("be_")
     return next((f for f in sorted(frontends, key=len, reverse=True) if name == f or name.startswith(f + "_")), None)
 
@@ -159,6 +159,8 @@ def refusals(exporter_text: str, gate: dict[str, int] | None = None) -> dict[str
         route["queue_full"] += gate["queue_full"]
         route["queue_timeout"] += gate["queue_timeout"]
         route["waiting"][GATE_BACKEND] = route["waiting"].get(GATE_BACKEND, 0.0) + gate["waiting"]
+        keyed = f"{GATE_BACKEND}_keyed"
+        route["waiting"][keyed] = route["waiting"].get(keyed, 0.0) + gate.get("keyed_waiting", 0)
     return out
 
 

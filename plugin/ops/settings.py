@@ -102,6 +102,18 @@ TRITON_API_PORT = Setting(
 TRITON_API_KEY = Setting(
     str, "", "a key the HTTP API requires as `Authorization: Bearer` (read by its process; empty: none)"
 )
+# Clients that prove who they are (a trainer submitting its rollout batch from one host) get the
+# PROXY_KEYED_* capacity instead of one address's share (docs/api.md, "Sizing for a trainer").
+TRITON_CLIENT_KEYS_FILE = Setting(
+    str,
+    "",
+    "a file of client keys, one `<name> <key>` a line (keys 32 to 512 letters, digits and ._~+/-; the file this "
+    "user's or root's, readable by its owner only): a request sending one as `Authorization: Bearer <key>` on any "
+    "public port gets its client's capacity (`PROXY_KEYED_*`) instead of its address's share, and waits where others "
+    "are refused. "
+    "`TRITON_API_KEY`, when set, is one more (named `api-key`); empty: no file",
+    shown_default="none",
+)
 TRITON_API_TRUSTED_NETWORKS = Setting(
     str,
     "",
@@ -124,8 +136,8 @@ TRITON_PROXY = Setting(
 TRITON_INTERNAL_PORT_BASE = Setting(
     _port,
     0,
-    "behind the proxy: the first of five loopback ports for tritonserver's HTTP, gRPC and metrics, the stream gate "
-    "and the probe; 0: free ports chosen at start",
+    "behind the proxy: the first of seven loopback ports for tritonserver's HTTP, gRPC and metrics, the stream gate, "
+    "the probe, the HTTP API and the stream gate's keyed listener; 0: free ports chosen at start",
 )
 TRITON_ADMIN_KEY = Setting(
     str,
@@ -145,7 +157,11 @@ TRITON_ADMIN_KEY_FILE = Setting(
 # requests in flight to tritonserver; beyond it requests wait in the proxy, which sheds them (503 /
 # UNAVAILABLE) at once past PROXY_MAX_QUEUE waiting or after PROXY_QUEUE_TIMEOUT_S in the queue.
 PROXY_MAX_CONNECTIONS = Setting(int, 2000, "connections the proxy holds at once, half on each of HTTP and gRPC")
-PROXY_CONNECTIONS_PER_IP = Setting(int, 256, "HTTP connections one client address may hold at once")
+PROXY_CONNECTIONS_PER_IP = Setting(
+    int,
+    256,
+    "HTTP connections one client address may hold at once (with client keys: may hold for requests without one)",
+)
 # gRPC clients multiplex their calls over a connection or two; a silent connection that never
 # sends the HTTP/2 preface lasts PROXY_SERVER_TIMEOUT_S on HAProxy 2.6, hence a lower cap.
 PROXY_GRPC_CONNECTIONS_PER_IP = Setting(int, 32, "gRPC connections one client address may hold at once")
@@ -163,6 +179,28 @@ PROXY_REQUESTS_PER_IP = Setting(
     "requests one client address may have at one model route at once, in tritonserver or waiting in the proxy",
 )
 PROXY_QUEUE_TIMEOUT_S = Setting(float, 2.0, "seconds a sampler request may wait in the proxy before it is shed")
+# Keyed clients (TRITON_CLIENT_KEYS_FILE) have routes of their own beside those: their requests to a
+# generator go on into the engine, whose own queue (max_waiting) is the real backpressure, and the
+# rest wait in the proxy, keys taking turns, for up to PROXY_KEYED_QUEUE_TIMEOUT_S. Their sampler
+# requests keep PROXY_MAX_IN_FLIGHT slots of their own (tritonserver holds their tensors).
+PROXY_KEYED_MAX_IN_FLIGHT = Setting(
+    int,
+    1024,
+    "keyed clients' requests (or gRPC streams) per generator route in tritonserver at once, beside the others' "
+    "`PROXY_MAX_IN_FLIGHT`: keep it within the engine's max_active_sequences + max_waiting",
+)
+PROXY_KEYED_MAX_QUEUE = Setting(
+    int, 1024, "keyed clients' requests per model route waiting in the proxy; beyond it a request is shed at once"
+)
+PROXY_KEYED_QUEUE_TIMEOUT_S = Setting(
+    float, 300.0, "seconds a keyed client's request may wait in the proxy before it is shed (at most 500)"
+)
+PROXY_KEYED_CONNECTIONS_PER_IP = Setting(
+    int,
+    2048,
+    "HTTP connections an address that sent a client key may hold at once (an OpenAI SDK opens up to 1,000); "
+    "another address may open twice `PROXY_CONNECTIONS_PER_IP`, the second half for keyed requests only",
+)
 # Open: sent, not finally answered; beyond it the stream gate stops reading the stream.
 PROXY_STREAM_MAX_OPEN = Setting(int, 64, "requests one gRPC stream may have open at once")
 PROXY_REQUEST_TIMEOUT_S = Setting(float, 10.0, "seconds a client has to send a request's head (and an inspected body)")

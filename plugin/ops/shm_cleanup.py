@@ -1,4 +1,5 @@
-"""Remove the /dev/shm regions a dead tritonserver's Python stubs leave behind.
+"""Remove the /dev/shm regions a dead tritonserver's Python stubs leave behind. Why by hand: the
+Python backend never unlinks a dead stub's region (python_backend PR #431, open).
 
 Each Python-backend stub talks to tritonserver through a region `/dev/shm/<prefix><uuid>`. A
 clean exit unlinks it; a crashed stub, a killed server or an exit that hits the exit timeout

@@ -17,7 +17,9 @@ waiting, a stream is refused with UNAVAILABLE and the proxy's message. HAProxy's
 answer a stream: after any answer HAProxy makes itself to a stream the client is still sending on,
 2.4 and 2.6 reset it with CANCEL (HAProxy issue #1219, fixed in 3.2 and 2.8), and the client
 reads CANCELLED instead of the refusal; an answer that comes from this gate passes through whole.
-The refusals are counted, and served as JSON on a unix socket (`--counters-socket`) to
+Keyed clients' streams (docs/operations.md, "Keyed clients") come on a listener of their own
+(`--keyed-listen`) with a queue of their own (`--keyed-max-streams`, ...). The
+refusals are counted, and served as JSON on a unix socket (`--counters-socket`) to
 ops.proxy_metrics.
 
 It relays HTTP/2 frames, not gRPC calls: each connection from the proxy gets one connection to
@@ -42,7 +44,7 @@ a streamed token costs a socket read, a write and a little frame parsing here (n
 
     python -m triton_sampling_mask.ops.stream_gate --listen 127.0.0.1:P --upstream 127.0.0.1:Q
         [--max-open N] [--max-message-bytes B] [--max-streams N --max-queue N --queue-timeout S]
-        [--counters-socket PATH]
+        [--counters-socket PATH] [--keyed-listen 127.0.0.1:R --keyed-max-streams N ...]
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ from collections import OrderedDict
 
 import hpack
 
-from .proxy_config import QUEUE_FULL, QUEUE_TIMEOUT
+from .proxy import QUEUE_FULL, QUEUE_TIMEOUT
 
 FINAL_PARAMETER = b"triton_final_response"
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
@@ -677,6 +679,7 @@ class StreamGate:
         self.running = 0  # streams holding a slot
         self.queue: OrderedDict[tuple[Relay, int], asyncio.TimerHandle] = OrderedDict()  # waiting, oldest first
         self.refusals = {"queue_full": 0, "queue_timeout": 0}
+        self.keyed: StreamGate | None = None  # keyed clients' gate, when it runs: its queue in the counters
 
     def enter(self, relay: Relay, stream_id: int) -> bool | None:
         """A stream's first request: True (it has a slot), False (it waits for one), None (the queue is full)."""
@@ -714,7 +717,8 @@ class StreamGate:
 
     def counters(self) -> dict[str, int]:
         """The streams refused for want of a slot, by reason, and those waiting or holding one now."""
-        return {**self.refusals, "waiting": len(self.queue), "running": self.running}
+        keyed = {"keyed_waiting": len(self.keyed.queue)} if self.keyed else {}
+        return {**self.refusals, "waiting": len(self.queue), "running": self.running, **keyed}
 
     async def _answer_counters(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         writer.write(json.dumps(self.counters()).encode())
@@ -754,7 +758,13 @@ async def _main(args: argparse.Namespace) -> None:
         args.max_queue,
         args.queue_timeout,
     )
-    await gate.serve(args.listen, stop, args.counters_socket)
+    serving = [gate.serve(args.listen, stop, args.counters_socket)]
+    if args.keyed_listen:  # the same relay, with keyed clients' queue; its refusals counted with the others
+        limits = (args.keyed_max_streams, args.keyed_max_queue, args.keyed_queue_timeout)
+        gate.keyed = StreamGate(args.upstream, args.max_open, args.max_message_bytes, tuple(args.cancellable), *limits)
+        gate.keyed.refusals = gate.refusals
+        serving.append(gate.keyed.serve(args.keyed_listen, stop))
+    await asyncio.gather(*serving)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -773,6 +783,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-queue", type=int, default=0, help="streams waiting for one of those (default 0)")
     parser.add_argument("--queue-timeout", type=float, default=0.0, help="seconds a stream may wait (default 0)")
     parser.add_argument("--counters-socket", help="a unix socket to serve the refusal counters on, as JSON")
+    parser.add_argument("--keyed-listen", help="host:port to serve keyed clients' streams on")
+    parser.add_argument("--keyed-max-streams", type=int, default=0, help="their streams at the server (0: no bound)")
+    parser.add_argument("--keyed-max-queue", type=int, default=0, help="their streams waiting (default 0)")
+    parser.add_argument("--keyed-queue-timeout", type=float, default=0.0, help="seconds one may wait (default 0)")
     asyncio.run(_main(parser.parse_args(argv)))
 
 

@@ -1,47 +1,20 @@
 """tritonserver under supervision: restarted when it dies, models reloaded when their stub dies,
-readiness that means "a real inference works", a bounded shutdown that leaves nothing behind.
+readiness that means "a real inference works", a bounded shutdown that leaves nothing behind
+(docs/operations.md, "The supervisor", says what each does and why).
 
-What it answers, with Triton 2.51 / Python backend r24.10:
+Why by hand: tritonserver restarts nothing (a dead stub answers 500 for good while
+/v2/health/ready stays 200, in 2.51) and never releases a dead stub's /dev/shm region; a process
+manager (systemd, supervisord, a kubelet) restarts a process, but cannot tell a model whose stub
+died, reload it, or drain and restart the server when dead stubs' regions pile up.
 
-- One request can kill a model's Python stub (a declared shape whose byte size wraps around
-  passes Triton's checks; the stub aborts before `execute`). The backend never restarts the
-  stub: every later request gets 500 "Stub process '<m>_0_0' is not healthy" while
-  /v2/health/ready stays 200 (in 2.51; from 2.64 the model's readiness and from 2.68 the server's
-  turn false, and still nothing restarts the stub). The watchdog sends each loaded model a tiny
-  real inference every `watchdog_interval_s` (`ops.probe`) and reloads the model (unload + load through the
-  model-repository API, explicit model-control mode) when the answer says the stub is dead, or
-  when a sampler-like model times out twice in a row without finishing any request in between
-  (its statistics did not move). A decoupled generator is never reloaded for a timeout: it runs
-  one batch at a time, so a long generation legitimately holds the probe past any timeout.
-- A stub that died after a request reached it is never released: tritonserver keeps its /dev/shm
-  region (64 MiB and up) mapped until it exits, even after the reload. The supervisor unlinks
-  such a region at once (`shm_cleanup.DeadStubRegions`) and, when what tritonserver still maps
-  of them exceeds TRITON_SHM_LEAK_LIMIT_BYTES, drains it (/ready 503 for one interval) and
-  restarts it cleanly, without the crash backoff.
-- One HTTP body can kill tritonserver itself (deeply nested JSON, a JSON shape of 2**40). The
-  supervisor restarts it with backoff (`ops.child.RESTART_BACKOFF_S`: 0.5 s, doubling up to 30 s;
-  back to 0.5 s once a server ran a minute) and removes the dead server's /dev/shm stub regions first.
-- Readiness: `GET :probe_port/ready` is 200 only while the last watchdog round, at most a few
-  intervals old, got a correct answer from every model, and no model of the round under way has
-  left its probe unanswered for an interval without finishing any request (a stopped stub:
-  503 one interval into the round, not at the probe's timeout); `/live` is 200 while the
-  supervisor runs; `/status` is the last round as JSON; `/metrics` is the front door's refusals
-  (ops.proxy_metrics, Prometheus text).
-- tritonserver and its stubs run with umask 077 (their /dev/shm regions are 0600) and without
-  TRITON_ADMIN_KEY in their environment.
-- SIGTERM/SIGINT: the watchdog stops, tritonserver gets SIGTERM (its --exit-timeout-secs bounds
-  the wait for in-flight requests, idle keep-alive clients and open decoupled streams), then
-  SIGKILL for its whole process group at `exit_timeout_s + 3` s; the stub regions no live
-  process maps are removed after every exit, clean or not. tritonserver runs in a session of
-  its own with a parent-death signal, so it cannot outlive a killed supervisor.
-- The front door (`ops.proxy`, unless `--no-proxy`): HAProxy on the public ports and the stream
-  gate run as children too (`ops.child.Child`, like tritonserver), each restarted when it dies
-  with the same backoff; tritonserver and the probe endpoint listen on loopback behind them.
-  On stop the proxy stops accepting while tritonserver finishes what is in flight, then both exit.
-- A memory limit (`ops.memory_limit`) around tritonserver and its stubs. A server that died
-  after it had served (a watchdog round passed), an OOM kill under the limit included, is
-  restarted after the shortest delay: a crash a request caused does not escalate the backoff,
-  which is for servers that die before they ever serve.
+- `Watchdog`: every model gets a tiny real inference (`ops.probe`) each `watchdog_interval_s`; a
+  model whose stub is dead, or a sampler-like model that timed out twice without finishing any
+  request between, is reloaded (unload + load through the model-repository API).
+- `Supervisor`: runs tritonserver (in a session of its own, with a parent-death signal, under the
+  memory limit, umask 077, without TRITON_ADMIN_KEY in its environment) and the front door's
+  children (`ops.proxy`), restarts whichever dies with backoff (`ops.child`), sweeps dead stubs'
+  regions (`ops.shm_cleanup`), serves /ready, /live, /status and /metrics on the probe port, and
+  on SIGTERM stops the proxy accepting, lets tritonserver finish what is in flight, then stops all.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ keeps them equal, and prints the table to paste when they differ).
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -113,23 +113,3 @@ class WorkaroundPlan:
 def plan(caps: ServerCapabilities) -> WorkaroundPlan:
     """The defences that run for a server with `caps`."""
     return WorkaroundPlan(frozenset(workaround.name for workaround in WORKAROUNDS if workaround.runs(caps)))
-
-
-def markdown(columns: Mapping[str, ServerCapabilities]) -> str:
-    """The table of docs/upstream-issues.md, "Which defences run where": one row per defence, one
-    column per named set of capabilities (a line on a bare host or in a container)."""
-    header = ["Defence", "Module", "Runs when", *columns, "Native equivalent"]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for workaround in WORKAROUNDS:
-        names = [module.rsplit(".", 1)[-1] for module in workaround.modules]
-        names += [file.removeprefix("plugin/ops/") for file in workaround.files]
-        where = ", ".join(f"`{name}`" for name in names)
-        cells = [
-            f"[{workaround.title}](#{workaround.anchor})",
-            where,
-            workaround.on_when,
-            *("on" if workaround.runs(caps) else "off" for caps in columns.values()),
-            workaround.native,
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"

@@ -1,5 +1,7 @@
--- HAProxy actions over the JSON of an HTTP request body (plugin/ops/proxy_config.py loads this file
--- and calls them on /infer and /generate routes, once the body has arrived).
+-- HAProxy actions over the JSON of an HTTP request body (haproxy.cfg loads this file and calls them
+-- on /infer and /generate routes, once the body has arrived). Why by hand: HAProxy has no JSON
+-- validation of its own, and no Lua JSON library is this strict (duplicate keys, numbers past a
+-- double, shapes against the data that carries them).
 --
 -- tritonserver 2.51 answers a body whose JSON is malformed or wrongly typed with a 500, sizes a
 -- JSON input from its declared "shape" before it reads "data" (a 100-byte body can ask for all
@@ -326,6 +328,10 @@ local SHARED_MEMORY = { shared_memory_region = "a string", shared_memory_byte_si
 local INPUT_PARAMETERS = setmetatable({ binary_data_size = UINT }, { __index = SHARED_MEMORY })
 local OUTPUT_PARAMETERS = setmetatable({ binary_data = "a boolean", classification = UINT }, { __index = SHARED_MEMORY })
 
+-- The parameters only the front door may set: the client's address, which the models read as a
+-- request parameter (the door sets it as a gRPC header; tritonserver forwards none on HTTP).
+local RESERVED = { ["triton-client-address"] = true }
+
 -- `parameters`: an object of scalars, each of `kinds` (name -> what it must be) of that kind.
 local function check_parameters(parameters, owner, kinds)
   if parameters == nil then
@@ -337,6 +343,9 @@ local function check_parameters(parameters, owner, kinds)
   for key, value in pairs(parameters) do
     if key:find("\0", 1, true) then -- tritonserver reads the name up to it, finds no such key: a 500
       fail(owner .. ": a parameter's name may not hold a NUL character")
+    end
+    if RESERVED[key] then
+      fail(string.format("%s: parameter '%s' is the front door's to set", owner, key))
     end
     if not is_scalar(value) then
       fail(string.format("%s: parameter '%s' must be a string, number or boolean", owner, key))
@@ -518,7 +527,10 @@ core.register_action("check_infer_json", { "http-req" }, function(txn)
   end)
 end, 0)
 
-core.register_action("check_generate_json", { "http-req" }, function(txn, spec, route)
+-- The model's inputs and the route come from the proxy's variables (the model's line of
+-- input_specs.map, and generate or generate_stream).
+core.register_action("check_generate_json", { "http-req" }, function(txn)
+  local spec, route = txn:get_var("txn.input_spec") or "", txn:get_var("txn.json_route")
   guarded(txn, function()
     local body = txn.f:req_body() or ""
     if #body < (tonumber(txn.f:req_body_size()) or 0) then
@@ -526,4 +538,4 @@ core.register_action("check_generate_json", { "http-req" }, function(txn, spec, 
     end
     check_generate(parse(body), spec, route == "generate_stream")
   end)
-end, 2)
+end, 0)

@@ -1,0 +1,68 @@
+"""The command lines of the front door's children beside HAProxy (ops.proxy): the stream gate
+(ops.stream_gate) and the HTTP API (plugin/api), and whether the API runs.
+
+The API runs behind the proxy only, when the proxy has a public port for it, the repository has a
+`generate` model and the `api` extra is installed; it listens on loopback, talks to tritonserver's
+own gRPC port, and loads the generate model's `model_path` for its tokenizer.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+from ..model_config import read_config_file, string_parameters
+from . import settings
+from .model_limits import model_routes
+
+GENERATE_MODEL = "generate"  # the model the HTTP API serves
+
+
+def api_runs(repository: Path, public_port: int) -> bool:
+    """Whether the HTTP API runs: a public port for it, a generate model, and its extra installed."""
+    wanted = bool(public_port) and (Path(repository) / GENERATE_MODEL / "config.pbtxt").exists()
+    return wanted and importlib.util.find_spec("fastapi") is not None
+
+
+def api_command(door) -> list[str]:
+    """The API on loopback behind `door` (an ops.proxy.FrontDoor), over tritonserver's gRPC port,
+    with the generate model's checkpoint for its tokenizer, and the door's admin key file where
+    trusted networks' keyless weight calls need it (TRITON_API_TRUSTED_NETWORKS)."""
+    config = Path(door.repository) / GENERATE_MODEL / "config.pbtxt"
+    model_path = string_parameters(read_config_file(config)).get("model_path", "") if config.exists() else ""
+    trusted = door.admin_key is not None and settings.TRITON_API_TRUSTED_NETWORKS.value()
+    return [
+        *(sys.executable, "-m", "triton_sampling_mask.api", f"--triton-url=127.0.0.1:{door.internal['grpc']}"),
+        *("--host=127.0.0.1", f"--port={door.internal['api']}"),
+        # the API ends a body its client stopped sending as the proxy would (PROXY_CLIENT_TIMEOUT_S)
+        f"--client-timeout-s={door.limits.client_timeout_s}",
+        # what routers read of this replica: /health follows the supervisor's readiness, /v1/loads the engine's gauges
+        f"--readiness-url=http://127.0.0.1:{door.internal['probe']}/ready",
+        f"--metrics-url=http://127.0.0.1:{door.internal['metrics']}/metrics",
+        *([f"--model-path={model_path}"] if model_path else []),
+        *([f"--admin-key-file={door.directory / 'admin.key'}"] if trusted else []),
+    ]
+
+
+def gate_command(door) -> list[str]:
+    """The gate's command line behind `door` (an ops.proxy.FrontDoor): the stream route's queue from
+    its limits, keyed clients' on a port of their own, the largest body cap as the message cap, and
+    the decoupled models as cancellable (they stop a cancelled request at their next step)."""
+    limits, internal = door.limits, door.internal
+    routes = model_routes(door.repository, limits.json_header_bytes)
+    largest = min(max((route.body_limit_bytes for route in routes), default=2**31 - 1), 2**31 - 1)
+    return [
+        *(sys.executable, "-m", "triton_sampling_mask.ops.stream_gate", f"--max-message-bytes={largest}"),
+        *(f"--listen=127.0.0.1:{internal['stream_gate']}", f"--upstream=127.0.0.1:{internal['grpc']}"),
+        f"--max-open={limits.stream_max_open}",
+        *(f"--max-streams={limits.max_in_flight}", f"--max-queue={limits.max_queue}"),
+        f"--queue-timeout={limits.queue_timeout_s}",
+        *([f"--counters-socket={door.gate_socket}"] if door.gate_socket else []),
+        *(
+            f"--keyed-listen=127.0.0.1:{internal['stream_gate_keyed']}",
+            f"--keyed-max-streams={limits.keyed_max_in_flight}",
+        ),
+        *(f"--keyed-max-queue={limits.keyed_max_queue}", f"--keyed-queue-timeout={limits.keyed_queue_timeout_s}"),
+        *(f"--cancellable={route.name}" for route in routes if route.decoupled),
+    ]
