@@ -118,7 +118,7 @@ class _Stub:
     def __init__(self, responses):
         self.responses = responses
 
-    def ModelStreamInfer(self, requests):  # noqa: N802 (the generated stub's name)
+    def ModelStreamInfer(self, requests, metadata=None):  # noqa: N802 (the generated stub's name)
         responses = self.responses
 
         class Call:
