@@ -59,10 +59,18 @@ def http_json(
 
 class RouterProcess:
     """One router in front of `worker_urls` (a context manager); `url` is its base URL. `api_key`
-    is written to a 0600 file for the launcher; `args` are more router flags."""
+    is written to a 0600 file for the launcher; `args` are more router flags; `python` is an
+    interpreter with the router installed (default: its venv under .venv/routers)."""
 
-    def __init__(self, router: str, worker_urls: list[str], api_key: str | None = None, args: list[str] = ()):
-        python = router_python(router)
+    def __init__(
+        self,
+        router: str,
+        worker_urls: list[str],
+        api_key: str | None = None,
+        args: list[str] = (),
+        python: Path | None = None,
+    ):
+        python = python or router_python(router)
         if python is None:
             raise RuntimeError(f"{router} is not installed in {ROUTER_VENVS / router}: run `make setup`")
         self.router, self.api_key = router, api_key
