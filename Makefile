@@ -14,6 +14,13 @@ INSTALL_HAPROXY = command -v haproxy >/dev/null || test -x /usr/sbin/haproxy || 
 
 setup: $(VENV)/.installed
 
+# The routers RL teams put in front of replicas, each in a venv of its own (their dependencies are theirs,
+# and both wheels install a console script named smg): client_tests/test_router.py and bench/load/router.py
+# start them through docker/router/launch.py. smg's version is the router image's (docker/router/Dockerfile).
+ROUTERS := $(VENV)/routers
+SMG_VERSION := $(shell sed -n 's/^ARG SMG_VERSION=//p' docker/router/Dockerfile)
+SGLANG_ROUTER_VERSION := 0.3.2
+
 $(VENV)/.installed: pyproject.toml
 	test -x $(PYTHON) || $(SYSTEM_PYTHON) -m venv $(VENV)
 	$(PYTHON) -m pip install --quiet --upgrade pip
@@ -22,6 +29,12 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m pip install --quiet -e '.[server,client,proxy,test,lint,generate,api,tracing]'
 	# checkov (the Helm chart's static analysis) in a venv of its own: its pins would downgrade ours.
 	test -x $(VENV)/checkov/bin/checkov || { $(SYSTEM_PYTHON) -m venv $(VENV)/checkov && $(VENV)/checkov/bin/pip install --quiet checkov==3.3.30; }
+	test -f $(ROUTERS)/smg/.installed-$(SMG_VERSION) || { rm -rf $(ROUTERS)/smg && $(SYSTEM_PYTHON) -m venv $(ROUTERS)/smg && \
+	  $(ROUTERS)/smg/bin/pip install --quiet smg==$(SMG_VERSION) && touch $(ROUTERS)/smg/.installed-$(SMG_VERSION); }
+	test -f $(ROUTERS)/sglang-router/.installed-$(SGLANG_ROUTER_VERSION) || { rm -rf $(ROUTERS)/sglang-router && \
+	  $(SYSTEM_PYTHON) -m venv $(ROUTERS)/sglang-router && \
+	  $(ROUTERS)/sglang-router/bin/pip install --quiet sglang-router==$(SGLANG_ROUTER_VERSION) && \
+	  touch $(ROUTERS)/sglang-router/.installed-$(SGLANG_ROUTER_VERSION); }
 	# jemalloc for tritonserver (plugin/ops/allocator.py); glibc's malloc is the fallback where it can't be installed.
 	@ldconfig -p 2>/dev/null | grep -q libjemalloc.so.2 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 	  { apt-get update -qq >/dev/null && apt-get install -y -qq libjemalloc2 >/dev/null; } ; } || \
