@@ -599,36 +599,27 @@ def test_the_router_image_passes_hadolint():
 @pytest.mark.parametrize("router", ["smg", "sglang-router"])
 def test_the_launchers_flags_are_the_installed_routers_own(router, tmp_path):
     """launch.py's deployment flags parse with the router's own parser (the version `make setup`
-    installs), the key from its file becomes --api-key, and a key on the command line is refused."""
+    installs), the key from its file becomes --api-key, smg stays in its regular (one-model) mode
+    with Kubernetes discovery on, and a key on the command line is refused."""
     python = Path(sys.prefix) / "routers" / router / "bin" / "python"
     if not python.exists():
         pytest.skip(f"{router} is not installed (.venv/routers/{router}): run `make setup`")
     key_file = tmp_path / "key"
     key_file.write_text("router-key-0123456789abcdefghijklmnopq\n")
-    module = "smg.launch_router" if router == "smg" else "sglang_router.launch_router"
     script = f"""
 import sys
 sys.path.insert(0, {str(ROUTER_DIR)!r})
 import launch
-from {module} import parse_router_args
-captured = []
-launch_router = lambda args: captured.append(args)
-import {module} as target
-target.launch_router = launch_router
-launch.main(["--router", {router!r}, "--api-key-file", {str(key_file)!r}, "--worker-urls", "http://a:9000"])
-args = captured[0]
-print(args.policy, args.health_check_endpoint, args.health_check_interval_secs, args.api_key, args.worker_urls)
+name, args = launch.router_args(["--router", {router!r}, "--api-key-file", {str(key_file)!r}, "--service-discovery",
+                                 "--selector", "app=x", "--service-discovery-port", "9000"])
+print(name, args.policy, args.health_check_endpoint, args.health_check_interval_secs, args.api_key,
+      args.service_discovery, bool(getattr(args, "enable_igw", False)))
 """
     done = subprocess.run([str(python), "-c", script], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr[-2000:]
     policy = "least_load" if router == "smg" else "power_of_two"
-    assert done.stdout.split() == [
-        policy,
-        "/health",
-        "5",
-        "router-key-0123456789abcdefghijklmnopq",
-        "['http://a:9000']",
-    ]
+    key = "router-key-0123456789abcdefghijklmnopq"
+    assert done.stdout.split() == [router, policy, "/health", "5", key, "True", "False"]
     refused = subprocess.run(
         [str(python), str(ROUTER_DIR / "launch.py"), "--api-key", "visible-to-ps"], capture_output=True, text=True
     )
