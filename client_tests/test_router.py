@@ -72,7 +72,7 @@ def replicas(tmp_path_factory):
     finally:
         for stack in stacks:
             stack.stop()
-            remove_unused_regions(server_shm_prefix(stack.server_http_port))
+            remove_unused_regions(server_shm_prefix(stack.ports["http"]))
 
 
 def api_url(stack) -> str:
@@ -363,14 +363,16 @@ def stream_tokens_and_finish(path: str, events: list[str]) -> tuple[list[int], o
     return ids, finish
 
 
-def kill_stack(stack) -> None:
-    """SIGKILL a replica's launcher and everything it started, as a lost machine."""
+def kill_stack(stack) -> list:
+    """SIGKILL a replica's launcher and everything it started, as a lost machine; the processes."""
     launcher = psutil.Process(stack.process.pid)
-    for process in [launcher, *launcher.children(recursive=True)]:
+    processes = [launcher, *launcher.children(recursive=True)]
+    for process in processes:
         try:
             process.send_signal(signal.SIGKILL)
         except psutil.Error:
             pass
+    return processes
 
 
 def test_a_replica_killed_mid_run_loses_no_request_and_its_cut_streams_are_detected(smg, replicas, capsys):
@@ -414,7 +416,7 @@ def test_a_replica_killed_mid_run_loses_no_request_and_its_cut_streams_are_detec
         routed = [outcome.get("worker") for outcome in outcomes]
         victim_url = max({url for url in routed if url}, key=routed.count)
         victim = next(s for s in replicas if api_url(s) == victim_url)
-        kill_stack(victim)
+        killed = kill_stack(victim)
         killed_at = time.monotonic()
         time.sleep(AFTER_KILL_S)
     finally:
@@ -422,7 +424,8 @@ def test_a_replica_killed_mid_run_loses_no_request_and_its_cut_streams_are_detec
         for thread in senders + readers:
             thread.join(300)
     elapsed = time.monotonic() - killed_at
-    remove_unused_regions(server_shm_prefix(victim.server_http_port))
+    psutil.wait_procs(killed, timeout=30)  # its stubs gone, their /dev/shm regions (the supervisor's prefix) go
+    remove_unused_regions(server_shm_prefix(victim.ports["http"]))
 
     cut, whole, error_events = [], [], 0
     for (path, _), outcome, want in zip(streams, outcomes, expected_streams):
