@@ -11,12 +11,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from triton_sampling_mask.ops.child import Child
+from triton_sampling_mask.ops.startup_wait import StartupFailed, wait_until_ready
+
 from . import venv
 from .weights import free_port
 from .wire import get, post
 
 MODULES = {"sglang-router": "sglang_router.launch_router", "smg": "smg.launch_router"}
-START_LIMIT_S = 90
 NO_WORKER_RETRY_S = 30
 
 
@@ -57,13 +59,11 @@ def launch_router(kind: str, worker_urls: list[str], log_path: Path, policy: str
     command += ["--worker-urls", *worker_urls, "--policy", policy]
     # each router's Prometheus exporter defaults to port 29000: two on one host would collide
     command += ["--prometheus-port", str(free_port())]
-    log = open(log_path, "wb")  # noqa: SIM115 - owned by the child
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    router = Router(kind, f"http://127.0.0.1:{port}", process, log_path)
-    deadline = time.monotonic() + START_LIMIT_S
-    while get(router.url + "/health", timeout_s=2)[0] != 200:
-        if process.poll() is not None or time.monotonic() > deadline:
-            router.stop()
-            raise RuntimeError(f"{kind} did not come up:\n{router.log_tail()}")
-        time.sleep(0.5)
+    child = Child(kind, command, log_path=log_path, append_log=False).start()  # a session of its own
+    router = Router(kind, f"http://127.0.0.1:{port}", child.process, log_path)
+    try:  # on readiness, for as long as it makes progress (ops.startup_wait)
+        wait_until_ready(kind, lambda: get(router.url + "/health", timeout_s=2)[0] == 200, [child], poll_s=0.5)
+    except StartupFailed as failed:
+        router.stop()
+        raise StartupFailed(f"{failed}:\n{router.log_tail()}") from None
     return router

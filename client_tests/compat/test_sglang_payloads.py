@@ -99,6 +99,6 @@ def test_slime_top_p_replay_with_a_finite_top_k_gets_its_kept_sets(api_url):
         api_url, PROMPT, len(tokens), SEED, temperature=sampling["temperature"], top_k=8, top_p=sampling["top_p"]
     )
     for position, token in enumerate(tokens):
-        kept = ids[offsets[position] : offsets[position + 1]].tolist()
+        kept = list(ids[offsets[position] : offsets[position + 1]])
         assert token in kept, (position, token, kept)
         assert sorted(kept) == sorted(expected["masks"][position]), position
