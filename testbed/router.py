@@ -86,7 +86,9 @@ class RouterProcess:
             command += ["--api-key-file", str(key_file)]
         command += [
             *("--host", "127.0.0.1", "--port", str(self.port), "--prometheus-port", str(free_port())),
-            *(["--prometheus-host", "127.0.0.1"] if router == "smg" else []),
+            # smg waits out a grace period on SIGTERM even with nothing in flight; its users here stop it once
+            # their requests are answered
+            *(["--prometheus-host", "127.0.0.1", "--shutdown-grace-period-secs", "0"] if router == "smg" else []),
             *("--worker-urls", *worker_urls),
             *args,
         ]
