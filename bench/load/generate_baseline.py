@@ -33,8 +33,8 @@ from triton_sampling_mask.ops.server_process import TritonServer
 
 from .generate import BUDGET_RANGE, MODEL, build_repository, closed_loop
 
-# The last revision before the round whose changes cost generate its throughput and TTFT
-# (docs/generate.md#throughput): what `make bench` compares with unless told otherwise.
+# What `make bench` compares with unless told otherwise: main before the weight updates, the
+# per-token receipts and versions, the histograms and the spans reached the generate model.
 DEFAULT_REV = "492b70f"
 SIZES = {
     "full": {"clients": 32, "requests": 3, "rounds": 6},
