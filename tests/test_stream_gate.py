@@ -313,3 +313,55 @@ def test_the_counters_are_served_on_their_unix_socket(tmp_path):
         return read
 
     assert asyncio.run(run()) == {"queue_full": 0, "queue_timeout": 5, "waiting": 0, "running": 0}
+
+
+def _windows_granted(gate: stream_gate.Relay, windows: dict[int, int]) -> None:
+    """Add the WINDOW_UPDATEs the server has been sent to `windows` (stream: what it may send)."""
+    for kind, _, stream, payload in _server_frames(gate):
+        if kind == WINDOW_UPDATE:
+            windows[stream] += struct.unpack(">I", payload)[0]
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    tokens=st.lists(st.integers(1, 20000), min_size=1, max_size=60),
+    lazy=st.booleans(),
+)
+def test_the_server_never_has_more_window_than_the_client_granted_and_always_over_half(tokens, lazy):
+    """Each of the server's DATA frames is credited by the client (at once, as the proxy does, or
+    only once its window is under half, as a lazy client does): the window the server has been
+    given stays within what the client granted, and above half of it."""
+    gate = relay(max_open=64)
+    _server_frames(gate)
+    granted = {0: stream_gate.DEFAULT_WINDOW, STREAM: stream_gate.DEFAULT_WINDOW}  # the client's
+    server = dict(granted)  # what the server was given
+    for size in tokens:
+        size = min(size, server[0], server[STREAM])  # the server keeps to its windows
+        if size:
+            gate.server_data(frame(DATA, 0, STREAM, b"\0" * size))
+            for stream in (0, STREAM):
+                granted[stream] -= size
+                server[stream] -= size
+        for stream in (0, STREAM):
+            used = stream_gate.DEFAULT_WINDOW - granted[stream]
+            if used and (not lazy or 2 * granted[stream] < stream_gate.DEFAULT_WINDOW):
+                gate.client_data(frame(WINDOW_UPDATE, 0, stream, struct.pack(">I", used)))
+                granted[stream] += used
+        _windows_granted(gate, server)
+        for stream in (0, STREAM):
+            assert granted[stream] / 2 <= server[stream] <= granted[stream]
+
+
+def test_a_proxy_crediting_every_streamed_token_costs_the_server_few_window_updates():
+    """The proxy answers each DATA frame with WINDOW_UPDATEs for the connection and the stream;
+    the server gets one per half window, not one per token."""
+    gate = relay(max_open=64)
+    _server_frames(gate)
+    updates = 0
+    for _ in range(200):
+        gate.server_data(frame(DATA, 0, STREAM, response(final=False)))
+        gate.client_data(frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", len(response(final=False)))))
+        gate.client_data(frame(WINDOW_UPDATE, 0, STREAM, struct.pack(">I", len(response(final=False)))))
+        updates += sum(1 for f in _server_frames(gate) if f[0] == WINDOW_UPDATE)
+    size = 200 * len(response(final=False))
+    assert updates <= 2 * (2 * size // stream_gate.DEFAULT_WINDOW + 1)

@@ -180,7 +180,7 @@ class _Stream:
 
     __slots__ = ("open", "request_head", "request_left", "held", "held_from", "held_end", "response_head")
     __slots__ += ("response_left", "response_bytes", "answered", "sent_end", "draining", "window", "model", "first")
-    __slots__ += ("admitted", "expired")
+    __slots__ += ("admitted", "expired", "credit")
 
     def __init__(self):
         self.open = 0
@@ -200,6 +200,7 @@ class _Stream:
         self.first = bytearray()  # that request's leading bytes, until the name is read
         self.admitted: bool | None = None  # holds one of the server's slots (False: waits for one)
         self.expired = False  # it waited out the queue timeout
+        self.credit = 0  # window the client granted on it, not yet passed to the server
 
     @property
     def waiting(self) -> int:
@@ -272,6 +273,7 @@ class Relay:
         # The flow-control windows the client (the proxy) grants the server: per stream on _Stream.
         self.client_initial_window = DEFAULT_WINDOW
         self.client_window = DEFAULT_WINDOW
+        self.credit = 0  # connection window the client granted, not yet passed to the server (_credit)
         self.window_opened = False  # the connection's window opened for draining streams
         gate.relays.add(self)
 
@@ -409,12 +411,11 @@ class Relay:
                 self._forget(stream_id)
             elif kind == SETTINGS and not flags & 1:
                 self._read_settings(payload)
-            elif kind == WINDOW_UPDATE and len(payload) == 4:
+            elif kind == WINDOW_UPDATE and len(payload) == 4 and (stream_id == 0 or stream is not None):
                 increment = struct.unpack(">I", payload)[0] & 0x7FFFFFFF
-                if stream_id == 0:
-                    self.client_window += increment
-                elif stream is not None:
-                    stream.window += increment
+                if increment:  # kept, and passed on once it matters (a zero increment is the server's to refuse)
+                    self._credit(stream_id, stream, increment)
+                    continue
             self.to_server.append(raw)
             if self.pending and not self.client_block_open:
                 self._release_pending()
@@ -536,6 +537,26 @@ class Relay:
             self._flush()
             self.close()
 
+    def _credit(self, stream_id: int, stream: _Stream | None, increment: int) -> None:
+        """The client's WINDOW_UPDATE of `increment` on the connection (stream 0) or a stream, kept
+        and passed to the server in one update once it is half of what the client's window now
+        allows: the proxy credits every DATA frame it reads, and a WINDOW_UPDATE relayed per
+        streamed token costs the gate a read and a write and the server a read. The server's window
+        is the client's less what is kept, so it never sends more than the client allows, and
+        always has more than half of it."""
+        if stream is None:
+            self.client_window += increment
+            self.credit += increment
+            if 2 * self.credit >= self.client_window:
+                self.to_server.append(window_update(0, self.credit))
+                self.credit = 0
+        else:
+            stream.window += increment
+            stream.credit += increment
+            if 2 * stream.credit >= stream.window:
+                self.to_server.append(window_update(stream_id, stream.credit))
+                stream.credit = 0
+
     def _read_settings(self, payload: bytes) -> None:
         for pos in range(0, len(payload) - 5, 6):
             key, value = struct.unpack_from(">HI", payload, pos)
@@ -594,10 +615,13 @@ class Relay:
             return
         self.to_client.append(raw)
         self.client_window -= len(payload)
-        if stream is not None:
-            stream.window -= len(payload)
+        if 2 * self.credit >= self.client_window and self.credit:
+            self._credit(0, None, 0)
         if stream is None:
             return
+        stream.window -= len(payload)
+        if 2 * stream.credit >= stream.window and stream.credit:
+            self._credit(stream_id, stream, 0)
         data, pos, freed = _unpad(flags, payload), 0, False
         size = len(data)
         while pos < size:
