@@ -365,3 +365,36 @@ def test_a_proxy_crediting_every_streamed_token_costs_the_server_few_window_upda
         updates += sum(1 for f in _server_frames(gate) if f[0] == WINDOW_UPDATE)
     size = 200 * len(response(final=False))
     assert updates <= 2 * (2 * size // stream_gate.DEFAULT_WINDOW + 1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    finals=st.lists(st.booleans(), min_size=1, max_size=10),
+    padding=st.lists(st.integers(0, 3000), min_size=1, max_size=10),
+    cuts=st.lists(st.integers(1, 4000), min_size=1, max_size=10),
+)
+def test_a_final_response_ends_its_request_once_its_last_byte_has_passed_however_the_frames_cut_it(
+    finals, padding, cuts
+):
+    """Responses (final or not, of any size) cut into DATA frames anywhere: a request counts as
+    open until its final response has passed whole (the reference counts the final responses whose
+    last byte has been sent)."""
+    requests = len(finals)
+    gate = relay(max_open=requests)
+    gate.client_data(frame(DATA, 0, STREAM, b"".join(grpc_message(bytes([i])) for i in range(requests))))
+    bodies = []
+    for i, final in enumerate(finals):
+        message = service_pb2.ModelStreamInferResponse()
+        message.infer_response.id = "r" * padding[i % len(padding)]
+        message.infer_response.parameters["triton_final_response"].bool_param = final
+        bodies.append(grpc_message(message.SerializeToString()))
+    sent = b"".join(bodies)
+    ends = [sum(len(b) for b in bodies[: i + 1]) for i in range(len(bodies))]
+    pos, k = 0, 0
+    while pos < len(sent):
+        piece = sent[pos : pos + cuts[k % len(cuts)]]
+        k += 1
+        pos += len(piece)
+        gate.server_data(frame(DATA, 0, STREAM, piece))
+        done = sum(1 for end, final in zip(ends, finals) if final and end <= pos)
+        assert gate.streams[STREAM].open == requests - done

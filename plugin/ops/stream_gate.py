@@ -32,6 +32,9 @@ tritonserver, and frames pass through as they are, except that
   trailers with grpc-status RESOURCE_EXHAUSTED toward the client;
 - bytes the gate drops (held data of a reset stream, frames of a stream it ended) are credited
   back with WINDOW_UPDATE, so no connection's window leaks;
+- the proxy's WINDOW_UPDATEs (one per DATA frame it reads: one per streamed token) are kept and
+  passed to tritonserver once they add up to half of the client's window: the server's windows
+  are the client's less what is kept, never more;
 - a stream the client abandons (RST_STREAM, or its connection lost) while requests are open is
   not reset toward tritonserver: Triton 2.51 never frees the responses of a cancelled stream's
   requests. The gate ends the stream's requests (END_STREAM), opens its window and reads the
@@ -39,8 +42,10 @@ tritonserver, and frames pass through as they are, except that
   stream to a model that honours cancellation (`--cancellable`: the decoupled `generate`, which
   stops a cancelled request at its next step) whose client was reading (its flow-control window
   above half of what the client grants) is reset as it was, so its requests are cancelled.
-Each response message's leading bytes are read to tell a final one; nothing is deserialised, and
-a streamed token costs a socket read, a write and a little frame parsing here (no grpc runtime).
+Each response message's leading bytes are read to tell a final one (in place when the message is
+whole in its frame, as a streamed token's is); nothing is deserialised, and a streamed token costs
+a socket read and a write toward the proxy, a read of the proxy's WINDOW_UPDATE, and a little
+frame parsing here (no grpc runtime).
 
     python -m triton_sampling_mask.ops.stream_gate --listen 127.0.0.1:P --upstream 127.0.0.1:Q
         [--max-open N] [--max-message-bytes B] [--max-streams N --max-queue N --queue-timeout S]
@@ -62,6 +67,8 @@ import hpack
 from .proxy import QUEUE_FULL, QUEUE_TIMEOUT
 
 FINAL_PARAMETER = b"triton_final_response"
+_FINAL_KEY = b"\x0a" + bytes([len(FINAL_PARAMETER)]) + FINAL_PARAMETER  # a parameters entry's key field
+_FRAME_HEAD = struct.Struct(">BHBBI")  # an HTTP/2 frame's 9 bytes: length (24 bits), type, flags, stream
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 # Frame types and flags (RFC 9113).
 DATA, HEADERS, RST_STREAM, SETTINGS, PUSH_PROMISE, WINDOW_UPDATE, CONTINUATION = 0x0, 0x1, 0x3, 0x4, 0x5, 0x8, 0x9
@@ -116,10 +123,8 @@ def is_final(response: bytes) -> bool:
                 return False
             size, pos = _varint(response, pos)
             if field == 4:  # one parameters map entry: key (1), InferParameter value (2)
-                entry = response[pos : pos + size]
-                key = b"\x0a" + bytes([len(FINAL_PARAMETER)]) + FINAL_PARAMETER
-                if entry.startswith(key):
-                    return entry[len(key) :] == b"\x12\x02\x08\x01"  # bool_param: true
+                if response[pos : pos + len(_FINAL_KEY)] == _FINAL_KEY:
+                    return response[pos + len(_FINAL_KEY) : pos + size] == b"\x12\x02\x08\x01"  # bool_param: true
             elif field > 4:  # past the parameters
                 return False
             pos += size
@@ -366,33 +371,41 @@ class Relay:
         return True
 
     @staticmethod
-    def _frames(buffer: bytearray):
-        """The complete frames at the start of `buffer` (removed from it): (type, flags, stream,
-        payload, raw bytes)."""
-        pos, size = 0, len(buffer)
+    def _frames(buffer: bytearray, data=b""):
+        """The complete frames of `buffer` followed by `data` (the incomplete rest is kept in
+        `buffer`): (type, flags, stream, payload, raw bytes), the last two views of one copy of
+        the bytes (a read's buffer is reused by the next read)."""
+        if buffer:
+            buffer += data
+            data = bytes(buffer)
+            buffer.clear()
+        else:
+            data = bytes(data)
+        view, pos, size = memoryview(data), 0, len(data)
         while size - pos >= 9:
-            end = pos + 9 + int.from_bytes(buffer[pos : pos + 3], "big")
+            high, low, kind, flags, stream = _FRAME_HEAD.unpack_from(data, pos)
+            end = pos + 9 + (high << 16 | low)
             if end > size:
                 break
-            raw = bytes(buffer[pos:end])
-            yield raw[3], raw[4], int.from_bytes(raw[5:9], "big") & 0x7FFFFFFF, raw[9:], raw
+            yield kind, flags, stream & 0x7FFFFFFF, view[pos + 9 : end], view[pos:end]
             pos = end
-        del buffer[:pos]
+        buffer += view[pos:]
 
     # ---- client (proxy) to server ----
 
     def client_data(self, data: bytes) -> None:
         buffer = self.client_buffer
-        buffer += data
-        if self.server.transport is None:  # read before the server side is connected
-            return
-        if not self.preface_seen:
+        if not self.preface_seen or self.server.transport is None:
+            buffer += data
+            data = b""
+            if self.server.transport is None:  # read before the server side is connected
+                return
             if len(buffer) < len(PREFACE):
                 return
             self.to_server.append(bytes(buffer[: len(PREFACE)]))
             del buffer[: len(PREFACE)]
             self.preface_seen = True
-        for kind, flags, stream_id, payload, raw in self._frames(buffer):
+        for kind, flags, stream_id, payload, raw in self._frames(buffer, data):
             if kind == DATA:
                 self._client_data_frame(stream_id, flags, payload, raw)
                 continue
@@ -570,9 +583,7 @@ class Relay:
     # ---- server to client (proxy) ----
 
     def server_data(self, data: bytes) -> None:
-        buffer = self.server_buffer
-        buffer += data
-        for kind, flags, stream_id, payload, raw in self._frames(buffer):
+        for kind, flags, stream_id, payload, raw in self._frames(self.server_buffer, data):
             if self.block and kind != CONTINUATION:
                 self.close()  # a header block interrupted: a protocol error
                 return
@@ -625,6 +636,15 @@ class Relay:
         data, pos, freed = _unpad(flags, payload), 0, False
         size = len(data)
         while pos < size:
+            if not stream.response_left and not stream.response_head and size - pos >= GRPC_PREFIX_BYTES:
+                start = pos + GRPC_PREFIX_BYTES
+                length = int.from_bytes(data[pos + 1 : start], "big")
+                if size - start >= length:  # the whole response in this frame (a streamed token's): read in place
+                    pos = start + length
+                    if stream.open and is_final(data[start : start + min(length, RESPONSE_HEAD_BYTES)]):
+                        stream.open -= 1
+                        freed = True
+                    continue
             if stream.response_left:
                 step = min(stream.response_left, size - pos)
                 room = RESPONSE_HEAD_BYTES - len(stream.response_bytes)
