@@ -44,7 +44,7 @@ def _model(monkeypatch, seen: list[int]) -> SamplerModel:
 
 @pytest.mark.parametrize(
     ("requests_rows", "threads"),
-    [((1,), 1), ((2, 2, 2), 1), ((6,), 1), ((7,), 2), ((4, 4), 2), ((64,), 2)],
+    [((1,), 1), ((2, 2, 2), 1), ((8,), 1), ((27,), 1), ((28,), 2), ((16, 16), 2), ((64,), 2)],
 )
 def test_a_batch_of_a_few_rows_is_sampled_on_one_thread_and_a_large_one_on_the_stubs(
     monkeypatch, two_threads, requests_rows, threads

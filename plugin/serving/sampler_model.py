@@ -18,11 +18,12 @@ from .tracing import BATCH_SIZE, MASK_WIDTH, OUTCOME, REASON, BatchSpans, ModelT
 from .triton_io import error_response, parse_request, sampler_response, wanted_outputs
 
 DEFAULT_MAX_VOCAB_SIZE = 262144
-# A CPU batch of at most this many logits (rows x vocabulary: a decode step of up to 6 rows at
-# V=151,936) is sampled on one thread. Its parallel share is small, and a team of threads waits at
-# every barrier for its slowest member, which a busy neighbour keeps off a CPU for milliseconds at
-# a time: on a loaded 2-core host two threads took twice the CPU and twice the time of one.
-SINGLE_THREAD_ELEMENTS = 2**20
+# A CPU batch of at most this many logits (rows x vocabulary: up to 27 rows at V=151,936, what
+# the dynamic batcher makes of a few engines' decode steps) is sampled on one thread. A team of
+# threads waits at every barrier for its slowest member, which a busy neighbour keeps off a CPU
+# for milliseconds at a time: on a loaded 2-core host two threads took up to twice the CPU and
+# two to three times as long as one, at B=1 and B=8 alike. Larger batches keep the stub's threads.
+SINGLE_THREAD_ELEMENTS = 2**22
 
 
 @contextlib.contextmanager
