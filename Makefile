@@ -6,7 +6,7 @@ PYTHON := $(VENV)/bin/python
 MODEL_REPOSITORY ?= model_repository
 PYTEST_ARGS ?=
 
-.PHONY: setup serve probe lint format test soak stress hostile conformance bench mutate clean
+.PHONY: setup serve probe lint format test soak stress hostile conformance compat bench mutate clean
 
 # HAProxy, the front door of `make serve` (plugin/ops/proxy.py), installed like jemalloc: root + apt.
 INSTALL_HAPROXY = command -v haproxy >/dev/null || test -x /usr/sbin/haproxy || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
@@ -79,6 +79,17 @@ conformance: setup
 	@$(INSTALL_HAPROXY) || true
 	$(PYTHON) -c "import schemathesis" 2>/dev/null || $(PYTHON) -m pip install --quiet -e '.[conformance]'
 	$(PYTHON) -m bench.conformance.run $(CONFORMANCE_ARGS)
+
+# The RL frameworks' published clients (verifiers/prime-rl, AReaL, skyrl-train, TRL, sglang-router, smg;
+# client_tests/compat/clients.txt) driven against fresh `make serve` stacks, with slime's and Miles's exact
+# payloads as fixtures (docs/compat.md). They install into .venv/compat (--no-deps, plus what their modules
+# import: client_tests/compat/imports.txt) so their pins never reach the project's venv; rebuilt when those
+# files change. Without that venv the suite's tests skip in `make test`.
+COMPAT_ARGS ?=
+compat: setup
+	@$(INSTALL_HAPROXY) || true
+	$(PYTHON) -m client_tests.compat.venv
+	$(PYTHON) -m pytest client_tests/compat $(COMPAT_ARGS)
 
 # 32 clients (HTTP and gRPC) for 60 s against a fresh server; prints the report, fails on loss/5xx/RSS growth.
 SOAK_ARGS ?= --clients 32 --duration 60

@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import subprocess
 import sys
-import time
 
 import pytest
 
 from triton_sampling_mask.client import AsyncGenerateClient, GenerateError
 from triton_sampling_mask.client.sampling_params import SamplingParams
+from triton_sampling_mask.ops.child import Child
 from triton_sampling_mask.ops.server_process import free_port
+from triton_sampling_mask.ops.startup_wait import wait_until_ready
 
 MAX_MESSAGE_BYTES = 65536
 PARAMS = SamplingParams(temperature=1.0, top_k=20, return_sampling_mask=True)
@@ -31,30 +31,29 @@ def direct_grpc_url(triton_server) -> str:
 def gate(triton_server):
     """A gate with --max-open 1 relaying to the session server's gRPC port; its URL."""
     port = free_port()
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "triton_sampling_mask.ops.stream_gate",
-            f"--listen=127.0.0.1:{port}",
-            f"--upstream={direct_grpc_url(triton_server)}",
-            "--max-open=1",
-            f"--max-message-bytes={MAX_MESSAGE_BYTES}",
-        ]
-    )
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            break
-        except OSError:
-            if time.monotonic() > deadline or process.poll() is not None:
-                process.kill()
-                raise RuntimeError("the stream gate did not start") from None
-            time.sleep(0.1)
-    yield f"127.0.0.1:{port}"
-    process.terminate()
-    process.wait(timeout=10)
+    command = [
+        sys.executable,
+        "-m",
+        "triton_sampling_mask.ops.stream_gate",
+        f"--listen=127.0.0.1:{port}",
+        f"--upstream={direct_grpc_url(triton_server)}",
+        "--max-open=1",
+        f"--max-message-bytes={MAX_MESSAGE_BYTES}",
+    ]
+    process = Child("stream gate", command).start()
+    try:
+        wait_until_ready(f"the stream gate on port {port}", lambda: listening(port), [process], poll_s=0.1)
+        yield f"127.0.0.1:{port}"
+    finally:
+        process.stop(10)
+
+
+def listening(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+    except OSError:
+        return False
 
 
 def arrival_order(url: str, prompts: list, budget: int) -> list[int]:

@@ -225,12 +225,16 @@ def create_app(config: ApiConfig, service: ApiService | None = None) -> FastAPI:
             if results is None:  # aborted by /abort_request
                 return JsonBody(sglang.aborted(request, sequences, rids, started, batch))
             now = await service.weight_version() if any(not r.weight_versions for r in results) else None
-            items = [sglang.item(request, r, rid, started, now) for r, rid in zip(results, rids)]
+            items = [
+                sglang.item(request, r, rid, started, now, s.top_p_token_ids)
+                for r, rid, s in zip(results, rids, sequences)
+            ]
             return JsonBody(items if batch else items[0])
         so_far = [SequenceSoFar(s) for s in sequences]
 
         def event(delta):
-            item = sglang.item(request, so_far[delta.index].add(delta), rids[delta.index], started)
+            state = so_far[delta.index].add(delta)
+            item = sglang.item(request, state, rids[delta.index], started, top_p_ids=state.top_p_token_ids)
             if batch:
                 item["index"] = delta.index
             return item

@@ -27,7 +27,7 @@ from ..generation.request import GenerationChunk, admission_errors
 from ..model_config import int_parameter, string_parameter
 from ..sampling.validation import SamplingRequestError
 from .deployment import load_deployment
-from .metrics import GenerateMetrics
+from .metrics import CANCELLED, KIND_CONTROL, KIND_GENERATION, NOT_SENT, OK, GenerateMetrics
 from .tracing import BATCH_SIZE, MASK_WIDTH, BatchSpans, ModelTracer, RequestSpans
 from .triton_io import chunk_response, error_response, parse_generation_request, wanted_outputs
 from .weight_control import CONTROL, ControlError, WeightControl, control_response
@@ -76,8 +76,8 @@ class _Outbox:
     """Sends the engine's responses on a thread of its own, in order (one FIFO for all requests, so
     a request's final always follows its tokens): the engine computes its next step meanwhile."""
 
-    def __init__(self, logger):
-        self.logger = logger
+    def __init__(self, logger, after_each=None):
+        self.logger, self.after_each = logger, after_each  # after_each(idle): after every item sent
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._run, name="generate-outbox", daemon=True)
         self.thread.start()
@@ -92,6 +92,11 @@ class _Outbox:
                 call(*args)
             except Exception as exc:  # one response lost must not stop the others
                 self.logger.log_error(f"generate: response not sent ({type(exc).__name__}: {exc})")
+            if self.after_each is not None:
+                try:
+                    self.after_each(self.queue.empty())
+                except Exception as exc:  # a metric update failed: the responses go on
+                    self.logger.log_error(f"generate metrics not updated: {type(exc).__name__}: {exc}")
 
     def stop(self) -> None:
         """Send everything queued, then end the thread."""
@@ -135,6 +140,8 @@ class _RequestHandle:
             self.sender.send(
                 chunk_response(self.model.pb_utils, chunk, self._wanted), flags=self.final_flag if final else 0
             )
+            if final:
+                self.model.metrics.ended(KIND_GENERATION, OK)
             if sending_ns:
                 self.spans.finish(chunk.outputs, chunk.finish_reason, sending_ns, time.time_ns(), chunk.steps)
         except Exception as exc:  # e.g. the client went away: fail this request only
@@ -142,6 +149,7 @@ class _RequestHandle:
                 f"generate: response for one request not sent ({type(exc).__name__}: {exc}); dropping it"
             )
             self.broken = self.done = True
+            self.model.metrics.ended(KIND_GENERATION, NOT_SENT)
 
     def cancelled(self, tokens: int) -> None:
         if self.broken:
@@ -152,6 +160,7 @@ class _RequestHandle:
         self.outbox.put(self._final_flag_now)
 
     def _final_flag_now(self) -> None:
+        self.model.metrics.ended(KIND_GENERATION, CANCELLED)
         try:  # the final flag releases the request; the client may already be gone
             self.sender.send(flags=self.final_flag)
         except Exception as exc:
@@ -164,8 +173,14 @@ class _RequestHandle:
         self.outbox.put(self._fail_now, message, code_name)
 
     def _fail_now(self, message: str, code_name: str) -> None:
-        if not self.broken:
+        if self.broken:
+            return
+        try:
             self.sender.send(error_response(self.model.pb_utils, message, code_name), flags=self.final_flag)
+        except Exception:
+            self.model.metrics.ended(KIND_GENERATION, NOT_SENT)
+            raise
+        self.model.metrics.ended(KIND_GENERATION, code_name.lower())
 
 
 class GenerateModel:
@@ -197,7 +212,7 @@ class GenerateModel:
             kv_budget_tokens=int_parameter(model_config, "kv_budget_tokens", EngineLimits.kv_budget_tokens),
             max_waiting_tokens=int_parameter(model_config, "max_waiting_tokens", EngineLimits.max_waiting_tokens),
         )
-        self.outbox = _Outbox(self.logger)
+        self.outbox = _Outbox(self.logger, self.metrics.send_outcomes)
         self.engine = ContinuousEngine(
             self.lm,
             self.sampler,
@@ -307,10 +322,16 @@ class GenerateModel:
 
     def _send_control(self, sender, outcome) -> None:
         final = self.pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-        if isinstance(outcome, ControlError):
-            sender.send(error_response(self.pb_utils, outcome.message, outcome.code_name), flags=final)
-        else:
-            sender.send(control_response(self.pb_utils, outcome), flags=final)
+        refused = isinstance(outcome, ControlError)
+        try:
+            if refused:
+                sender.send(error_response(self.pb_utils, outcome.message, outcome.code_name), flags=final)
+            else:
+                sender.send(control_response(self.pb_utils, outcome), flags=final)
+        except Exception:
+            self.metrics.ended(KIND_CONTROL, NOT_SENT)
+            raise
+        self.metrics.ended(KIND_CONTROL, outcome.code_name.lower() if refused else OK)
 
     def finalize(self) -> None:
         """Stop the engine loop: requests still in flight or waiting end with an UNAVAILABLE final."""

@@ -154,6 +154,11 @@ GENERATE_SUCCESS = "generate_request_success_total"  # {finished_reason}
 GENERATE_CANCELLED = "generate_cancelled_total"
 GENERATE_REJECTED = "generate_requests_rejected_total"  # {reason}: INVALID (400) or CAPACITY (shed, 503)
 INVALID, CAPACITY = "invalid", "capacity"
+# Every request's end, as its client saw it: {kind, outcome}. Triton's nv_inference_request_success
+# counts the model's own error answers as successes (docs/metrics.md), so this is where they show.
+GENERATE_REQUESTS = "generate_requests_total"
+KIND_GENERATION, KIND_CONTROL = "generation", "control"  # kind: a prompt, or a control request (weights, pause)
+OK, CANCELLED, NOT_SENT = "ok", "cancelled", "not_sent"  # outcomes besides an error code's name
 GENERATE_RUNNING = "generate_num_requests_running"
 GENERATE_WAITING = "generate_num_requests_waiting"
 GENERATE_KV_TOKENS = "generate_kv_tokens"
@@ -195,6 +200,12 @@ class GenerateMetrics:
                 (GENERATE_PROMPT_TOKENS, "Prompt tokens prefilled (requests admitted into the batch)", counter),
                 (GENERATE_SUCCESS, "Generate requests finished, by finished_reason (stop, length)", counter),
                 (GENERATE_CANCELLED, "Generate requests stopped by client cancellation", counter),
+                (
+                    GENERATE_REQUESTS,
+                    "Generate requests by kind (generation, control) and outcome (ok, cancelled, not_sent, "
+                    "or the error code: invalid_arg, unavailable, unsupported, internal)",
+                    counter,
+                ),
                 (
                     GENERATE_REJECTED,
                     "Generate requests refused before generation, by reason (invalid, capacity)",
@@ -242,6 +253,9 @@ class GenerateMetrics:
         self._pending_success: Counter = Counter()
         self._clock = clock
         self._flushed_at = clock()
+        self._requests: dict[tuple[str, str], object] = {}  # by (kind, outcome), created on first use
+        self._pending_outcomes: Counter = Counter()  # the response thread's own: counted and sent there
+        self._outcomes_sent_at = clock()
 
     def generated(self, tokens: int) -> None:
         """Count the tokens of one engine step."""
@@ -250,6 +264,26 @@ class GenerateMetrics:
     def cancelled(self) -> None:
         """Count a request stopped by its client."""
         self._cancelled.increment(1)
+
+    def ended(self, kind: str, outcome: str) -> None:
+        """Count one request's end (kept locally; `send_outcomes` sends them). Called from the
+        thread that sends the responses, and only from there."""
+        self._pending_outcomes[kind, outcome] += 1
+
+    def send_outcomes(self, idle: bool) -> None:
+        """Send the ends counted since the last call, when the response thread has nothing left to
+        send (`idle`) or every FLUSH_INTERVAL_S: one update per series, not one per request."""
+        now = self._clock()
+        if not self._pending_outcomes or not (idle or now - self._outcomes_sent_at >= FLUSH_INTERVAL_S):
+            return
+        for key, count in self._pending_outcomes.items():
+            if key not in self._requests:
+                kind, outcome = key
+                labels = {**self._labels, "kind": kind, "outcome": outcome}
+                self._requests[key] = self._families[GENERATE_REQUESTS].Metric(labels=labels)
+            self._requests[key].increment(count)
+        self._pending_outcomes.clear()
+        self._outcomes_sent_at = now
 
     def rejected(self, invalid: int, capacity: int) -> None:
         """Count one execute's refusals: invalid requests (400) and those shed at capacity (503)."""
