@@ -577,8 +577,10 @@ class Relay:
                 self.decoder.max_allowed_table_size = value
             elif key == SETTINGS_INITIAL_WINDOW_SIZE:  # every open stream's window moves by the change
                 delta, self.client_initial_window = value - self.client_initial_window, value
-                for stream in self.streams.values():
+                for stream_id, stream in self.streams.items():
                     stream.window += delta
+                    # a smaller window may leave the server none while credit is kept: pass it on
+                    self._credit(stream_id, stream, 0)
 
     # ---- server to client (proxy) ----
 
