@@ -14,6 +14,20 @@ INSTALL_HAPROXY = command -v haproxy >/dev/null || test -x /usr/sbin/haproxy || 
 
 setup: $(VENV)/.installed
 
+# The routers RL teams put in front of replicas, each in a venv of its own (their dependencies are theirs,
+# and both wheels install a console script named smg): client_tests/test_router.py and bench/load/router.py
+# start them through docker/router/launch.py. smg's version is the router image's (docker/router/Dockerfile).
+# A router is installed from its wheel only (--only-binary: both are Rust builds, no toolchain is assumed);
+# where PyPI has none for this platform, or cannot be reached, a note, and the router tests skip.
+ROUTERS := $(VENV)/routers
+SMG_VERSION := $(shell sed -n 's/^ARG SMG_VERSION=//p' docker/router/Dockerfile)
+SGLANG_ROUTER_VERSION := 0.3.2
+define INSTALL_ROUTER
+test -f $(ROUTERS)/$(1)/.installed-$(2) || { rm -rf $(ROUTERS)/$(1) && $(SYSTEM_PYTHON) -m venv $(ROUTERS)/$(1) && \
+  $(ROUTERS)/$(1)/bin/pip install --quiet --only-binary=:all: $(1)==$(2) && touch $(ROUTERS)/$(1)/.installed-$(2); } || \
+  { rm -rf $(ROUTERS)/$(1); echo "note: $(1) $(2) not installed (no wheel for this platform, or no PyPI); its router tests skip"; }
+endef
+
 $(VENV)/.installed: pyproject.toml
 	test -x $(PYTHON) || $(SYSTEM_PYTHON) -m venv $(VENV)
 	$(PYTHON) -m pip install --quiet --upgrade pip
@@ -22,6 +36,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m pip install --quiet -e '.[server,client,proxy,test,lint,generate,api,tracing]'
 	# checkov (the Helm chart's static analysis) in a venv of its own: its pins would downgrade ours.
 	test -x $(VENV)/checkov/bin/checkov || { $(SYSTEM_PYTHON) -m venv $(VENV)/checkov && $(VENV)/checkov/bin/pip install --quiet checkov==3.3.30; }
+	@$(call INSTALL_ROUTER,smg,$(SMG_VERSION))
+	@$(call INSTALL_ROUTER,sglang-router,$(SGLANG_ROUTER_VERSION))
 	# jemalloc for tritonserver (plugin/ops/allocator.py); glibc's malloc is the fallback where it can't be installed.
 	@ldconfig -p 2>/dev/null | grep -q libjemalloc.so.2 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 	  { apt-get update -qq >/dev/null && apt-get install -y -qq libjemalloc2 >/dev/null; } ; } || \

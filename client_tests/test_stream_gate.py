@@ -92,3 +92,24 @@ def test_an_oversized_request_is_refused_and_its_connection_keeps_serving(gate):
 
     (result,) = asyncio.run(run())
     assert len(result.output_ids) == 8
+
+
+def test_a_stream_many_flow_control_windows_long_arrives_whole(triton_server, gate):
+    """A stream whose responses add up to several times the client's 64 KiB window (gRPC's
+    bandwidth probe off, so its windows stay at the protocol's start): the gate keeps the client's
+    WINDOW_UPDATEs and passes them on in batches, and every token still arrives, the same count as
+    straight to tritonserver."""
+    budget = 500  # two requests of it (the context is 512): over 0.5 MB of masks (128 INT32 a token)
+
+    async def tokens(url: str) -> int:
+        options = [("grpc.http2.bdp_probe", 0)]
+        async with AsyncGenerateClient(url, mask_width=128, channel_options=options) as client:
+            async with client.stream([[5, 6, 7], [8, 9]], PARAMS, budget, ignore_eos=True) as chunks:
+                return sum([len(chunk.output_ids) async for chunk in chunks])
+
+    async def run():
+        direct = await tokens(direct_grpc_url(triton_server))
+        gated = await asyncio.wait_for(tokens(gate), 120)  # a stall would hang: the bound fails it
+        return direct, gated
+
+    assert asyncio.run(run()) == (2 * budget, 2 * budget)

@@ -45,6 +45,7 @@ from .sglang_routes import SGLANG_NAMES, GenerateHandler, SequenceSoFar
 from .token_route import TOKEN_NAMES, TokenHandler
 from .weight_access import WeightAccess
 from .weight_routes import add_weight_routes
+from .worker_state import server_ready
 
 logger = logging.getLogger("triton_sampling_mask.api")
 _HEALTH_TIMEOUT_S = 2.0
@@ -153,6 +154,11 @@ def create_app(config: ApiConfig, service: ApiService | None = None) -> FastAPI:
         if not ready:
             return ApiError(
                 503, "the generate model is not ready", None, "service_unavailable", retry_after_s=1
+            ).response()
+        served, why = await server_ready(config)
+        if not served:
+            return ApiError(
+                503, f"the server is not ready: {why}", None, "service_unavailable", retry_after_s=1
             ).response()
         return {"status": "ok"}
 

@@ -37,6 +37,9 @@ def api_command(door) -> list[str]:
         *("--host=127.0.0.1", f"--port={door.internal['api']}"),
         # the API ends a body its client stopped sending as the proxy would (PROXY_CLIENT_TIMEOUT_S)
         f"--client-timeout-s={door.limits.client_timeout_s}",
+        # what routers read of this replica: /health follows the supervisor's readiness, /v1/loads the engine's gauges
+        f"--readiness-url=http://127.0.0.1:{door.internal['probe']}/ready",
+        f"--metrics-url=http://127.0.0.1:{door.internal['metrics']}/metrics",
         *([f"--model-path={model_path}"] if model_path else []),
         *([f"--admin-key-file={door.directory / 'admin.key'}"] if trusted else []),
     ]

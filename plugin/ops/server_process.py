@@ -347,6 +347,7 @@ class TritonServer(LoopbackUrls):
             umask=SERVER_UMASK,
             log_path=self.log_path,
             append_log=False,
+            nice=settings.TRITON_NICE.value(),
         ).start()
         try:
             startup_wait.wait_until_ready(

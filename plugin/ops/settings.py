@@ -265,6 +265,14 @@ GOMP_SPINCOUNT = Setting(
     "10000",
     "OpenMP spins of the stubs' threads before they sleep; not set when `OMP_WAIT_POLICY` is",
 )
+# A busy neighbour on the host takes CPU from every hop of a call (the proxy, tritonserver's threads,
+# the stub); a lower nice gives the serving processes a larger share (docs/operations.md, "A busy host").
+TRITON_NICE = Setting(
+    int,
+    0,
+    "nice value (-20 to 19) of tritonserver with its stubs, HAProxy, the stream gate and the HTTP API; "
+    "below 0 needs CAP_SYS_NICE (root); 0 leaves the launcher's",
+)
 MALLOC_CONF = Setting(
     str,
     "background_thread:true,dirty_decay_ms:1000,muzzy_decay_ms:1000",

@@ -73,13 +73,14 @@ def speculation_summary(algorithm: str, drafter: NgramDrafter | None, lm) -> str
 
 
 class _Outbox:
-    """Sends the engine's responses on a thread of its own, in order (one FIFO for all requests, so
-    a request's final always follows its tokens): the engine computes its next step meanwhile."""
+    """Runs calls on a thread of its own, in order: the engine's responses (one FIFO for all
+    requests, so a request's final always follows its tokens) while the engine computes its next
+    step, or (a second one) its metric updates, each an IPC round trip the engine does not wait for."""
 
-    def __init__(self, logger, after_each=None):
-        self.logger, self.after_each = logger, after_each  # after_each(idle): after every item sent
+    def __init__(self, logger, after_each=None, name: str = "generate-outbox", lost: str = "response not sent"):
+        self.logger, self.after_each, self.lost = logger, after_each, lost  # after_each(idle): after every item
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._run, name="generate-outbox", daemon=True)
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
 
     def put(self, call, *args) -> None:
@@ -91,7 +92,7 @@ class _Outbox:
             try:
                 call(*args)
             except Exception as exc:  # one response lost must not stop the others
-                self.logger.log_error(f"generate: response not sent ({type(exc).__name__}: {exc})")
+                self.logger.log_error(f"generate: {self.lost} ({type(exc).__name__}: {exc})")
             if self.after_each is not None:
                 try:
                     self.after_each(self.queue.empty())
@@ -205,7 +206,8 @@ class GenerateModel:
         drafter = build_drafter(model_config, deployment.config_file)
         self.tracer = ModelTracer(args.get("model_name", "generate"), log_error=self.logger.log_error)
         self.mask_width = deployment.policy.mask_width
-        self.metrics = GenerateMetrics(pb_utils, args.get("model_name", "generate"))
+        self.metric_updates = _Outbox(self.logger, name="generate-metrics", lost="metrics not updated")
+        self.metrics = GenerateMetrics(pb_utils, args.get("model_name", "generate"), defer=self.metric_updates.put)
         limits = EngineLimits(
             max_active_sequences=int_parameter(model_config, "max_active_sequences", EngineLimits.max_active_sequences),
             max_waiting=int_parameter(model_config, "max_waiting", EngineLimits.max_waiting),
@@ -338,5 +340,6 @@ class GenerateModel:
         self.engine.stop()  # first: a control op waiting for a pause returns once it stops
         self.control.stop()
         self.outbox.stop()
+        self.metric_updates.stop()
         self.tracer.shutdown()
         self.logger.log_info("generate finalized")
