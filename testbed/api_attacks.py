@@ -334,8 +334,8 @@ def silent_body(stack: Stack) -> Outcome:
     """A body larger than the proxy's buffer that stops half-way (the proxy passes a body on once
     its buffer is full, and times out a smaller one itself): the API answers 408 after
     PROXY_CLIENT_TIMEOUT_S of silence and closes its connection, where it used to wait for the
-    API route's ten-minute stream timeout. Reported beside it: whether the proxy closes the
-    client's connection after passing the 408 on."""
+    API route's ten-minute stream timeout, and the proxy closes the client's connection after
+    passing the 408 on (it kept it for the API route's client timeout)."""
     limit = PROXY_REQUEST_TIMEOUT_S.value() + PROXY_CLIENT_TIMEOUT_S.value() + 20
     started = time.monotonic()
     answer, answered_s, closed = b"", None, False
@@ -352,10 +352,14 @@ def silent_body(stack: Stack) -> Outcome:
             pass
     status = answer.split(b" ", 2)[1].decode() if answer.startswith(b"HTTP/") else "no answer"
     when = "never" if answered_s is None else f"after {answered_s:.0f} s"
+    try:  # the API's own answer, whoever sends it
+        message = json.loads(answer.partition(b"\r\n\r\n")[2])["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = None
     return Outcome(
         "api-silent-body",
-        status == "408" and answered_s is not None and answered_s < limit,
-        f"half a 2 MiB body, then silence: {status} {when} (bound {limit:g} s); the proxy "
+        status == "408" and answered_s is not None and answered_s < limit and closed and bool(message),
+        f"half a 2 MiB body, then silence: {status} {when} (bound {limit:g} s), {message!r}; the proxy "
         f"{'closed' if closed else 'kept'} the client's connection {'' if closed else 'open '}after it",
         numbers={"seconds": answered_s, "door_closed": closed},
     )
