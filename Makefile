@@ -6,13 +6,27 @@ PYTHON := $(VENV)/bin/python
 MODEL_REPOSITORY ?= model_repository
 PYTEST_ARGS ?=
 
-.PHONY: setup serve probe lint format test soak stress hostile conformance bench mutate clean
+.PHONY: setup serve probe lint format test soak stress hostile conformance compat bench mutate clean
 
 # HAProxy, the front door of `make serve` (plugin/ops/proxy.py), installed like jemalloc: root + apt.
 INSTALL_HAPROXY = command -v haproxy >/dev/null || test -x /usr/sbin/haproxy || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 	  { apt-get update -qq >/dev/null && apt-get install -y -qq haproxy >/dev/null; } ; }
 
 setup: $(VENV)/.installed
+
+# The routers RL teams put in front of replicas, each in a venv of its own (their dependencies are theirs,
+# and both wheels install a console script named smg): client_tests/test_router.py and bench/load/router.py
+# start them through docker/router/launch.py. smg's version is the router image's (docker/router/Dockerfile).
+# A router is installed from its wheel only (--only-binary: both are Rust builds, no toolchain is assumed);
+# where PyPI has none for this platform, or cannot be reached, a note, and the router tests skip.
+ROUTERS := $(VENV)/routers
+SMG_VERSION := $(shell sed -n 's/^ARG SMG_VERSION=//p' docker/router/Dockerfile)
+SGLANG_ROUTER_VERSION := 0.3.2
+define INSTALL_ROUTER
+test -f $(ROUTERS)/$(1)/.installed-$(2) || { rm -rf $(ROUTERS)/$(1) && $(SYSTEM_PYTHON) -m venv $(ROUTERS)/$(1) && \
+  $(ROUTERS)/$(1)/bin/pip install --quiet --only-binary=:all: $(1)==$(2) && touch $(ROUTERS)/$(1)/.installed-$(2); } || \
+  { rm -rf $(ROUTERS)/$(1); echo "note: $(1) $(2) not installed (no wheel for this platform, or no PyPI); its router tests skip"; }
+endef
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PYTHON) || $(SYSTEM_PYTHON) -m venv $(VENV)
@@ -22,6 +36,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m pip install --quiet -e '.[server,client,proxy,test,lint,generate,api,tracing]'
 	# checkov (the Helm chart's static analysis) in a venv of its own: its pins would downgrade ours.
 	test -x $(VENV)/checkov/bin/checkov || { $(SYSTEM_PYTHON) -m venv $(VENV)/checkov && $(VENV)/checkov/bin/pip install --quiet checkov==3.3.30; }
+	@$(call INSTALL_ROUTER,smg,$(SMG_VERSION))
+	@$(call INSTALL_ROUTER,sglang-router,$(SGLANG_ROUTER_VERSION))
 	# jemalloc for tritonserver (plugin/ops/allocator.py); glibc's malloc is the fallback where it can't be installed.
 	@ldconfig -p 2>/dev/null | grep -q libjemalloc.so.2 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 	  { apt-get update -qq >/dev/null && apt-get install -y -qq libjemalloc2 >/dev/null; } ; } || \
@@ -79,6 +95,17 @@ conformance: setup
 	@$(INSTALL_HAPROXY) || true
 	$(PYTHON) -c "import schemathesis" 2>/dev/null || $(PYTHON) -m pip install --quiet -e '.[conformance]'
 	$(PYTHON) -m bench.conformance.run $(CONFORMANCE_ARGS)
+
+# The RL frameworks' published clients (verifiers/prime-rl, AReaL, skyrl-train, TRL, sglang-router, smg;
+# client_tests/compat/clients.txt) driven against fresh `make serve` stacks, with slime's and Miles's exact
+# payloads as fixtures (docs/compat.md). They install into .venv/compat (--no-deps, plus what their modules
+# import: client_tests/compat/imports.txt) so their pins never reach the project's venv; rebuilt when those
+# files change. Without that venv the suite's tests skip in `make test`.
+COMPAT_ARGS ?=
+compat: setup
+	@$(INSTALL_HAPROXY) || true
+	$(PYTHON) -m client_tests.compat.venv
+	$(PYTHON) -m pytest client_tests/compat $(COMPAT_ARGS)
 
 # 32 clients (HTTP and gRPC) for 60 s against a fresh server; prints the report, fails on loss/5xx/RSS growth.
 SOAK_ARGS ?= --clients 32 --duration 60

@@ -2,7 +2,7 @@
 
     python -m bench.run [--device cpu|cuda] [--grid cpu|gpu] [--tiny] [--skip-served] [--skip-top-p]
                         [--skip-served-call] [--skip-proxy-cost] [--skip-stream-cost] [--skip-api-cost]
-                        [--skip-speculative]
+                        [--skip-speculative] [--skip-generate-baseline] [--generate-baseline-rev REV]
                         [--call-requests N]
                         [--no-perf-analyzer]
                         [--skip-step-latency] [--step-calls N] [--skip-itl]
@@ -20,7 +20,9 @@ the same server (bench/step_latency.py: 10,000 calls per point of B=1 and B=8 ro
 streams), what the front door (HAProxy) adds to the one call and to a B=1 step
 (bench/proxy_cost.py), what it adds to 32 streams of `generate` (bench/stream_cost.py), and what the
 HTTP API costs against the gRPC client at 1 and 32 streams (bench/api_cost.py), and generate's
-tokens/s with "ngram" speculative decoding against plain decoding (bench/load/speculative.py).
+tokens/s with "ngram" speculative decoding against plain decoding (bench/load/speculative.py), and
+generate's tokens/s and TTFT against the same model at a baseline revision, both served side by
+side (bench/load/generate_baseline.py: ratios, nothing asserted).
 --tiny shrinks it all to seconds. The JSON is rewritten after every case ("complete": false
 until the end), so a run cut short keeps what finished.
 """
@@ -78,6 +80,16 @@ def main(argv: list[str] | None = None) -> dict:
         "--skip-speculative",
         action="store_true",
         help="no speculative-decoding table (bench/load/speculative.py: generate's tokens/s, ngram vs plain)",
+    )
+    parser.add_argument(
+        "--skip-generate-baseline",
+        action="store_true",
+        help="no generate comparison with a baseline revision (bench/load/generate_baseline.py)",
+    )
+    parser.add_argument(
+        "--generate-baseline-rev",
+        default=None,
+        help="the revision generate is compared with (default bench.load.generate_baseline.DEFAULT_REV)",
     )
     parser.add_argument(
         "--call-requests",
@@ -216,6 +228,18 @@ def main(argv: list[str] | None = None) -> dict:
         sizes = speculative.TINY if args.tiny else speculative.FULL
         results["speculative"] = speculative.run(**sizes, progress=progress)
         report.write_json(results, output)
+    if not args.skip_served and not args.skip_generate_baseline and device.type == "cpu":
+        from .load import generate_baseline
+
+        rev = args.generate_baseline_rev or generate_baseline.DEFAULT_REV
+        print(f"generate against its baseline revision {rev} (both served side by side)", flush=True)
+        try:
+            results["generate_baseline"] = generate_baseline.run(rev, quick=args.tiny, progress=progress)
+            print(generate_baseline.table(results["generate_baseline"]), flush=True)
+        except RuntimeError as error:  # e.g. a shallow clone without the revision
+            results["generate_baseline_skipped"] = str(error)
+            print(f"  skipped: {error}", flush=True)
+        report.write_json(results, output)
     results["targets"] = report.verdicts(results["kernel"], served, served_call, step)
     if results.get("proxy_cost"):
         from .proxy_cost import verdicts as proxy_verdicts
@@ -234,7 +258,14 @@ def main(argv: list[str] | None = None) -> dict:
     results["complete"] = True
     report.print_tables(results)
     report.write_json(results, output)
-    output.with_suffix(".md").write_text(report.markdown_summary(results))
+    summary = report.markdown_summary(results)
+    if results.get("generate_baseline"):
+        from .load.generate_baseline import table as baseline_table
+
+        summary += (
+            "\n\n## generate against its baseline revision\n\n" + baseline_table(results["generate_baseline"]) + "\n"
+        )
+    output.with_suffix(".md").write_text(summary)
     figures = [] if args.no_plot else report.plot(results, plot_path)
     print(f"\nwrote {output}{''.join(', ' + str(figure) for figure in figures)} in {results['wall_s']:.0f} s")
     return results

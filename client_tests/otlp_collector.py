@@ -33,6 +33,7 @@ class ReceivedSpan:
     start_ns: int
     end_ns: int
     attributes: dict = field(hash=False)
+    links: tuple[tuple[str, str], ...] = ()  # (trace id, span id) of each span it links to
 
 
 def _value(any_value):
@@ -80,6 +81,7 @@ def decode(body: bytes, content_type: str = CONTENT_TYPES[0]) -> list[ReceivedSp
                         start_ns=span.start_time_unix_nano,
                         end_ns=span.end_time_unix_nano,
                         attributes={a.key: _value(a.value) for a in span.attributes},
+                        links=tuple((link.trace_id.hex(), link.span_id.hex()) for link in span.links),
                     )
                 )
     return spans

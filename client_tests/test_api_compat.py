@@ -147,6 +147,42 @@ def test_sglang_router_reserialised_generate_is_served(api_server, direct, ids):
     assert code == 200 and output["output_ids"] == ref.output_ids.tolist()
 
 
+def test_smgs_unknown_model_on_generate_is_ignored_as_sglang_ignores_it(api_server, direct, ids):
+    """smg 1.13 forwards /generate with `"model": "unknown"` (the name it gives a worker whose model
+    it could not read); SGLang's GenerateReqInput has no `model`, so SGLang ignores it."""
+    body = slime_payload(ids, 8) | {"model": "unknown"}
+    code, output, _ = post(f"{api_server.url}/generate", body)
+    assert code == 200, output
+    ref = run_direct(direct, ids, SEED, 8, temperature=1.0, top_p=1.0, top_k=-1)
+    assert output["output_ids"] == ref.output_ids.tolist()
+
+
+def test_slimes_top_p_replay_gets_each_tokens_mask_as_flat_ids_and_offsets(api_server, direct, ids):
+    """slime with --rollout-top-p below 1 sends custom_params.return_top_p_token_ids and reads
+    meta_info.top_p_token_ids / top_p_token_offsets (slime/utils/types.py): with a finite top_k they
+    are the generate model's masks, flat; with slime's default top_k -1 the mask is unbounded and
+    refused as every unbounded mask request is; any other custom parameter is refused by name."""
+    body = slime_payload(ids, 10)
+    body["sampling_params"] |= {"top_p": 0.9, "top_k": 12, "custom_params": {"return_top_p_token_ids": True}}
+    code, output, _ = post(f"{api_server.url}/generate", body)
+    assert code == 200, output
+    ref = run_direct(direct, ids, SEED, 10, temperature=1.0, top_p=0.9, top_k=12, return_sampling_mask=True)
+    expected = masks(ref)
+    meta = output["meta_info"]
+    assert "output_token_sampling_mask" not in meta  # only what slime asked for
+    offsets = meta["top_p_token_offsets"]
+    assert offsets == [0, *np.cumsum([len(m) for m in expected]).tolist()]
+    assert [meta["top_p_token_ids"][a:b] for a, b in zip(offsets, offsets[1:])] == expected
+    body["sampling_params"]["top_k"] = -1
+    code, output, _ = post(f"{api_server.url}/generate", body)
+    assert code == 400 and output["error"]["param"] == "sampling_params.top_k", output
+    assert "requires finite top_k" in output["error"]["message"]
+    body["sampling_params"] |= {"top_k": 12, "custom_params": {"return_top_p_token_ids": True, "temp": 2}}
+    code, output, _ = post(f"{api_server.url}/generate", body)
+    assert code == 400 and output["error"]["param"] == "sampling_params.custom_params", output
+    assert "custom_params.temp is not supported" in output["error"]["message"]
+
+
 def test_areal_empty_image_data_is_neutral(api_server, ids):
     """AReaL 1.0.4's SGLang request (areal/engine/sglang_remote.py) carries `"image_data": []`."""
     body = {

@@ -6,26 +6,28 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import time
 import urllib.request
 
 from testbed.server import REPO_ROOT
 from testbed.stack import shipped_repository
+from triton_sampling_mask.ops.child import Child
 from triton_sampling_mask.ops.server_process import free_port
+from triton_sampling_mask.ops.startup_wait import StartupFailed, wait_until_ready
 
 
-def api_completion(port: int, deadline: float) -> dict:
-    """A two-token completion with masks through the HTTP API's public port, once it answers."""
+def answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def api_completion(port: int) -> dict:
+    """A two-token completion with masks through the HTTP API's public port (which answers)."""
     base = f"http://127.0.0.1:{port}/v1"
-    while True:
-        try:
-            with urllib.request.urlopen(f"{base}/models", timeout=5) as response:
-                model = json.loads(response.read())["data"][0]["id"]
-            break
-        except (OSError, KeyError, IndexError):
-            assert time.monotonic() < deadline, "the HTTP API did not answer through its port"
-            time.sleep(1.0)
+    with urllib.request.urlopen(f"{base}/models", timeout=5) as response:
+        model = json.loads(response.read())["data"][0]["id"]
     body = {"model": model, "prompt": [1, 2, 3], "max_tokens": 2, "top_k": 5, "seed": 1, "ignore_eos": True}
     body |= {"return_sampling_mask": True, "return_token_ids": True}
     request = urllib.request.Request(
@@ -45,36 +47,25 @@ def test_make_serve_honours_the_environment_and_stops_on_sigterm(tmp_path):
         "TRITON_API_PORT": free_port(),
     }
     env = {**os.environ, "MODEL_REPOSITORY": str(repository), **{k: str(v) for k, v in ports.items()}}
-    log = open(tmp_path / "serve.log", "w")  # noqa: SIM115 (open while the server runs)
     # A session of its own, so cleanup can reach the exec'd tritonserver whatever happens to make.
-    make = subprocess.Popen(
-        ["make", "-s", "serve"], cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-    )
+    make = Child("make serve", ["make", "-s", "serve"], env=env, cwd=REPO_ROOT, log_path=tmp_path / "serve.log")
+    make.start()
     try:
-        url = f"http://127.0.0.1:{ports['TRITON_HTTP_PORT']}/v2/models/sampler/ready"
-        deadline = time.monotonic() + 120
-        ready = False
-        while time.monotonic() < deadline and make.poll() is None and not ready:
-            try:
-                with urllib.request.urlopen(url, timeout=2) as response:
-                    ready = response.status == 200
-            except OSError:
-                time.sleep(0.5)
-        assert ready, (tmp_path / "serve.log").read_text()[-3000:]
-        completion = api_completion(ports["TRITON_API_PORT"], time.monotonic() + 120)
+        sampler = f"http://127.0.0.1:{ports['TRITON_HTTP_PORT']}/v2/models/sampler/ready"
+        api_models = f"http://127.0.0.1:{ports['TRITON_API_PORT']}/v1/models"
+        try:  # on readiness, for as long as the start makes progress: a busy machine only slows it
+            wait_until_ready("make serve", lambda: answers(sampler) and answers(api_models), [make], poll_s=0.5)
+        except StartupFailed as failed:
+            raise AssertionError(f"{failed}\n{(tmp_path / 'serve.log').read_text()[-3000:]}") from None
+        completion = api_completion(ports["TRITON_API_PORT"])
         assert len(completion["choices"][0]["token_ids"]) == 2, completion
         assert all(len(mask) <= 5 for mask in completion["choices"][0]["sampling_mask"]), completion
-        make.send_signal(signal.SIGTERM)  # what a supervisor sends; make forwards it to tritonserver
-        assert make.wait(timeout=60) is not None
+        make.signal(signal.SIGTERM)  # what a supervisor sends; make forwards it to tritonserver
+        assert make.process.wait(timeout=60) is not None
         text = (tmp_path / "serve.log").read_text()
         assert "successfully unloaded 'sampler'" in text, text[-3000:]
-        try:
-            urllib.request.urlopen(url, timeout=2)
-            raise AssertionError("server still answering after SIGTERM")
-        except OSError:
-            pass
+        assert not answers(sampler), "server still answering after SIGTERM"
     finally:
-        if make.poll() is None:
+        if make.running():
             os.killpg(make.pid, signal.SIGKILL)
-            make.wait()
-        log.close()
+            make.process.wait()

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
 from testbed.server import infer
@@ -132,7 +133,9 @@ def test_generate_metrics_follow_a_real_load(triton_server):
                     kept_mass.append(
                         max(float(outputs["sampling_logprobs"][0]) - float(outputs["output_logprobs"][0]), 0.0)
                     )
-                if len(first) == 1:  # the load is on: requests run, the gauge says so
+                if running_seen < 1 and finals < LOAD // 2:
+                    # the load is on: requests run, the gauge says so (the engine sets it after the
+                    # step whose tokens were just sent, so a scrape may come a step early: again)
                     running_seen = generate_value(scrape(triton_server.metrics_url), "generate_num_requests_running")
             finals += final
     assert len(errors) == 2 and all("input_ids" in message for message in errors), errors
@@ -223,3 +226,72 @@ def test_the_documented_triton_series_exist(triton_server):
     opt_in = {"nv_inference_first_response_histogram_ms"}  # only with --metrics-config histogram_latencies=true
     served = {name for name, _ in scrape(triton_server.metrics_url)}
     assert documented - opt_in and documented - opt_in <= served, (documented - opt_in) - served
+
+
+def series_sum(samples: dict, name: str, **labels) -> float:
+    """The sum of every series `name` whose labels include `labels` (e.g. over Triton's `reason`)."""
+    return sum(v for (key, have), v in samples.items() if key == name and set(labels.items()) <= have)
+
+
+def send_control(stream: GenerateStream, command: str, request_id: str) -> None:
+    control = grpcclient.InferInput("control", [1, 1], "BYTES")
+    control.set_data_from_numpy(np.array([[command.encode()]], dtype=np.object_))
+    stream.client.async_stream_infer("generate", [control], request_id=request_id, enable_empty_final_response=True)
+
+
+def test_triton_counts_the_models_own_refusals_as_successes_and_ours_by_outcome(triton_server, http_client):
+    """docs/metrics.md: Triton's nv_inference_request_success counts every request whose execute
+    ran, the model's own 400s and 503s included; nv_inference_request_failure none of them. The
+    models' own counters say how each request ended."""
+    rng = np.random.default_rng(3)
+    before = scrape(triton_server.metrics_url)
+    logits = rng.standard_normal((1, VOCAB)).astype(np.float32)
+    for _ in range(6):
+        infer(http_client, httpclient, "sampler", logits, top_k=5)
+    for _ in range(2):  # the model's own 400
+        expect_error(lambda: infer(http_client, httpclient, "sampler", logits, top_p=0.0), INVALID_ARGUMENT)
+    wrong_dtype = [tensor(httpclient, "logits", logits.astype(np.float64), "FP64")]  # Triton's own 400
+    expect_error(lambda: http_client.infer("sampler", wrong_dtype), INVALID_ARGUMENT)
+    answers = []
+    with GenerateStream(triton_server.grpc_url) as stream:
+        for i in range(3):
+            stream.send([5, 6, 7], 2, request_id=f"ok{i}", temperature=0.0)
+        for i in range(2):
+            stream.send([5, 10**6], 2, request_id=f"bad{i}")  # the model's own 400
+        send_control(stream, '{"op": "get_weight_version"}', "control-ok")
+        send_control(stream, '{"op": "no_such_op"}', "control-bad")  # 400
+        send_control(stream, '{"op": "pause_generation"}', "control-off")  # no admin key: UNAVAILABLE
+        while len(answers) < 8:
+            request_id, _, final, error = stream.next()
+            if error is not None or final:
+                answers.append("ok" if error is None else error.status())
+    assert answers.count("ok") == 4, answers
+
+    expected_ends = {("generation", "ok"): 3, ("generation", "invalid_arg"): 2, ("control", "ok"): 1}
+    expected_ends |= {("control", "invalid_arg"): 1, ("control", "unavailable"): 1}
+
+    def generate_ends(samples):
+        return {
+            key: generate_value(samples, "generate_requests_total", kind=key[0], outcome=key[1])
+            for key in expected_ends
+        }
+
+    after = wait_until_idle(
+        triton_server.metrics_url,
+        settled=lambda samples: all(
+            generate_ends(samples)[key] - generate_ends(before)[key] >= count for key, count in expected_ends.items()
+        ),
+    )
+    delta = lambda name, **labels: series_sum(after, name, **labels) - series_sum(before, name, **labels)  # noqa: E731
+    # Triton: the sampler's 6 answers and its 2 refusals are 8 successes, and no failure; the
+    # request Triton refused itself, before any model ran (its input checks), is in neither.
+    assert delta("nv_inference_request_success", model="sampler") == 8
+    assert delta("nv_inference_request_failure", model="sampler") == 0
+    assert delta("sampler_requests_total", model="sampler", outcome="ok") == 6
+    assert delta("sampler_requests_total", model="sampler", outcome="rejected") == 2
+    # The generate model: every request (generations and control requests, refused or not) is a
+    # success to Triton, counted when execute returns; ours count each end by kind and outcome.
+    assert delta("nv_inference_request_success", model="generate") == 8
+    assert delta("nv_inference_request_failure", model="generate") == 0
+    ours = {key: generate_ends(after)[key] - generate_ends(before)[key] for key in expected_ends}
+    assert ours == expected_ends

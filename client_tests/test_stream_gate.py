@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import subprocess
 import sys
-import time
 
 import pytest
 
 from triton_sampling_mask.client import AsyncGenerateClient, GenerateError
 from triton_sampling_mask.client.sampling_params import SamplingParams
+from triton_sampling_mask.ops.child import Child
 from triton_sampling_mask.ops.server_process import free_port
+from triton_sampling_mask.ops.startup_wait import wait_until_ready
 
 MAX_MESSAGE_BYTES = 65536
 PARAMS = SamplingParams(temperature=1.0, top_k=20, return_sampling_mask=True)
@@ -31,30 +31,29 @@ def direct_grpc_url(triton_server) -> str:
 def gate(triton_server):
     """A gate with --max-open 1 relaying to the session server's gRPC port; its URL."""
     port = free_port()
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "triton_sampling_mask.ops.stream_gate",
-            f"--listen=127.0.0.1:{port}",
-            f"--upstream={direct_grpc_url(triton_server)}",
-            "--max-open=1",
-            f"--max-message-bytes={MAX_MESSAGE_BYTES}",
-        ]
-    )
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            break
-        except OSError:
-            if time.monotonic() > deadline or process.poll() is not None:
-                process.kill()
-                raise RuntimeError("the stream gate did not start") from None
-            time.sleep(0.1)
-    yield f"127.0.0.1:{port}"
-    process.terminate()
-    process.wait(timeout=10)
+    command = [
+        sys.executable,
+        "-m",
+        "triton_sampling_mask.ops.stream_gate",
+        f"--listen=127.0.0.1:{port}",
+        f"--upstream={direct_grpc_url(triton_server)}",
+        "--max-open=1",
+        f"--max-message-bytes={MAX_MESSAGE_BYTES}",
+    ]
+    process = Child("stream gate", command).start()
+    try:
+        wait_until_ready(f"the stream gate on port {port}", lambda: listening(port), [process], poll_s=0.1)
+        yield f"127.0.0.1:{port}"
+    finally:
+        process.stop(10)
+
+
+def listening(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+    except OSError:
+        return False
 
 
 def arrival_order(url: str, prompts: list, budget: int) -> list[int]:
@@ -93,3 +92,24 @@ def test_an_oversized_request_is_refused_and_its_connection_keeps_serving(gate):
 
     (result,) = asyncio.run(run())
     assert len(result.output_ids) == 8
+
+
+def test_a_stream_many_flow_control_windows_long_arrives_whole(triton_server, gate):
+    """A stream whose responses add up to several times the client's 64 KiB window (gRPC's
+    bandwidth probe off, so its windows stay at the protocol's start): the gate keeps the client's
+    WINDOW_UPDATEs and passes them on in batches, and every token still arrives, the same count as
+    straight to tritonserver."""
+    budget = 500  # two requests of it (the context is 512): over 0.5 MB of masks (128 INT32 a token)
+
+    async def tokens(url: str) -> int:
+        options = [("grpc.http2.bdp_probe", 0)]
+        async with AsyncGenerateClient(url, mask_width=128, channel_options=options) as client:
+            async with client.stream([[5, 6, 7], [8, 9]], PARAMS, budget, ignore_eos=True) as chunks:
+                return sum([len(chunk.output_ids) async for chunk in chunks])
+
+    async def run():
+        direct = await tokens(direct_grpc_url(triton_server))
+        gated = await asyncio.wait_for(tokens(gate), 120)  # a stall would hang: the bound fails it
+        return direct, gated
+
+    assert asyncio.run(run()) == (2 * budget, 2 * budget)

@@ -11,8 +11,9 @@ server the launcher runs (`python -m triton_sampling_mask.ops.launcher`, supervi
 The front door refuses the HTTP bodies of 1 and 2 before they reach tritonserver (the tests check
 that); the same bodies sent straight to tritonserver's loopback port still test the recovery.
 
-Each attack must leave the model answering correctly again within RECOVERY_LIMIT_S, and the
-test prints how long that took and what failed meanwhile (run with -s to see it).
+Each attack must leave the model answering correctly again, and the test prints how long that
+took and what failed meanwhile (run with -s to see it). RECOVERY_LIMIT_S only guards against a
+server that never comes back: a restart on a busy machine takes as long as its models' loads do.
 
 SURVIVAL_LAUNCHER=/path/to/launcher.py runs the same tests against another launcher script
 (started as `python SCRIPT --model-repository DIR`, configured only through the environment),
@@ -56,7 +57,7 @@ from triton_sampling_mask.ops.shm_cleanup import remove_unused_regions, server_s
 from .generate_client import generate_inputs
 
 ADMIN_KEY = "survival-test-admin-key-0123456789abcdef"
-RECOVERY_LIMIT_S = 20.0
+RECOVERY_LIMIT_S = 180.0
 MEMORY_LIMIT_BYTES = 3 * 2**30
 SHUTDOWN_LIMIT_S = 10.0
 WRAPPED = 2**62 + 3  # FP32: 4 * WRAPPED bytes = 2**64 + 12, i.e. 12 after the wrap

@@ -69,6 +69,7 @@ def test_a_sampler_request_has_its_phases_under_tritons_span(traced):
     spans = collector.wait_for(lambda got: any(s.name == "sampler.execute" for s in got) and tree_of_all(got))
     triton_span, execute, children = tree_of_all(spans)
     assert triton_span.service == TRITON_SERVICE and execute.service == SERVICE_NAME
+    assert_every_span_lies_within_its_parent([s for s in spans if s.trace_id == execute.trace_id])
     assert {s.trace_id for s in (triton_span, execute, *children)} == {execute.trace_id}
     # every phase lies within the model's span, in order, and the model's span within Triton's request
     children.sort(key=lambda s: s.start_ns)
@@ -91,20 +92,49 @@ def tree_of_all(spans):
     return tree_of(spans, "sampler.execute", SAMPLER_PHASES) if found else None
 
 
-def test_a_generate_request_has_its_queue_decode_and_response_under_tritons_span(traced):
+def assert_every_span_lies_within_its_parent(spans) -> None:
+    """An honest tree: no span starts before its parent or ends after it."""
+    by_id = {s.span_id: s for s in spans}
+    for span in spans:
+        parent = by_id.get(span.parent_span_id)
+        if parent is not None:
+            assert parent.start_ns <= span.start_ns and span.end_ns <= parent.end_ns, (span.name, parent.name)
+
+
+def test_a_generate_request_follows_tritons_span_for_the_model_in_the_same_trace(traced):
+    """tritonserver ends its span for the model when `execute` returns: what runs inside execute is
+    its child; the request's life after it (queue, decoding, the final response) is a span of the
+    same trace that links to it (follows from it) instead of outliving it as a child."""
     collector, server = traced
     grpc_generate(server.grpc_url, np.array([1, 2, 3], np.int64), 4, ignore_eos=True, top_k=5)
-    spans = collector.wait_for(
-        lambda got: (
-            any(s.name == "generate.request" for s in got)
-            and tree_of(got, "generate.request", GENERATE_PHASES) is not None
-        )
-    )
-    triton_span, request, children = tree_of(spans, "generate.request", GENERATE_PHASES)
-    assert triton_span.service == TRITON_SERVICE and request.service == SERVICE_NAME
-    assert {s.trace_id for s in (triton_span, request, *children)} == {request.trace_id}
-    by_name = {c.name: c for c in children}
-    assert by_name["generate.decode"].attributes["finish_reason"] == "length"
+
+    def arrived(names):
+        def holds(got):
+            requests = [s for s in got if s.name == "generate.request"]
+            return len(requests) == 1 and names <= {s.name for s in got if s.trace_id == requests[0].trace_id}
+
+        return holds
+
+    spans = collector.wait_for(arrived({"InferRequest", "generate", *GENERATE_PHASES}))
+    (request,) = [s for s in spans if s.name == "generate.request"]
+    assert_every_span_lies_within_its_parent([s for s in spans if s.trace_id == request.trace_id])
+    spans = collector.wait_for(arrived({"generate.execute"}))
+    trace = [s for s in spans if s.trace_id == request.trace_id]
+    by_name = {s.name: s for s in trace if s.name != "generate.step"}
+    model_span, execute = by_name["generate"], by_name["generate.execute"]
+    assert model_span.service == TRITON_SERVICE and request.service == execute.service == SERVICE_NAME
+    assert_every_span_lies_within_its_parent(trace)
+    # inside execute: a child of tritonserver's span for the model, holding the parse
+    assert execute.parent_span_id == model_span.span_id
+    assert by_name["generate.parse"].parent_span_id == execute.span_id
+    # after it: no parent, a link to the model's span, and the request's phases as its children
+    assert request.parent_span_id == "" and request.links == ((model_span.trace_id, model_span.span_id),)
+    assert request.end_ns > model_span.end_ns  # why it cannot be the model span's child
+    assert request.end_ns <= by_name["InferRequest"].end_ns  # tritonserver's request span outlives it
+    children = [s for s in trace if s.parent_span_id == request.span_id]
+    assert {c.name for c in children} == GENERATE_PHASES - {"generate.parse"}
+    decode = by_name["generate.decode"]
+    assert decode.attributes["finish_reason"] == "length"
     assert request.attributes == {
         "batch_size": 1,
         "mask_width": mask_width(server, "generate"),
@@ -116,8 +146,7 @@ def test_a_generate_request_has_its_queue_decode_and_response_under_tritons_span
     assert request.start_ns <= order[0].start_ns and order[-1].end_ns <= request.end_ns
     # decoding is the engine's steps, one span each: 4 tokens without drafts take 4 steps, the
     # first at the start of decoding and the last at its end, carrying the step's batch and tokens
-    decode = by_name["generate.decode"]
-    steps = sorted((s for s in spans if s.parent_span_id == decode.span_id), key=lambda s: s.start_ns)
+    steps = sorted((s for s in trace if s.parent_span_id == decode.span_id), key=lambda s: s.start_ns)
     assert [s.name for s in steps] == ["generate.step"] * 4 and decode.attributes["steps"] == 4
     assert steps[0].start_ns == decode.start_ns and steps[-1].end_ns == decode.end_ns
     assert all(a.end_ns <= b.start_ns for a, b in zip(steps, steps[1:]))

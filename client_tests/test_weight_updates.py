@@ -5,6 +5,7 @@ old weights answering, pause / continue, and the RL loop example (disk and gloo 
 
 from __future__ import annotations
 
+import json
 import re
 import runpy
 import time
@@ -26,6 +27,13 @@ ADMIN_KEY = "weights-test-key"
 PARAMS = SamplingParams(temperature=0.8, top_k=20, top_p=0.95, seed=3, return_sampling_mask=True)
 PROMPTS = [[5, 6, 7], [40, 41, 42, 43]]
 SEEDS = {"default": None, "step1": 21, "step2": 22}  # version -> moved_model seed (None: the shipped LM)
+SECRET = "model-type-from-outside-the-root"
+# checkpoint under the root -> (its file that links out of the root, the file that link names there)
+LINKED = {
+    "linked_shard": ("model.safetensors", "ckpt/model.safetensors"),
+    "linked_text": ("config.json", "passwd"),
+    "linked_json": ("config.json", "config.json"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +49,15 @@ def weights_root(tmp_path_factory):
     tensors = load_file(broken / "model.safetensors")
     tensors["model.norm.weight"][0] = float("nan")
     save_file(tensors, broken / "model.safetensors")
+    # Links out of the root, to files a trainer must never get loaded or read back.
+    outside = tmp_path_factory.mktemp("outside_the_root")
+    moved_model(24).save_pretrained(outside / "ckpt")
+    (outside / "passwd").write_text("root:x:0:0:root:/root:/bin/bash\n")
+    (outside / "config.json").write_text(json.dumps({"model_type": SECRET, "architectures": [SECRET]}))
+    for name, (file, target) in LINKED.items():
+        moved_model(25).save_pretrained(root / name)
+        (root / name / file).unlink()
+        (root / name / file).symlink_to(outside / target)
     return root
 
 
@@ -99,6 +116,23 @@ def test_updates_follow_the_trainer_and_refusals_leave_the_old_weights(client, w
     answer = client.update_weights_from_disk(target, weight_version=target, pause_mode="in_place")
     assert answer[url]["weight_version"] == target and answer[url]["tensors"] > 0
     assert_replayed(generate(client), target)
+
+
+def test_files_linked_out_of_the_root_are_neither_loaded_nor_read(client, weights_root):
+    (url,) = client.urls
+    start = client.get_weight_version()[url]
+    for name, (file, _) in LINKED.items():
+        with pytest.raises(GenerateError) as refused:
+            client.update_weights_from_disk(name, weight_version="linked")
+        assert refused.value.message.endswith(f"{name}/{file} is outside the allowed weights root")
+        assert refused.value.status == ("400" if client.protocol == "http" else "in-band")
+        for leak in (str(weights_root), SECRET, "not readable JSON", "root:x"):
+            assert leak not in refused.value.message
+    with pytest.raises(GenerateError, match="cannot be opened") as odd:
+        client.update_weights_from_disk("bad\0name")
+    assert odd.value.status == ("400" if client.protocol == "http" else "in-band")
+    assert client.get_weight_version()[url] == start
+    assert_replayed(generate(client), start)
 
 
 def test_abort_ends_requests_in_flight_and_the_client_resends_them(weights_server):

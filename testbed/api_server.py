@@ -9,13 +9,13 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 from triton_sampling_mask.ops.child import Child, log_tail
 from triton_sampling_mask.ops.server_process import free_port
+from triton_sampling_mask.ops.startup_wait import CAP_S, StartupFailed, wait_until_ready
 
 
 class ApiProcess:
@@ -45,19 +45,21 @@ class ApiProcess:
         """The API's process (None before `start`)."""
         return self.child.process
 
-    def start(self, timeout_s: float = 90.0) -> ApiProcess:
-        """Start the API and wait until /health answers 200; raises with the log tail if not."""
+    def start(self, timeout_s: float = CAP_S) -> ApiProcess:
+        """Start the API and wait until /health answers 200, for as long as it makes progress
+        (startup_wait; `timeout_s` is the last-resort cap); raises with the log tail if not."""
         self.child.start()
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"the API exited with {self.process.returncode}:\n{self.log_tail()}")
-            status, _ = self.get("/health")
-            if status == 200:
-                return self
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"the API was not healthy within {timeout_s}s:\n{self.log_tail()}")
+        try:
+            wait_until_ready(
+                f"the HTTP API on port {self.port}",
+                lambda: self.get("/health")[0] == 200,
+                [self.child],
+                cap_s=timeout_s,
+            )
+        except StartupFailed as failed:
+            self.stop()
+            raise StartupFailed(f"{failed}:\n{self.log_tail()}") from None
+        return self
 
     def get(self, path: str, headers: dict | None = None) -> tuple[int, dict | None]:
         """(status, JSON body) of a GET; (0, None) when nothing answers."""

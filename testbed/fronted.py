@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import secrets
 import subprocess
-import time
 from pathlib import Path
 
 from triton_sampling_mask.ops.child import Child
 from triton_sampling_mask.ops.proxy import FrontDoor, ProxyLimits
 from triton_sampling_mask.ops.server_process import PORT_NAMES, LoopbackUrls, TritonServer, free_port, loopback_args
+from triton_sampling_mask.ops.startup_wait import CAP_S, wait_until_ready
 
 
 class FrontedTritonServer(LoopbackUrls):
@@ -52,19 +52,21 @@ class FrontedTritonServer(LoopbackUrls):
         """tritonserver's process."""
         return self.server.process
 
-    def start(self, timeout_s: float = 180.0) -> FrontedTritonServer:
-        """Start tritonserver, then the proxy and the gate; wait until ready through the proxy."""
+    def start(self, timeout_s: float = CAP_S) -> FrontedTritonServer:
+        """Start tritonserver, then the proxy and the gate; wait until ready through the proxy, for
+        as long as they make progress (startup_wait; `timeout_s` is the last-resort cap)."""
         self.server.start(timeout_s)
         try:
             self.front_door.prepare()
             self.helpers = self.front_door.children(self.server.log_path.with_suffix(".proxy.log"))
             for helper in self.helpers:
                 helper.start()
-            deadline = time.monotonic() + 30
-            while not self.is_ready():
-                if time.monotonic() > deadline or not all(helper.running() for helper in self.helpers):
-                    raise RuntimeError("the front door did not come up")
-                time.sleep(0.1)
+            wait_until_ready(
+                f"the front door on port {self.ports['http']}",
+                self.is_ready,
+                [*self.helpers, self.server.child],
+                cap_s=timeout_s,
+            )
         except BaseException:
             self.stop()
             raise

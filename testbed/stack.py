@@ -21,12 +21,12 @@ from triton_sampling_mask.ops.child import Child, log_tail
 from triton_sampling_mask.ops.memory_limit import MemoryCage, make_cage
 from triton_sampling_mask.ops.proxy import INTERNAL_PORTS
 from triton_sampling_mask.ops.server_process import LoopbackUrls, free_port
+from triton_sampling_mask.ops.startup_wait import StartupFailed, wait_until_ready
 
 from .server import REPO_ROOT, copy_model
 
 ADMIN_KEY = "hostile-suite-admin-key-0123456789abcdef"
 CLIENT_KEY = "trainer-burst-client-key-0123456789abcdef"  # a keyed client's (TRITON_CLIENT_KEYS_FILE)
-START_LIMIT_S = 180.0
 STOP_LIMIT_S = 30.0  # SIGKILL for the launcher's group after this
 GREEDY_LOGITS = [0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 6.0]  # greedy: id 7
 GREEDY = json.dumps(
@@ -262,10 +262,14 @@ def launch(
         setup=cage.enter if cage else None,
     ).start()
     stack = Stack(child, ports, internal_base if proxied else ports["http"], log_path, proxied, cage)
-    deadline = time.monotonic() + START_LIMIT_S
-    while not (stack.sampler_answers() and (not wait_ready or stack.ready())):
-        if not child.running() or time.monotonic() > deadline:
-            stack.stop()
-            raise RuntimeError(f"the stack did not come up:\n{stack.log_tail()}")
-        time.sleep(0.5)
+    try:
+        wait_until_ready(
+            f"the launched stack on port {ports['http']}",
+            lambda: stack.sampler_answers() and (not wait_ready or stack.ready()),
+            [child],
+            poll_s=0.5,
+        )
+    except StartupFailed as failed:
+        stack.stop()
+        raise StartupFailed(f"{failed}:\n{stack.log_tail()}") from None
     return stack

@@ -56,14 +56,15 @@ class StepClient:
             self.logits = grpcclient.InferInput(LOGITS, [rows, vocab], INPUT_DTYPES[LOGITS])
             self.logits.set_shared_memory(self.region, byte_size)
 
-    def call(self, logits: np.ndarray) -> None:
-        """One step: `logits` [rows, V] in, the requested outputs back."""
+    def call(self, logits: np.ndarray, request_id: str = "") -> None:
+        """One step: `logits` [rows, V] in, the requested outputs back (`request_id` names it in
+        tritonserver's traces)."""
         if self.region is None:
             tensor = infer_input(grpcclient, LOGITS, logits, INPUT_DTYPES[LOGITS])
         else:
             shm.set_shared_memory_region(self.handle, [logits])
             tensor = self.logits
-        self.client.infer(self.model, [tensor, *self.params], outputs=self.outputs)
+        self.client.infer(self.model, [tensor, *self.params], outputs=self.outputs, request_id=request_id)
 
     def close(self) -> None:
         """Unregister and remove the region (if any), then close the connection."""
@@ -82,6 +83,7 @@ class StepRun:
 
     latencies_ms: np.ndarray  # one per call
     elapsed_s: float  # from the clients' common start to the last answer
+    calls: list  # (request id, start ns, end ns) per call, on the monotonic clock tritonserver's traces use
 
 
 def closed_loop(
@@ -92,13 +94,16 @@ def closed_loop(
     shared_memory: bool = False,
     model: str = MODEL,
     warmup_calls: int = 2,
+    id_prefix: str = "step",
 ) -> StepRun:
     """`calls` step calls (`logits` [N, rows, V], cycled through) split evenly over `concurrency`
-    closed-loop clients that start together after `warmup_calls` unrecorded calls each. Raises
+    closed-loop clients that start together after `warmup_calls` unrecorded calls each (call n of
+    client i has the request id `id_prefix`-i-n). Raises
     the first client error (a failed call must not look fast)."""
     per_client = calls // concurrency
     rows, vocab = logits.shape[1:]
     latencies: list[list[float]] = [[] for _ in range(concurrency)]
+    calls: list[list[tuple[str, int, int]]] = [[] for _ in range(concurrency)]
     errors: list[BaseException] = []
     start_gate = threading.Barrier(concurrency + 1)
 
@@ -115,9 +120,12 @@ def closed_loop(
             if not errors:
                 for n in range(per_client):
                     array = logits[(index * 7 + n) % len(logits)]
-                    started = time.perf_counter()
-                    step.call(array)
-                    latencies[index].append(time.perf_counter() - started)
+                    request_id = f"{id_prefix}-{index}-{n}"
+                    started = time.monotonic_ns()
+                    step.call(array, request_id)
+                    ended = time.monotonic_ns()
+                    latencies[index].append((ended - started) / 1e9)
+                    calls[index].append((request_id, started, ended))
         except BaseException as exc:  # re-raised by the caller
             errors.append(exc)
         finally:
@@ -134,7 +142,9 @@ def closed_loop(
     elapsed = time.perf_counter() - started
     if errors:
         raise RuntimeError(f"step calls failed ({len(errors)} clients): {errors[0]!r}") from errors[0]
-    return StepRun(np.array([lat for mine in latencies for lat in mine]) * 1e3, elapsed)
+    return StepRun(
+        np.array([lat for mine in latencies for lat in mine]) * 1e3, elapsed, [call for mine in calls for call in mine]
+    )
 
 
 def latency_summary(ms: np.ndarray) -> dict:

@@ -185,21 +185,51 @@ def test_tokenizing_runs_off_the_event_loop():
             held.join(30)
 
 
+def _held_requests(url: str, count: int, prompt: str = "hello") -> list[threading.Thread]:
+    threads = [
+        threading.Thread(target=call, args=(url + "/v1/completions", {"prompt": prompt}), daemon=True)
+        for _ in range(count)
+    ]
+    for thread in threads:
+        thread.start()
+    return threads
+
+
+def _wait_pending(pool, count: int) -> None:
+    deadline = time.monotonic() + 30
+    while pool.pending < count and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert pool.pending == count
+
+
+def test_a_burst_of_small_requests_waits_for_the_preparing_threads():
+    """A trainer's burst (64 requests on one preparing thread) waits: what is bounded is bytes."""
+    gate = threading.Event()
+    with serving(SpyTokenizer(gate), tokenizer_threads=1) as (url, service):
+        waiting = _held_requests(url, 64)
+        try:
+            _wait_pending(service.preparation, 64)
+        finally:
+            gate.set()
+            for thread in waiting:
+                thread.join(30)
+
+
 def test_requests_past_the_preparing_queue_are_refused_with_503():
+    """Past the bytes waiting (a body alone always taken) or the request count: 503, overloaded."""
     gate = threading.Event()
     with serving(SpyTokenizer(gate), tokenizer_threads=1) as (url, service):
         pool = service.preparation
-        waiting = [
-            threading.Thread(target=call, args=(url + "/v1/completions", {"prompt": "hello"}), daemon=True)
-            for _ in range(pool.capacity)
-        ]
+        pool.capacity_bytes = 2000
+        waiting = _held_requests(url, 1, "x" * 1500)
         try:
-            for thread in waiting:
-                thread.start()
-            deadline = time.monotonic() + 30
-            while pool.pending < pool.capacity and time.monotonic() < deadline:
-                time.sleep(0.01)
-            status, answer = call(url + "/v1/completions", {"prompt": "hello"}, timeout_s=10)
+            _wait_pending(pool, 1)
+            status, answer = call(url + "/v1/completions", {"prompt": "y" * 600}, timeout_s=10)
+            assert status == 503 and answer["error"]["code"] == "overloaded", answer
+            waiting += _held_requests(url, 1, "z" * 100)  # fits beside it
+            _wait_pending(pool, 2)
+            pool.capacity = 2
+            status, answer = call(url + "/v1/completions", {"prompt": "w"}, timeout_s=10)
             assert status == 503 and answer["error"]["code"] == "overloaded", answer
         finally:
             gate.set()

@@ -38,6 +38,21 @@ def test_baseline_support_matches_reference():
         np.testing.assert_allclose(float(out["mask_logprobs"][row]), ref.renormalised_logprob(token, length), atol=1e-4)
 
 
+def test_ours_is_timed_with_a_fresh_batch_per_call_and_its_result_on_the_host(monkeypatch):
+    """What a caller pays per call: the batch is built inside the timed call and the result read."""
+    built, read = [], []
+    real_from_arrays = kernel.SamplingBatch.from_arrays
+    monkeypatch.setattr(
+        kernel.SamplingBatch, "from_arrays", lambda **kw: built.append(kw["logits"].shape) or real_from_arrays(**kw)
+    )
+    functions = kernel.case_functions(kernel.make_logits(1, 500, torch.device("cpu")), 8, 16)
+    built.clear()
+    for name in ("ours_mask", "ours_nomask"):
+        result = functions[name]()
+        read.append(isinstance(result, dict) and result["output_ids"].shape == (1,))
+    assert built == [(1, 500), (1, 500)] and read == [True, True]
+
+
 def test_kernel_case_reports_every_timing():
     fake_ms = {"ours_mask": 2.0, "ours_nomask": 1.6, "baseline_mask": 30.0, "baseline_nomask": 29.0, "floor": 4.0}
     case = kernel.run_case(
@@ -81,7 +96,8 @@ def test_previous_top_p_path_restores_the_candidate_count():
 
 
 def test_floor_targets_read_their_cases():
-    """b1/b2/b3 read B=1 V=151936, B=1 V=32000 and B=64 V=151936 (top_k 512) on the full grid."""
+    """b1/b2/b3 read B=1 V=151936, B=1 V=32000 and B=64 V=151936 (top_k 512) on the full grid, and
+    b1_k50/b2_k50 the two B=1 cases at top_k 50."""
     grid = kernel.FULL_GRID
     cases = [
         {
@@ -106,6 +122,10 @@ def test_floor_targets_read_their_cases():
         assert targets[key]["case"] == f"B={rows} V={vocab} top_k=512 (fp32)" and not targets[key]["stand_in"]
         assert targets[key]["value"] == pytest.approx(rows + vocab / 1e6 + 512 / 1e9)
     assert [targets[k]["threshold"] for k in ("b1", "b2", "b3")] == [1.5, 2.0, 1.0]
+    for key, (vocab, threshold) in {"b1_k50": (151936, 1.5), "b2_k50": (32000, 2.0)}.items():
+        assert targets[key]["case"] == f"B=1 V={vocab} top_k=50 (fp32)" and not targets[key]["stand_in"]
+        assert targets[key]["value"] == pytest.approx(1 + vocab / 1e6 + 50 / 1e9)
+        assert targets[key]["threshold"] == threshold
 
 
 def _positive_finite(value) -> bool:

@@ -107,3 +107,19 @@ def test_a_child_that_dies_with_its_parent_does(tmp_path):
     while group_members(orphan) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert group_members(orphan) == []
+
+
+def test_a_nice_child_and_its_session_run_at_that_priority(tmp_path):
+    """Nice 7 (no privilege needed to lower one's priority) reaches the child and, where the kernel
+    groups tasks by session (autogroup), the child's own session; the parent's stays as it was."""
+    ours = os.getpriority(os.PRIO_PROCESS, 0)
+    child = Child("nice", [sys.executable, "-c", "import time; time.sleep(30)"], nice=7).start()
+    try:
+        assert os.getpriority(os.PRIO_PROCESS, child.pid) == 7
+        autogroup = f"/proc/{child.pid}/autogroup"
+        if os.path.exists(autogroup):
+            with open(autogroup) as group:
+                assert group.read().split()[-1] == "7"
+        assert os.getpriority(os.PRIO_PROCESS, 0) == ours
+    finally:
+        child.stop(timeout_s=2)

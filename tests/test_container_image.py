@@ -501,3 +501,126 @@ def tomllib_package_data() -> dict[str, list[str]]:
     import tomllib
 
     return tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+
+
+# The router in front of the replicas (docs/deploy.md, "Scale-out: the router").
+ROUTER_DIR = REPO_ROOT / "docker" / "router"
+
+
+def compose_file() -> dict:
+    return yaml.safe_load((REPO_ROOT / "docker" / "compose.yaml").read_text())
+
+
+def router_flags(command: list[str]) -> dict[str, list[str]]:
+    """A router command line as {flag: its values} (`--flag=value` and `--flag v1 v2` alike)."""
+    flags: dict[str, list[str]] = {}
+    current = None
+    for word in command:
+        if word.startswith("--"):
+            current, _, value = word.partition("=")
+            flags[current] = [value] if value else []
+        elif current is not None:
+            flags[current].append(word)
+    return flags
+
+
+def test_compose_runs_every_replica_behind_the_router():
+    """Each `sampler*` service is the same image on a GPU of its own; the router lists each one's
+    HTTP API port, reads its key from the secret the replicas' TRITON_API_KEY fills, and
+    Prometheus scrapes every replica and the router."""
+    from triton_sampling_mask.ops import settings
+
+    services = compose_file()["services"]
+    replicas = {name: s for name, s in services.items() if name.startswith("sampler")}
+    assert len(replicas) >= 2, sorted(services)
+    gpus = set()
+    for service in replicas.values():
+        assert service["image"] == replicas["sampler"]["image"] and service["build"] == replicas["sampler"]["build"]
+        assert service["environment"]["TRITON_API_KEY"].startswith("${TRITON_API_KEY:?"), service["environment"]
+        (device,) = service["deploy"]["resources"]["reservations"]["devices"]
+        gpus.add(device["device_ids"][0])
+    assert len(gpus) == len(replicas), gpus
+    router = services["router"]
+    assert (REPO_ROOT / "docker" / router["build"]["context"] / "Dockerfile").is_file()
+    flags = router_flags(router["command"])
+    assert sorted(flags["--worker-urls"]) == sorted(f"http://{n}:{settings.TRITON_API_PORT.default}" for n in replicas)
+    (secret,) = router["secrets"]
+    assert compose_file()["secrets"][secret] == {"environment": "TRITON_API_KEY"}
+    assert flags["--api-key-file"] == [f"/run/secrets/{secret}"] and "--api-key" not in flags
+    assert {p.split(":")[1] for p in router["ports"]} == set(flags["--port"])
+    prometheus = yaml.safe_load((REPO_ROOT / "docker/prometheus/prometheus.yml").read_text())
+    targets = {t for job in prometheus["scrape_configs"] for c in job["static_configs"] for t in c["targets"]}
+    for name in replicas:
+        assert {
+            f"{name}:{settings.TRITON_METRICS_PORT.default}",
+            f"{name}:{settings.TRITON_PROBE_PORT.default}",
+        } <= targets
+    assert f"router:{flags['--prometheus-port'][0]}" in targets
+
+
+def test_the_router_image_runs_the_launcher_unprivileged_with_smg_pinned():
+    text = (ROUTER_DIR / "Dockerfile").read_text()
+    found = image_lines.instructions(text)
+    version = re.search(r"^ARG SMG_VERSION=(\d+\.\d+\.\d+)$", text, flags=re.MULTILINE).group(1)
+    installs = [i.arguments for i in found if i.keyword == "RUN" and "pip" in i.arguments]
+    assert installs == ['python3 -m pip install --no-cache-dir "smg==${SMG_VERSION}"'], installs
+    assert [i.arguments for i in found if i.keyword == "USER"] == ["1000:1000"]
+    (entrypoint,) = [json.loads(i.arguments) for i in found if i.keyword == "ENTRYPOINT"]
+    assert entrypoint == ["python3", "/opt/router/launch.py"]
+    (copy,) = [i.arguments for i in found if i.keyword == "COPY"]
+    assert copy == "launch.py /opt/router/launch.py"
+    (healthcheck,) = [i.arguments for i in found if i.keyword == "HEALTHCHECK"]
+    assert "/readiness" in healthcheck
+    makefile = subprocess.run(  # the version `make setup` installs for the tests
+        ["make", "-s", "--eval", "print-smg: ; @echo $(SMG_VERSION)", "print-smg"],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        check=True,
+    )
+    assert makefile.stdout.strip() == version
+    python = Path(sys.prefix) / "routers" / "smg" / "bin" / "python"
+    if python.exists():
+        installed = subprocess.run(
+            [str(python), "-c", "import importlib.metadata as m; print(m.version('smg'))"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        assert installed == version, "the tests' smg differs from the image's: run `make setup`"
+
+
+def test_the_router_image_passes_hadolint():
+    hadolint = Path(sys.executable).parent / "hadolint"
+    done = subprocess.run([str(hadolint), "--no-color", str(ROUTER_DIR / "Dockerfile")], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("router", ["smg", "sglang-router"])
+def test_the_launchers_flags_are_the_installed_routers_own(router, tmp_path):
+    """launch.py's deployment flags parse with the router's own parser (the version `make setup`
+    installs), the key from its file becomes --api-key, smg stays in its regular (one-model) mode
+    with Kubernetes discovery on, and a key on the command line is refused."""
+    python = Path(sys.prefix) / "routers" / router / "bin" / "python"
+    if not python.exists():
+        pytest.skip(f"{router} is not installed (.venv/routers/{router}): run `make setup`")
+    key_file = tmp_path / "key"
+    key_file.write_text("router-key-0123456789abcdefghijklmnopq\n")
+    script = f"""
+import sys
+sys.path.insert(0, {str(ROUTER_DIR)!r})
+import launch
+name, args = launch.router_args(["--router", {router!r}, "--api-key-file", {str(key_file)!r}, "--service-discovery",
+                                 "--selector", "app=x", "--service-discovery-port", "9000"])
+print(name, args.policy, args.health_check_endpoint, args.health_check_interval_secs, args.api_key,
+      args.service_discovery, bool(getattr(args, "enable_igw", False)))
+"""
+    done = subprocess.run([str(python), "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    policy = "least_load" if router == "smg" else "power_of_two"
+    key = "router-key-0123456789abcdefghijklmnopq"
+    assert done.stdout.split() == [router, policy, "/health", "5", key, "True", "False"]
+    refused = subprocess.run(
+        [str(python), str(ROUTER_DIR / "launch.py"), "--api-key", "visible-to-ps"], capture_output=True, text=True
+    )
+    assert refused.returncode != 0 and "--api-key-file" in refused.stderr

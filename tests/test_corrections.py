@@ -28,7 +28,7 @@ from triton_sampling_mask.client.sampling_params import SamplingParams, rows_to_
 from triton_sampling_mask.client.support import FlatSupport, score_support
 from triton_sampling_mask.sampling.sampler import SamplingBatch, sample
 
-from .reference import reference_draw, reference_noise_seed
+from .reference import reference_draw, reference_gumbel, reference_noise_seed, reference_row
 
 FORMATS = ("padded", "csr", "prime-rl", "sglang")
 WIDTH = 8
@@ -157,6 +157,28 @@ def test_every_quantity_matches_the_full_vocabulary_brute_force(seed, rows, voca
     assert math.isclose(stats["truncation_bias"], 1 - kept_mass.mean(), abs_tol=1e-12)
     assert math.isclose(stats["full_vocab_ratio_max"], np.exp(want["full_ratio"]).max(), rel_tol=1e-9)
     assert math.isclose(stats["support_ratio_std"], np.exp(want["log_ratio"]).std(), abs_tol=1e-9)
+
+
+def test_an_empty_batch_gives_empty_values_and_nan_statistics():
+    """No tokens: every function of the kit answers for zero tokens, and the statistics keep their
+    keys, each NaN (a mean of nothing) rather than raising."""
+    logits = torch.zeros((0, 7), dtype=torch.float64)
+    support = FlatSupport.from_flat(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0))
+    scores = score_support(logits, support, 1.0)
+    tokens, sampling = np.zeros(0, np.int64), np.zeros(0)
+    diagnostics = ratio_diagnostics(logits, scores, tokens, sampling)
+    assert diagnostics.support_log_ratio.shape == diagnostics.kept_log_mass.shape == (0,)
+    assert support_divergences(scores).entropy.shape == (0,)
+    assert centered_policy_loss(scores, tokens, 1.0).shape == (0,)
+    stats = diagnostics.statistics()
+    one_token = ratio_diagnostics(
+        torch.zeros((1, 7), dtype=torch.float64),
+        score_support(torch.zeros((1, 7)), FlatSupport.from_sglang([[0]]), 1.0),
+        [0],
+        [0.0],
+    ).statistics()
+    assert stats.keys() == one_token.keys()
+    assert all(math.isnan(value) for value in stats.values()), stats
 
 
 def test_the_server_kept_mass_is_output_minus_sampling_logprobs():
@@ -391,6 +413,65 @@ def test_a_near_tie_is_told_apart_from_a_mismatch():
     found = rederive_tokens(logits, receipts, [1])
     assert found.token_ids[0] == 0 and found.near_tie[0] and not found.flagged[0]
     assert 0 <= found.score_gap[0] < 1e-7
+
+
+def served_outside_the_support_within_the_band(rows: int, vocab: int, top_k: int):
+    """Rows whose served token lies far outside the support the logits give, yet scores within
+    the near-tie band of the draw, all by the float64 reference: (logits, params, served, how far
+    below the support's last logit each served token lies). The served token is the non-support
+    token with the largest noise, its logit set so that its score is the draw's less 2e-6."""
+    gen = np.random.default_rng(43)
+    logits = gen.standard_normal((rows, vocab)).astype(np.float32)
+    params = [SamplingParams(temperature=1.0, top_k=top_k, seed=900 + i) for i in range(rows)]
+    served, below = np.empty(rows, np.int64), np.empty(rows)
+    for t, row in enumerate(logits):
+        support = reference_row(row, 1.0, top_k).support
+        drawn = reference_draw(row, 1.0, top_k, 1.0, 0.0, params[t].seed)
+        score = float(row[drawn]) - float(row.max()) + reference_gumbel(params[t].seed, drawn)
+        outside = np.setdiff1d(np.arange(vocab), support)
+        token = int(max(outside, key=lambda i: reference_gumbel(params[t].seed, int(i))))
+        row[token] = np.float32(float(row.max()) + score - 2e-6 - reference_gumbel(params[t].seed, token))
+        ref = reference_row(row, 1.0, top_k)
+        assert token not in ref.support and reference_draw(row, 1.0, top_k, 1.0, 0.0, params[t].seed) == drawn
+        token_score = float(row[token]) - float(row.max()) + reference_gumbel(params[t].seed, token)
+        assert 0 <= score - token_score <= 1e-5, "within the band: what the detector took for a near tie"
+        served[t], below[t] = token, float(row[ref.support[-1]]) - float(row[token])
+    return logits, params, served, below
+
+
+def test_a_served_token_outside_the_trainers_support_is_flagged_even_within_the_band():
+    """docs/corrections.md, section 4: a token outside the support the trainer's logits give is
+    flagged; the near-tie band is for tokens inside it."""
+    logits, params, served, below = served_outside_the_support_within_the_band(8, 32_000, 20)
+    assert below.min() > 2, "logits below the support, not a boundary case"
+    found = rederive_tokens(torch.from_numpy(logits), SamplingReceipts.for_sampler(params), served)
+    assert ((found.score_gap >= 0) & (found.score_gap <= found.band)).all()
+    assert found.mismatch.all() and found.flagged.all() and not found.near_tie.any()
+    assert not found.served_in_support.any()
+
+
+def test_the_support_lookup_agrees_with_the_reference_on_every_path():
+    """served_in_support against the float64 reference's support, for tokens in and out of it,
+    on rows that rank (top_k, top_p, min_p) and rows that do not (top_k -1, top_p 1)."""
+    gen = np.random.default_rng(7)
+    rows, vocab = 60, 300
+    logits = (gen.standard_normal((rows, vocab)) * 3).astype(np.float32)
+    params = [
+        SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m, seed=i)
+        for i, (t, k, p, m) in enumerate(
+            zip(
+                gen.choice([0.0, 0.7, 1.3], rows),
+                gen.choice([-1, 1, 7, 50], rows),
+                gen.choice([0.8, 1.0], rows),
+                gen.choice([0.0, 0.05], rows),
+            )
+        )
+    ]
+    served = gen.integers(0, vocab, rows)
+    found = rederive_tokens(torch.from_numpy(logits), SamplingReceipts.for_sampler(params), served)
+    for t, p in enumerate(params):
+        support = reference_row(logits[t], p.temperature, p.top_k, p.top_p, p.min_p).support
+        assert found.served_in_support[t] == (served[t] in support), t
 
 
 # ---------------------------------------------------------------- memory

@@ -83,7 +83,7 @@ def test_every_dashboard_query_names_an_exported_series():
         "generate_e2e_request_latency_seconds_bucket",
         "generate_time_to_first_token_seconds_bucket",
         "generate_inter_token_latency_seconds_bucket",
-        "generate_requests_rejected_total",
+        "generate_requests_total",
         "generate_neg_log_kept_mass_bucket",
         "proxy_requests_refused_total",
     ):

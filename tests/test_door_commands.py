@@ -29,7 +29,7 @@ OPERATOR_VALUES = {
 def _door(tmp_path, limits=None):
     return SimpleNamespace(
         repository=tmp_path,  # no generate model here: no --model-path
-        internal={"grpc": 18001, "api": 18002},
+        internal={"grpc": 18001, "api": 18002, "probe": 18003, "metrics": 18004},
         limits=limits or ProxyLimits(),
         directory=tmp_path,
         admin_key=None,

@@ -30,11 +30,14 @@ PENDING_METRIC = "nv_inference_pending_request_count"
 # The launcher's charset for TRITON_ADMIN_KEY (server_process.admin_args).
 ADMIN_KEY_CHARSET = r"[A-Za-z0-9._~+/-]+"
 # checkov findings the chart may skip, each tied to the value that makes it unnecessary.
-KEPT_FINDINGS = {"CKV_K8S_35", "CKV_K8S_15", "CKV_K8S_43", "CKV_K8S_40"}
+KEPT_FINDINGS = {"CKV_K8S_35", "CKV_K8S_15", "CKV_K8S_43", "CKV_K8S_40", "CKV_K8S_38"}
 HARDENED = {
     "image": {"digest": "sha256:" + "0" * 64, "pullPolicy": "Always"},
+    "router": {"image": {"digest": "sha256:" + "1" * 64, "pullPolicy": "Always"}},
     "podSecurityContext": {"runAsUser": 10001, "runAsGroup": 10001, "fsGroup": 10001},
 }
+ROUTER = f"{FULLNAME}-router"
+ROUTER_PORTS = {"router": 30000, "router-metrics": 29000}
 EVERYTHING_ON = {
     "autoscaling": {"enabled": True},
     "metrics": {"serviceMonitor": {"enabled": True}, "grafanaDashboard": {"enabled": True}},
@@ -68,18 +71,22 @@ def render(values: dict | None = None, namespace: str = NAMESPACE) -> list[dict]
     ]
 
 
-def one(manifests: list[dict], kind: str) -> dict:
+def one(manifests: list[dict], kind: str, name: str = FULLNAME) -> dict:
+    """The one `kind` object of the chart; where the router has one too, the one named `name`
+    (the replicas', by default)."""
     found = [m for m in manifests if m["kind"] == kind]
+    if len(found) > 1:
+        found = [m for m in found if m["metadata"]["name"] == name]
     assert len(found) == 1, f"expected one {kind}, got {[m['metadata']['name'] for m in found]}"
     return found[0]
 
 
-def pod_spec(manifests: list[dict]) -> dict:
-    return one(manifests, "Deployment")["spec"]["template"]["spec"]
+def pod_spec(manifests: list[dict], name: str = FULLNAME) -> dict:
+    return one(manifests, "Deployment", name)["spec"]["template"]["spec"]
 
 
-def container(manifests: list[dict]) -> dict:
-    (server,) = pod_spec(manifests)["containers"]
+def container(manifests: list[dict], name: str = FULLNAME) -> dict:
+    (server,) = pod_spec(manifests, name)["containers"]
     return server
 
 
@@ -140,23 +147,25 @@ def test_pods_run_as_the_images_user():
 
 def test_default_objects_all_in_the_release_namespace():
     manifests = render()
-    assert sorted(m["kind"] for m in manifests) == [
-        "Deployment",
-        "NetworkPolicy",
-        "Secret",
-        "Service",
-        "ServiceAccount",
-    ]
-    assert sorted(m["kind"] for m in render(EVERYTHING_ON)) == [
-        "ConfigMap",
-        "Deployment",
-        "HorizontalPodAutoscaler",
-        "NetworkPolicy",
-        "Secret",
-        "Service",
-        "ServiceAccount",
-        "ServiceMonitor",
-    ]
+    router = ["Deployment", "NetworkPolicy", "Role", "RoleBinding", "Service", "ServiceAccount"]
+    assert sorted(m["kind"] for m in manifests) == sorted(
+        ["Deployment", "NetworkPolicy", "Secret", "Service", "ServiceAccount", *router]
+    )
+    assert sorted(m["kind"] for m in render(EVERYTHING_ON)) == sorted(
+        [
+            "ConfigMap",
+            "Deployment",
+            "HorizontalPodAutoscaler",
+            "NetworkPolicy",
+            "Secret",
+            "Service",
+            "ServiceAccount",
+            "ServiceMonitor",
+            *router,
+        ]
+    )
+    without = render({"router": {"enabled": False}})
+    assert sorted(m["kind"] for m in without) == ["Deployment", "NetworkPolicy", "Secret", "Service", "ServiceAccount"]
     assert {m["metadata"]["namespace"] for m in render(EVERYTHING_ON)} == {NAMESPACE}
 
 
@@ -240,7 +249,9 @@ def test_http_api_port_and_key_reach_the_launcher():
     assert env(manifests)["TRITON_API_PORT"]["value"] == str(PORTS["api"])
     assert "TRITON_API_KEY" not in env(manifests)
 
-    manifests = render({"ports": {"api": 0}, "apiKey": {"existingSecret": "sampler-api"}})
+    with pytest.raises(Exception, match="router.enabled needs the HTTP API"):
+        render({"ports": {"api": 0}})
+    manifests = render({"ports": {"api": 0}, "apiKey": {"existingSecret": "sampler-api"}, "router": {"enabled": False}})
     assert env(manifests)["TRITON_API_PORT"]["value"] == "0"
     assert "api" not in {port["name"] for port in container(manifests)["ports"]}
     assert "api" not in {port["name"] for port in one(manifests, "Service")["spec"]["ports"]}
@@ -442,4 +453,112 @@ def test_checkov_finds_nothing_unexplained(tmp_path):
         skipped.setdefault(check["file_path"].split("/")[1], set()).add(check["check_id"])
     assert skipped["defaults"] <= KEPT_FINDINGS and skipped["everything"] <= KEPT_FINDINGS
     # Each conditional skip goes away with the value that fixes its finding.
-    assert skipped["hardened"] == {"CKV_K8S_35"}
+    assert skipped["hardened"] == {"CKV_K8S_35", "CKV_K8S_38"}
+
+
+# The router in front of the replicas (docs/deploy.md, "Scale-out: the router").
+
+
+def router_args(manifests: list[dict]) -> list[str]:
+    return container(manifests, ROUTER)["args"]
+
+
+def matches(selector: dict, labels: dict) -> bool:
+    return selector.items() <= labels.items()
+
+
+def test_the_router_discovers_this_releases_replica_pods_and_nothing_else():
+    manifests = render()
+    replica_labels = one(manifests, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    router = one(manifests, "Deployment", ROUTER)
+    router_labels = router["spec"]["template"]["metadata"]["labels"]
+    args = router_args(manifests)
+    selector_at = args.index("--selector")
+    selector = dict(a.split("=", 1) for a in args[selector_at + 1 : selector_at + 3])
+    assert not args[selector_at + 3].startswith("app.kubernetes.io/")
+    assert matches(selector, replica_labels) and not matches(selector, router_labels)
+    assert "--service-discovery" in args
+    assert f"--service-discovery-port={PORTS['api']}" in args
+    assert f"--service-discovery-namespace={NAMESPACE}" in args
+    # The replicas' Deployment, Service and NetworkPolicy never take the router's pods for replicas.
+    for selecting in (
+        one(manifests, "Deployment")["spec"]["selector"]["matchLabels"],
+        one(manifests, "Service")["spec"]["selector"],
+        one(manifests, "NetworkPolicy")["spec"]["podSelector"]["matchLabels"],
+    ):
+        assert matches(selecting, replica_labels) and not matches(selecting, router_labels)
+    assert matches(router["spec"]["selector"]["matchLabels"], router_labels)
+    assert not matches(router["spec"]["selector"]["matchLabels"], replica_labels)
+
+
+def test_the_router_reads_pods_only_with_a_token_of_its_own():
+    manifests = render()
+    role = one(manifests, "Role", ROUTER)
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+    binding = one(manifests, "RoleBinding", ROUTER)
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": ROUTER}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": ROUTER, "namespace": NAMESPACE}]
+    spec = pod_spec(manifests, ROUTER)
+    assert spec["serviceAccountName"] == ROUTER and spec["automountServiceAccountToken"] is True
+    assert pod_spec(manifests)["automountServiceAccountToken"] is False  # the replicas still get none
+    assert pod_spec(manifests)["serviceAccountName"] != ROUTER
+
+
+def test_the_router_is_keyed_with_the_api_key_from_a_file():
+    """With the API's key, the router requires it and sends it to the replicas (their front door's
+    keyed client): it reads it from the Secret as a file, never from a variable or its arguments."""
+    assert not [a for a in router_args(render()) if a.startswith("--api-key")]
+    manifests = render({"apiKey": {"existingSecret": "sampler-api", "secretKey": "token"}})
+    server = container(manifests, ROUTER)
+    assert "--api-key-file=/run/secrets/router/token" in server["args"]
+    assert not [a for a in server["args"] if a.startswith("--api-key=") or a == "--api-key"]
+    assert "env" not in server
+    mounts = {m["name"]: m for m in server["volumeMounts"]}
+    assert mounts["api-key"] == {"name": "api-key", "mountPath": "/run/secrets/router", "readOnly": True}
+    (volume,) = [v for v in pod_spec(manifests, ROUTER)["volumes"] if v["name"] == "api-key"]
+    assert volume["secret"] == {
+        "secretName": "sampler-api",
+        "items": [{"key": "token", "path": "token"}],
+        "defaultMode": 0o440,
+    }
+    # The replicas require the same key (TRITON_API_KEY, a client key of their front door).
+    assert env(manifests)["TRITON_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "sampler-api", "key": "token"}
+
+
+def test_the_router_is_served_probed_and_scraped_on_its_ports():
+    manifests = render()
+    server = container(manifests, ROUTER)
+    assert {p["name"]: p["containerPort"] for p in server["ports"]} == ROUTER_PORTS
+    args = router_args(manifests)
+    assert f"--port={ROUTER_PORTS['router']}" in args and f"--prometheus-port={ROUTER_PORTS['router-metrics']}" in args
+    assert server["readinessProbe"]["httpGet"] == {"path": "/readiness", "port": "router"}
+    assert server["livenessProbe"]["httpGet"] == {"path": "/liveness", "port": "router"}
+    assert (
+        server["image"]
+        == f"triton-sampling-mask-router:{yaml.safe_load((CHART / 'Chart.yaml').read_text())['appVersion']}"
+    )
+    service = one(manifests, "Service", ROUTER)
+    assert {p["name"]: p["port"] for p in service["spec"]["ports"]} == ROUTER_PORTS
+    assert matches(
+        service["spec"]["selector"], one(manifests, "Deployment", ROUTER)["spec"]["template"]["metadata"]["labels"]
+    )
+    annotations = one(manifests, "Deployment", ROUTER)["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/port"] == str(ROUTER_PORTS["router-metrics"])
+    policy = one(manifests, "NetworkPolicy", ROUTER)
+    assert sorted(p["port"] for p in policy["spec"]["ingress"][0]["ports"]) == sorted(ROUTER_PORTS.values())
+    for context in (server["securityContext"], container(manifests)["securityContext"]):
+        assert context["readOnlyRootFilesystem"] is True and context["capabilities"] == {"drop": ["ALL"]}
+    assert router_args(render({"router": {"extraArgs": ["--policy=round_robin"]}}))[-1] == "--policy=round_robin"
+
+
+def test_a_restricted_network_policy_still_admits_the_router_to_the_replicas_api():
+    peers = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "rl"}}}]
+    manifests = render({"networkPolicy": {"from": peers}, "router": {"networkPolicy": {"from": peers}}})
+    rules = one(manifests, "NetworkPolicy")["spec"]["ingress"]
+    router_labels = one(manifests, "Deployment", ROUTER)["spec"]["template"]["metadata"]["labels"]
+    (router_rule,) = [r for r in rules if any("podSelector" in peer for peer in r["from"])]
+    assert [p["port"] for p in router_rule["ports"]] == [PORTS["api"]]
+    assert matches(router_rule["from"][0]["podSelector"]["matchLabels"], router_labels)
+    assert one(manifests, "NetworkPolicy", ROUTER)["spec"]["ingress"][0]["from"] == peers
+    # With every source admitted, no extra rule is needed.
+    assert len(one(render(), "NetworkPolicy")["spec"]["ingress"]) == 1

@@ -11,6 +11,7 @@ from triton_sampling_mask.serving.metrics import (
     FLUSH_INTERVAL_S,
     GENERATE_E2E,
     GENERATE_KEPT_MASS,
+    GENERATE_REQUESTS,
     KEPT_MASS_BUCKETS,
     CountedHistogram,
     GenerateMetrics,
@@ -77,3 +78,24 @@ def test_generate_histograms_are_sent_when_due_or_when_the_engine_idles():
         m.labels.get("finished_reason") for m in stub.families["generate_request_success_total"].metrics
     }
     assert stub.value("generate_num_requests_running", model="generate") == 0
+
+
+def test_request_ends_are_sent_when_the_responses_idle_or_when_due():
+    """Every end counted by kind and outcome, one update per series per send, none per request."""
+    stub = MetricStub.reset()
+    now = [100.0]
+    metrics = GenerateMetrics(stub, "generate", clock=lambda: now[0])
+    ends = [("generation", "ok")] * 5 + [("generation", "invalid_arg")] * 2 + [("control", "ok")]
+    for kind, outcome in ends:
+        metrics.ended(kind, outcome)
+        metrics.send_outcomes(idle=False)  # busy, not due: nothing sent yet
+    assert GENERATE_REQUESTS not in stub.families or not stub.families[GENERATE_REQUESTS].metrics
+    metrics.send_outcomes(idle=True)
+    assert stub.value(GENERATE_REQUESTS, model="generate", kind="generation", outcome="ok") == 5
+    assert stub.value(GENERATE_REQUESTS, model="generate", kind="generation", outcome="invalid_arg") == 2
+    assert stub.value(GENERATE_REQUESTS, model="generate", kind="control", outcome="ok") == 1
+    metrics.ended("generation", "unavailable")
+    now[0] += FLUSH_INTERVAL_S
+    metrics.send_outcomes(idle=False)  # due
+    assert stub.value(GENERATE_REQUESTS, model="generate", kind="generation", outcome="unavailable") == 1
+    assert all(m.updates == 1 for m in stub.families[GENERATE_REQUESTS].metrics)

@@ -200,10 +200,11 @@ def test_top_p_without_top_k_ranks_candidates_first_and_falls_back_exactly(monke
     logits[3:] = rng.standard_normal((3, vocab)).astype(np.float32) * 0.1  # flat: the support needs > 4096
     top_p = np.array([0.9, 0.5, 0.99, 0.9, 0.5, 0.99], np.float32)
     calls = []
-    ranked = sampler.ranked_candidates
-    monkeypatch.setattr(
-        sampler, "ranked_candidates", lambda lg, k, *a: calls.append((lg.shape[0], k)) or ranked(lg, k, *a)
-    )
+    for name in ("ranked_candidates", "ranked_candidates_cpu"):  # the GPU ops' selection, the CPU's
+        ranked = getattr(sampler, name)
+        monkeypatch.setattr(
+            sampler, name, lambda lg, k, *a, ranked=ranked: calls.append((lg.shape[0], k)) or ranked(lg, k, *a)
+        )
     out = run_sampler(logits, temperature=0.7, top_p=top_p, seed=np.arange(rows), want_mask=False)
     assert calls[0] == (rows, sampler._TOP_P_CANDIDATES) and calls[1] == (3, vocab)  # only the flat rows sort fully
     for row in range(rows):

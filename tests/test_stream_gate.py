@@ -10,7 +10,7 @@ import stat
 import struct
 
 import hpack
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from tritonclient.grpc import service_pb2
 
@@ -313,3 +313,183 @@ def test_the_counters_are_served_on_their_unix_socket(tmp_path):
         return read
 
     assert asyncio.run(run()) == {"queue_full": 0, "queue_timeout": 5, "waiting": 0, "running": 0}
+
+
+def _windows_granted(gate: stream_gate.Relay, windows: dict[int, int]) -> None:
+    """Add the WINDOW_UPDATEs the server has been sent to `windows` (stream: what it may send)."""
+    for kind, _, stream, payload in _server_frames(gate):
+        if kind == WINDOW_UPDATE:
+            windows[stream] += struct.unpack(">I", payload)[0]
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    tokens=st.lists(st.integers(1, 20000), min_size=1, max_size=60),
+    lazy=st.booleans(),
+)
+def test_the_server_never_has_more_window_than_the_client_granted_and_always_over_half(tokens, lazy):
+    """Each of the server's DATA frames is credited by the client (at once, as the proxy does, or
+    only once its window is under half, as a lazy client does): the window the server has been
+    given stays within what the client granted, and above half of it."""
+    gate = relay(max_open=64)
+    _server_frames(gate)
+    granted = {0: stream_gate.DEFAULT_WINDOW, STREAM: stream_gate.DEFAULT_WINDOW}  # the client's
+    server = dict(granted)  # what the server was given
+    for size in tokens:
+        size = min(size, server[0], server[STREAM])  # the server keeps to its windows
+        if size:
+            gate.server_data(frame(DATA, 0, STREAM, b"\0" * size))
+            for stream in (0, STREAM):
+                granted[stream] -= size
+                server[stream] -= size
+        for stream in (0, STREAM):
+            used = stream_gate.DEFAULT_WINDOW - granted[stream]
+            if used and (not lazy or 2 * granted[stream] < stream_gate.DEFAULT_WINDOW):
+                gate.client_data(frame(WINDOW_UPDATE, 0, stream, struct.pack(">I", used)))
+                granted[stream] += used
+        _windows_granted(gate, server)
+        for stream in (0, STREAM):
+            assert granted[stream] / 2 <= server[stream] <= granted[stream]
+
+
+def test_a_proxy_crediting_every_streamed_token_costs_the_server_few_window_updates():
+    """The proxy answers each DATA frame with WINDOW_UPDATEs for the connection and the stream;
+    the server gets one per half window, not one per token."""
+    gate = relay(max_open=64)
+    _server_frames(gate)
+    updates = 0
+    for _ in range(200):
+        gate.server_data(frame(DATA, 0, STREAM, response(final=False)))
+        gate.client_data(frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", len(response(final=False)))))
+        gate.client_data(frame(WINDOW_UPDATE, 0, STREAM, struct.pack(">I", len(response(final=False)))))
+        updates += sum(1 for f in _server_frames(gate) if f[0] == WINDOW_UPDATE)
+    size = 200 * len(response(final=False))
+    assert updates <= 2 * (2 * size // stream_gate.DEFAULT_WINDOW + 1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    finals=st.lists(st.booleans(), min_size=1, max_size=10),
+    padding=st.lists(st.integers(0, 3000), min_size=1, max_size=10),
+    cuts=st.lists(st.integers(1, 4000), min_size=1, max_size=10),
+)
+def test_a_final_response_ends_its_request_once_its_last_byte_has_passed_however_the_frames_cut_it(
+    finals, padding, cuts
+):
+    """Responses (final or not, of any size) cut into DATA frames anywhere: a request counts as
+    open until its final response has passed whole (the reference counts the final responses whose
+    last byte has been sent)."""
+    requests = len(finals)
+    gate = relay(max_open=requests)
+    gate.client_data(frame(DATA, 0, STREAM, b"".join(grpc_message(bytes([i])) for i in range(requests))))
+    bodies = []
+    for i, final in enumerate(finals):
+        message = service_pb2.ModelStreamInferResponse()
+        message.infer_response.id = "r" * padding[i % len(padding)]
+        message.infer_response.parameters["triton_final_response"].bool_param = final
+        bodies.append(grpc_message(message.SerializeToString()))
+    sent = b"".join(bodies)
+    ends = [sum(len(b) for b in bodies[: i + 1]) for i in range(len(bodies))]
+    pos, k = 0, 0
+    while pos < len(sent):
+        piece = sent[pos : pos + cuts[k % len(cuts)]]
+        k += 1
+        pos += len(piece)
+        gate.server_data(frame(DATA, 0, STREAM, piece))
+        done = sum(1 for end, final in zip(ends, finals) if final and end <= pos)
+        assert gate.streams[STREAM].open == requests - done
+
+
+def _settings_frame(initial_window: int) -> bytes:
+    return frame(
+        stream_gate.SETTINGS, 0, 0, struct.pack(">HI", stream_gate.SETTINGS_INITIAL_WINDOW_SIZE, initial_window)
+    )
+
+
+# HAProxy's window, crediting every frame; small windows credited late; the window made smaller
+# while the gate keeps credit (the server's would then be shut).
+@example(1048576, "every frame", 3 * 1048576, 16384, 3 * 1048576, 4096)
+@example(16384, "when spent", 1048576, 16384, 1048576, 4096)
+@example(stream_gate.DEFAULT_WINDOW, "under half", 1048576, 1000, 1048576, 4096)
+@example(stream_gate.DEFAULT_WINDOW, "every frame", 200000, 1000, 5000, 4096)
+@settings(max_examples=80, deadline=None)
+@given(
+    initial_window=st.sampled_from([16384, stream_gate.DEFAULT_WINDOW, 1048576]),
+    policy=st.sampled_from(["every frame", "under half", "when spent"]),
+    size=st.one_of(st.integers(1, 70000), st.integers(70000, 3 * 1048576)),
+    frame_bytes=st.sampled_from([1000, 16384]),
+    resize_after=st.integers(0, 3 * 1048576),
+    resized=st.integers(4096, 2 * 1048576),
+)
+def test_a_response_many_windows_long_completes_whatever_the_client_credits_and_when(
+    initial_window, policy, size, frame_bytes, resize_after, resized
+):
+    """A final response of up to 3 MiB on one stream, the server sending whenever its windows allow
+    (RFC 9113: what the WINDOW_UPDATEs and SETTINGS it was sent add up to) and the client crediting
+    what it read after every frame (as HAProxy does), once its window is under half, or once it is
+    spent; once, mid-stream, the client changes its streams' initial window (up or down). Each side
+    keeps its own account of the windows: the server never sends past what the client allows, and
+    the response always arrives whole (a stall: the server's windows shut while the client waits)."""
+    message = service_pb2.ModelStreamInferResponse()
+    message.infer_response.parameters["triton_final_response"].bool_param = True
+    message.infer_response.raw_output_contents.append(b"\0" * size)
+    body = grpc_message(message.SerializeToString())
+    gate = stream_gate.StreamGate("127.0.0.1:1", 64, 2**31 - 1, ())
+    relay = stream_gate.Relay(gate)
+    relay.client.transport, relay.server.transport = Transport(), Transport()
+    relay.client_data(stream_gate.PREFACE + _settings_frame(initial_window) + frame(HEADERS, 0x4, STREAM, b"\x83"))
+    del relay.server.transport.written[: len(stream_gate.PREFACE)]
+    relay.client_data(frame(DATA, 0, STREAM, grpc_message(b"\x01")))
+    assert relay.streams[STREAM].open == 1
+    # Each side's own account: the client's receive windows, the server's send windows.
+    client = {"window": {0: stream_gate.DEFAULT_WINDOW, STREAM: initial_window}, "initial": initial_window}
+    server = {0: stream_gate.DEFAULT_WINDOW, STREAM: stream_gate.DEFAULT_WINDOW}
+    sent = received = 0
+    resize_pending = True
+
+    def server_reads() -> None:
+        for kind, _, stream, payload in _server_frames(relay):
+            if kind == WINDOW_UPDATE:
+                server[stream] += struct.unpack(">I", payload)[0]
+            elif kind == stream_gate.SETTINGS and payload:
+                for pos in range(0, len(payload), 6):
+                    key, value = struct.unpack_from(">HI", payload, pos)
+                    if key == stream_gate.SETTINGS_INITIAL_WINDOW_SIZE:
+                        server[STREAM] += value - server.setdefault("initial", stream_gate.DEFAULT_WINDOW)
+                        server["initial"] = value
+
+    def client_credits(stream: int) -> None:
+        full = client["initial"] if stream else stream_gate.DEFAULT_WINDOW
+        window = client["window"][stream]
+        due = {"every frame": window < full, "under half": 2 * window < full, "when spent": window <= 0}[policy]
+        if due and full > window:
+            relay.client_data(frame(WINDOW_UPDATE, 0, stream, struct.pack(">I", full - window)))
+            client["window"][stream] = full
+
+    server_reads()
+    while sent < len(body):  # every pass sends a frame, or fails
+        if resize_pending and sent >= resize_after:
+            resize_pending = False
+            relay.client_data(_settings_frame(resized))
+            client["window"][STREAM] += resized - client["initial"]
+            client["initial"] = resized
+            client_credits(STREAM)
+            server_reads()
+        chunk = min(frame_bytes, len(body) - sent, server[0], server[STREAM])
+        assert chunk > 0, f"stalled at {sent} of {len(body)} bytes: the server's windows {server}"
+        relay.server_data(frame(DATA, 0, STREAM, body[sent : sent + chunk]))
+        sent += chunk
+        server[0] -= chunk
+        server[STREAM] -= chunk
+        for kind, _, _, payload in relay.client.transport.frames():
+            if kind == DATA:
+                assert len(payload) <= min(client["window"][0], client["window"][STREAM])
+                received += len(payload)
+                client["window"][0] -= len(payload)
+                client["window"][STREAM] -= len(payload)
+        relay.client.transport.written.clear()
+        for stream in (0, STREAM):
+            client_credits(stream)
+        server_reads()
+    assert received == sent == len(body)
+    assert relay.streams[STREAM].open == 0

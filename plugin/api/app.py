@@ -45,6 +45,7 @@ from .sglang_routes import SGLANG_NAMES, GenerateHandler, SequenceSoFar
 from .token_route import TOKEN_NAMES, TokenHandler
 from .weight_access import WeightAccess
 from .weight_routes import add_weight_routes
+from .worker_state import server_ready
 
 logger = logging.getLogger("triton_sampling_mask.api")
 _HEALTH_TIMEOUT_S = 2.0
@@ -154,6 +155,11 @@ def create_app(config: ApiConfig, service: ApiService | None = None) -> FastAPI:
             return ApiError(
                 503, "the generate model is not ready", None, "service_unavailable", retry_after_s=1
             ).response()
+        served, why = await server_ready(config)
+        if not served:
+            return ApiError(
+                503, f"the server is not ready: {why}", None, "service_unavailable", retry_after_s=1
+            ).response()
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -225,12 +231,16 @@ def create_app(config: ApiConfig, service: ApiService | None = None) -> FastAPI:
             if results is None:  # aborted by /abort_request
                 return JsonBody(sglang.aborted(request, sequences, rids, started, batch))
             now = await service.weight_version() if any(not r.weight_versions for r in results) else None
-            items = [sglang.item(request, r, rid, started, now) for r, rid in zip(results, rids)]
+            items = [
+                sglang.item(request, r, rid, started, now, s.top_p_token_ids)
+                for r, rid, s in zip(results, rids, sequences)
+            ]
             return JsonBody(items if batch else items[0])
         so_far = [SequenceSoFar(s) for s in sequences]
 
         def event(delta):
-            item = sglang.item(request, so_far[delta.index].add(delta), rids[delta.index], started)
+            state = so_far[delta.index].add(delta)
+            item = sglang.item(request, state, rids[delta.index], started, top_p_ids=state.top_p_token_ids)
             if batch:
                 item["index"] = delta.index
             return item

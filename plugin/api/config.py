@@ -45,6 +45,8 @@ class ApiConfig:
     trust_request_chat_template: bool = False
     admin_key: str | None = None  # sent for keyless weight calls from trusted_networks
     trusted_networks: tuple[Network, ...] = ()
+    readiness_url: str | None = None  # the supervisor's /ready: /health answers 503 while it does
+    metrics_url: str | None = None  # tritonserver's /metrics: the engine's load for /v1/loads
 
 
 def _positive_int(text: str) -> int:
@@ -144,6 +146,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="proxies whose X-Forwarded-For names the client (default "
         f"${FORWARDED_ALLOW_IPS_ENV}, else {DEFAULT_FORWARDED_ALLOW_IPS}: the front door)",
     )
+    parser.add_argument(
+        "--readiness-url",
+        default=None,
+        help="the server's readiness probe (the supervisor's http://127.0.0.1:PORT/ready): GET /health answers "
+        "503 while it does not answer 200 (default: none, the model's own readiness only)",
+    )
+    parser.add_argument(
+        "--metrics-url",
+        default=None,
+        help="tritonserver's metrics (http://127.0.0.1:PORT/metrics): GET /v1/loads reports the generate "
+        "model's queue and KV cache from it (default: none, no /v1/loads)",
+    )
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return parser
 
@@ -210,4 +224,15 @@ def config_from_args(args: argparse.Namespace) -> ApiConfig:
         trust_request_chat_template=args.trust_request_chat_template,
         admin_key=admin_key,
         trusted_networks=networks,
+        readiness_url=_local_url(args.readiness_url, "--readiness-url"),
+        metrics_url=_local_url(args.metrics_url, "--metrics-url"),
     )
+
+
+def _local_url(url: str | None, flag: str) -> str | None:
+    """An http:// URL the API reads its own server's state from (None stays None)."""
+    if url is None:
+        return None
+    if not url.startswith("http://") or len(url) <= len("http://"):
+        raise ValueError(f"{flag} must be an http:// URL, got {url!r}")
+    return url

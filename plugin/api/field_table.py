@@ -227,7 +227,13 @@ FIELD_RULES: tuple[FieldRule, ...] = tuple(
             "sampling_logprobs_mode": '"selected" or "support"',
         },
     )
-    + _honoured(GENERATE, "sglang-router", {"model": "null or the served model name (404 otherwise)"})
+    + _rules(
+        GENERATE,
+        "sglang-router, smg",
+        IGNORED,
+        'not an SGLang field (SGLang ignores it): routers add it, smg 1.13 as "unknown"',
+        "model",
+    )
     + _honoured(GENERATE, "this API", {"return_timings": "the generate model's timings in meta_info"})
     + _rules(GENERATE, "SGLang", NEUTRAL, _NO_MEDIA, "image_data video_data audio_data modalities", (None, []))
     + _rules(
@@ -304,12 +310,19 @@ FIELD_RULES: tuple[FieldRule, ...] = tuple(
             "n": "sequences per prompt",
         },
     )
+    + _honoured(
+        GENERATE_SAMPLING,
+        "slime",
+        {
+            "custom_params": "only `{\"return_top_p_token_ids\": true}` (slime's top-p replay): each token's sampling "
+            "mask as meta_info.top_p_token_ids and top_p_token_offsets; a mask, so it needs a finite top_k",
+        },
+    )
     + _rules(GENERATE_SAMPLING, "SGLang", NEUTRAL, _NO_PENALTIES, "frequency_penalty presence_penalty", (None, 0))
     + _rules(GENERATE_SAMPLING, "SGLang", NEUTRAL, _NO_PENALTIES, "repetition_penalty", (None, 1))
     + _rules(GENERATE_SAMPLING, "SGLang", NEUTRAL, _NO_GRAMMAR, "json_schema regex ebnf structural_tag", NULL)
     + _rules(GENERATE_SAMPLING, "SGLang", NEUTRAL, _NO_GRAMMAR, "stop_regex choice", (None, []))
     + _rules(GENERATE_SAMPLING, "SGLang", NEUTRAL, "no logit bias is applied", "logit_bias", EMPTY)
-    + _rules(GENERATE_SAMPLING, "SGLang", NEUTRAL, "no custom logit processors", "custom_params", NULL)
     + _rules(GENERATE_SAMPLING, "SGLang", NEUTRAL, "no beam search", "beam_width", NULL)
     + _rules(GENERATE_SAMPLING, "SGLang", NEUTRAL, "no watermarking", "watermark", NULL)
     + _rules(GENERATE_SAMPLING, "SGLang", IGNORED, _PER_TOKEN, "stream_interval")

@@ -12,10 +12,13 @@ model info, cache flushing and aborts, named and shaped as SGLang's HTTP server 
   successful flush is a 200, which is what slime and Miles wait for after a weight update.
 - `POST /abort_request` (SGLang's `{"rid", "abort_all"}`) and `POST /inference/v1/abort_requests`
   (vLLM's `{"request_ids"}`): stop the named requests, or every one (plugin/api/in_flight.py).
+- `GET /v1/loads`: SGLang's load report of the engine (requests running and waiting, KV cache
+  use, token rate), read from tritonserver's metrics when the API is given them (`--metrics-url`;
+  plugin/api/worker_state.py); without them no load route is served, and the routers count their
+  own requests instead.
 
 No `/version` is served: smg takes a worker that answers it for vLLM, and this server speaks
-SGLang's native routes to routers. No load endpoint is served either: the API cannot see the
-engine's queue, and the routers count their own requests when a worker reports no load.
+SGLang's native routes to routers.
 """
 
 from __future__ import annotations
@@ -30,9 +33,10 @@ from pydantic_core import from_json
 
 from .. import __version__
 from ..generation.lm import DEFAULT_LM_CONFIG
-from .errors import bad_request, from_validation_error
+from .errors import ApiError, bad_request, from_validation_error
 from .in_flight import InFlight
 from .service import ApiService
+from .worker_state import EngineLoad
 
 FLUSHED = "Cache flushed: this engine keeps no prefix cache (each request's KV cache is freed when it ends).\n"
 
@@ -125,3 +129,13 @@ def add_info_routes(app: FastAPI, service: ApiService, in_flight: InFlight) -> N
         request = await _parsed(raw, AbortRequests)
         in_flight.abort(request.request_ids)
         return Response(status_code=200)
+
+    if service.config.metrics_url is not None:
+        engine_load = EngineLoad(service.config)
+
+        @app.get("/v1/loads")
+        async def loads():
+            report = await engine_load.report()
+            if report is None:
+                raise ApiError(503, "the server's metrics cannot be read", None, "service_unavailable", retry_after_s=1)
+            return report

@@ -118,6 +118,7 @@ class SGLangSamplingParams(BaseModel):
     no_stop_trim: bool | None = False
     sampling_seed: int | None = None
     n: int | None = Field(1, ge=1)
+    custom_params: dict[str, Any] | None = None  # slime's return_top_p_token_ids only (checked by the route)
 
 
 class GenerateRequest(BaseModel):
@@ -129,7 +130,6 @@ class GenerateRequest(BaseModel):
     input_ids: Any = None  # token ids or lists of them
     sampling_params: Any = None  # one SGLangSamplingParams or one per prompt: checked by the route
     rid: str | list[str] | None = None
-    model: str | None = None  # sglang-router sends null
     return_logprob: bool | None = False
     logprob_start_len: int | None = None
     top_logprobs_num: int | None = None

@@ -60,6 +60,8 @@ class SequenceRequest:
     # tokens (the routes admit it above 0 only where no EOS or stop id can end it earlier).
     min_tokens: int = 0
     spaces_between_special_tokens: bool = True
+    # slime's custom_params.return_top_p_token_ids: the masks also as meta_info.top_p_token_ids / _offsets
+    top_p_token_ids: bool = False
 
 
 def check_min_tokens(min_tokens: int, ignore_eos: bool, stop_token_ids, field: str) -> None:

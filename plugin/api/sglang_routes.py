@@ -13,6 +13,7 @@ Streamed, every event carries the sequence so far (SGLang's default), then `data
 
 from __future__ import annotations
 
+import itertools
 import time
 import uuid
 
@@ -33,6 +34,8 @@ from .token_fields import empty_tokens, finite, sglang_mask_fields, token_ids, w
 SGLANG_DEFAULT_MAX_NEW_TOKENS = 128
 # SGLang's top_k for "the whole vocabulary" (its default; -1 is normalised to it).
 SGLANG_TOP_K_ALL = 1 << 30
+# slime's custom parameter asking for every token's top-p kept set (its sampling mask).
+TOP_P_TOKEN_IDS = "return_top_p_token_ids"
 # Where SGLang carries each field a message may name: the sampling parameters and the budget in
 # `sampling_params` (the seed as `sampling_seed`), return_sampling_mask at the top level.
 SGLANG_RENAMES = {"seed": "sampling_seed"}
@@ -66,6 +69,7 @@ def meta_info(
     started=None,
     timings: bool = False,
     version_now: str | None = None,
+    top_p_token_ids: bool = False,
 ):
     """SGLang's meta_info of a sequence (whole, or so far while streaming); `timings` adds the
     generate model's timings once the sequence has them (plugin/api/timings.py). `weight_version`
@@ -98,7 +102,17 @@ def meta_info(
             "output_token_sampling_support_logprobs" if logprobs_mode == "support" else "output_token_sampling_logprobs"
         ]
         info["output_token_sampling_mask_length"] = len(tokens.output_ids)
+    if top_p_token_ids:
+        info.update(_top_p_token_ids(tokens))
     return info
+
+
+def _top_p_token_ids(tokens: SampleResult) -> dict:
+    """slime's top-p replay fields: every token's mask, flat, and where each token's starts
+    (`offsets[i]:offsets[i + 1]`, one more offset than tokens), as JSON lists of ints."""
+    lengths = tokens.sampling_mask_len.tolist()
+    ids = [i for row, n in zip(tokens.sampling_mask.tolist(), lengths) for i in row[:n]]
+    return {"top_p_token_ids": ids, "top_p_token_offsets": [0, *itertools.accumulate(lengths)]}
 
 
 def _prompts(request: GenerateRequest, service: ApiService) -> tuple[list[list[int]], bool, str]:
@@ -139,6 +153,20 @@ def _sampling_params(value, prompts: int) -> list[SGLangSamplingParams]:
     return parsed
 
 
+def _asks_top_p_token_ids(p: SGLangSamplingParams, where: str) -> bool:
+    """Whether `custom_params` asks for slime's top-p kept sets, the one custom parameter here."""
+    custom = dict(p.custom_params or {})
+    asked = custom.pop(TOP_P_TOKEN_IDS, False)
+    if custom or not isinstance(asked, bool):
+        name = next(iter(custom), TOP_P_TOKEN_IDS)
+        raise bad_request(
+            f"{where}.custom_params.{name} is not supported: no custom logit processors run here "
+            f'(only {{"{TOP_P_TOKEN_IDS}": true}}, slime\'s top-p replay)',
+            f"{where}.custom_params",
+        )
+    return asked
+
+
 def _check_unsupported(request: GenerateRequest, params: list[SGLangSamplingParams]) -> None:
     if request.logprob_start_len not in (None, -1):
         raise bad_request("logprob_start_len must be -1: prompt log-probs are not computed", "logprob_start_len")
@@ -166,7 +194,6 @@ class GenerateHandler:
         """The sequences of a request (prompt i's n copies in a row), whether to answer a list,
         and each sequence's id."""
         service = self.service
-        service.check_model(request.model)
         prompts, batch, field = _prompts(request, service)
         per_prompt = _sampling_params(request.sampling_params, len(prompts))
         if len(per_prompt) != len(prompts):
@@ -178,9 +205,9 @@ class GenerateHandler:
         service.check_choices(count, "sampling_params.n")
         sequences = []
         for ids, p in zip(prompts, per_prompt):
-            knobs = sampling_knobs(
-                p, SGLANG_RENAMES, return_sampling_mask=bool(request.return_sampling_mask), top_k=_top_k(p.top_k)
-            )
+            top_p_ids = _asks_top_p_token_ids(p, "sampling_params")
+            masks = bool(request.return_sampling_mask) or top_p_ids
+            knobs = sampling_knobs(p, SGLANG_RENAMES, return_sampling_mask=masks, top_k=_top_k(p.top_k))
             rows = service.sampling_params(knobs, p.n or 1, SGLANG_NAMES)
             default = min(SGLANG_DEFAULT_MAX_NEW_TOKENS, max(service.context_length - len(ids), 1))
             budget = service.budget(len(ids), p.max_new_tokens, default, (field, "sampling_params.max_new_tokens"))
@@ -199,12 +226,15 @@ class GenerateHandler:
                         bool(p.no_stop_trim),
                         p.min_new_tokens or 0,
                         p.spaces_between_special_tokens is not False,
+                        top_p_ids,
                     )
                 )
         rids = _rids(request.rid, len(sequences))
         return sequences, batch or count > 1, rids
 
-    def item(self, request: GenerateRequest, result, rid: str, started: float, version_now=None) -> dict:
+    def item(
+        self, request: GenerateRequest, result, rid: str, started: float, version_now=None, top_p_ids: bool = False
+    ) -> dict:
         item = {
             "text": result.text,
             "output_ids": token_ids(result.tokens),
@@ -218,6 +248,7 @@ class GenerateHandler:
                 started,
                 request.return_timings,
                 version_now,
+                top_p_ids,
             ),
         }
         if request.return_prompt_token_ids:
@@ -230,7 +261,7 @@ class GenerateHandler:
         items = []
         for index, (sequence, rid) in enumerate(zip(sequences, rids)):
             result = SequenceResult(index, empty_tokens(), "", [], FINISH_ABORT, None, sequence.prompt_ids)
-            items.append(self.item(request, result, rid, started))
+            items.append(self.item(request, result, rid, started, top_p_ids=sequence.top_p_token_ids))
         return items if batch else items[0]
 
     def aborted_events(self, request: GenerateRequest, so_far: list, rids, started: float, batch: bool) -> list:
@@ -241,7 +272,7 @@ class GenerateHandler:
             if state.finish_reason:
                 continue
             state.finish_reason = FINISH_ABORT
-            item = self.item(request, state, rids[index], started)
+            item = self.item(request, state, rids[index], started, top_p_ids=state.top_p_token_ids)
             if batch:
                 item["index"] = index
             events.append(item)
@@ -264,6 +295,7 @@ class SequenceSoFar:
 
     def __init__(self, request: SequenceRequest):
         self.prompt_ids = request.prompt_ids
+        self.top_p_token_ids = request.top_p_token_ids
         self.parts: list[SampleResult] = []
         self.tokens = empty_tokens()
         self.text = ""

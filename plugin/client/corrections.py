@@ -14,6 +14,7 @@ The losses are differentiable in the trainer's logits; the diagnostics are not (
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -82,7 +83,8 @@ class RatioDiagnostics:
     def statistics(self) -> dict[str, float]:
         """Batch statistics, ready to log: mean, std, min and max of the support ratio, the
         full-vocabulary ratio and the kept mass, and the truncation bias 1 - mean kept mass
-        (what the full-vocabulary ratio's mean falls short of 1 by, for an on-policy trainer)."""
+        (what the full-vocabulary ratio's mean falls short of 1 by, for an on-policy trainer). An
+        empty batch has the same keys, each NaN (a mean of nothing, as torch's)."""
         out = {}
         for name, log_values in (
             ("support_ratio", self.support_log_ratio),
@@ -90,6 +92,9 @@ class RatioDiagnostics:
             ("kept_mass", self.kept_log_mass),
         ):
             values = torch.exp(log_values)
+            if values.numel() == 0:  # torch's min and max of nothing raise
+                out.update({f"{name}_{statistic}": math.nan for statistic in ("mean", "std", "min", "max")})
+                continue
             out[f"{name}_mean"] = float(values.mean())
             out[f"{name}_std"] = float(values.std(unbiased=False))
             out[f"{name}_min"] = float(values.min())

@@ -438,8 +438,10 @@ class AsyncGenerateClient(ReplicatedClient):
     def stream(self, prompts: Sequence, *args, **kwargs) -> AsyncGenerateStream:
         """As `generate` (its arguments but `return_exceptions`), streamed: an async iterator of
         GenerateResult chunks (a token each, `index` saying whose, `finish_reason` set on a
-        request's last) in arrival order. Use it as `async with`: leaving it early cancels the
-        requests still running."""
+        request's last) in arrival order. Every request's last chunk carries its finish reason: a
+        stream the server or a proxy ends before it is a cut, retried on another replica like any
+        replica failure (a seeded request resumes after what it yielded) or raised, never a short
+        result. Use it as `async with`: leaving it early cancels the requests still running."""
         request = _STREAM_SIGNATURE.bind(self, prompts, *args, **kwargs)  # a TypeError here, not at first chunk
         request.apply_defaults()
         del request.arguments["self"]

@@ -12,7 +12,9 @@ stubs and responses are read with its tensor decoders. Over HTTP each request is
 Every failure surfaces as `GenerateError`: `status` as tritonclient spells it ("400" over HTTP,
 "StatusCode.UNAVAILABLE" for a gRPC stream that failed), `IN_BAND` for an error a gRPC stream
 carried for one request (Triton sends its message, not its code), None when the server could not
-be reached.
+be reached. A request's last response carries its finish reason; responses that end without one
+(a final flag on an empty response, an HTTP stream closed cleanly by a proxy in between) are a
+cut, never a short result: `cut()` raises it as a failure of the replica, so the client retries.
 """
 
 from __future__ import annotations
@@ -63,6 +65,12 @@ class GenerateError(SamplerError):
 def unreachable(exc: BaseException) -> GenerateError:
     """A transport failure: no answer from the server."""
     return GenerateError(None, f"could not reach the server: {type(exc).__name__}: {exc}")
+
+
+def cut(status: str | None) -> GenerateError:
+    """A request whose responses ended before its last one (no finish reason): the server or a
+    proxy stopped answering it, so another try (or replica) is due."""
+    return GenerateError(status, "the server ended the request before its last token (no finish reason): a cut stream")
 
 
 @dataclass
@@ -203,6 +211,8 @@ class GrpcStream:
                 parameters = item.infer_response.parameters
                 ended = bool(outputs[FINISH_REASON.name]) or outputs[CONTROL_RESULT.name] is not None
                 final = parameters[_FINAL].bool_param if _FINAL in parameters else ended
+                if final and not ended:  # e.g. the empty final of a request cancelled on the server
+                    raise cut("StatusCode.UNAVAILABLE")
                 yield outputs
                 if final:
                     return
@@ -368,6 +378,7 @@ class HttpConnection:
                     yield outputs
                     if outputs[FINISH_REASON.name]:
                         return
+                raise cut(None)  # the body ended cleanly before the last token
         except GenerateError:
             raise
         except Exception as exc:  # aiohttp's ClientError, a reset connection, a broken body

@@ -10,8 +10,9 @@ an unseeded request included), and the typed clients hand back each result's rec
 (`result.receipts`, with `return_receipts=True`); for a seeded request they can also be derived
 from the request alone (`for_sampler`, `for_generation`). `rederive_tokens` runs the engine's own
 sampler on the trainer's logits with each receipt and reports where it would have drawn another
-token: a mismatch within the documented near-tie band (`rng.NEAR_TIE`) is rounding between
-precisions; one outside it means the trainer's logits are not the ones the server sampled from.
+token: a mismatch within the documented near-tie band (`rng.NEAR_TIE`), its served token inside
+the support the trainer's logits give, is rounding between precisions; any other means the
+trainer's logits are not the ones the server sampled from.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import numpy as np
 import torch
 
 from ..sampling import rng
-from ..sampling.params import RowParams
+from ..sampling.params import RowParams, effective_top_k
 from ..sampling.sampler import SamplingBatch, sample
 from ..sampling.selection import FULL_VOCAB_BLOCK_ELEMENTS
 from .sampling_params import SamplingParams, rows_to_params
@@ -130,14 +131,16 @@ def _seeds(params: RowParams) -> np.ndarray:
 class Rederivation:
     """Each token re-derived from the trainer's logits (numpy, [T]): `token_ids` the trainer's
     draw, `served_ids` the server's; `score_gap`, the Gumbel score (x - max) / T + g of the
-    trainer's draw minus the served token's, under the trainer's logits (0 where they agree,
-    negative where the served token lies outside the support the trainer's logits give); `band`,
-    the near-tie band NEAR_TIE * (1 + |(x - max) / T|) of the two."""
+    trainer's draw minus the served token's, under the trainer's logits (0 where they agree);
+    `band`, the near-tie band NEAR_TIE * (1 + |(x - max) / T|) of the two; `served_in_support`,
+    whether the served token is in the support the trainer's logits give (the score gap says
+    nothing about that: a token far outside the support may score within the band)."""
 
     token_ids: np.ndarray
     served_ids: np.ndarray
     score_gap: np.ndarray
     band: np.ndarray
+    served_in_support: np.ndarray
 
     @property
     def mismatch(self) -> np.ndarray:
@@ -146,12 +149,13 @@ class Rederivation:
 
     @property
     def near_tie(self) -> np.ndarray:
-        """bool [T]: a mismatch within the near-tie band (rounding between precisions)."""
-        return self.mismatch & (self.score_gap >= 0) & (self.score_gap <= self.band)
+        """bool [T]: a mismatch within the near-tie band (rounding between precisions), the served
+        token inside the trainer's support."""
+        return self.mismatch & self.served_in_support & (self.score_gap >= 0) & (self.score_gap <= self.band)
 
     @property
     def flagged(self) -> np.ndarray:
-        """bool [T]: a mismatch outside the band: the trainer's logits are not the server's."""
+        """bool [T]: any other mismatch: the trainer's logits are not the server's."""
         return self.mismatch & ~self.near_tie
 
     def summary(self) -> dict[str, int]:
@@ -184,26 +188,20 @@ def rederive_tokens(logits: torch.Tensor, receipts: SamplingReceipts, token_ids)
     drawn = np.empty(tokens, np.int64)
     pair_logits = np.empty((tokens, 2), np.float64)  # the served and the drawn token's logits
     row_max = np.empty(tokens, np.float64)
-    block_rows = max(1, FULL_VOCAB_BLOCK_ELEMENTS // max(vocab, 1))
-    for start in range(0, tokens, block_rows):  # a loop over memory blocks, not over requests
-        stop = min(tokens, start + block_rows)
-        block = logits[start:stop].detach()
-        if block.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            block = block.to(torch.float32)
-        rows = slice(start, stop)
-        # every parameter as served (a new one included), each token's noise seed, no mask
-        block_params = replace(
-            receipts.params.take(rows),
-            seed=seeds[rows],
-            has_seed=np.ones(stop - start, np.bool_),
-            return_sampling_mask=np.zeros(stop - start, np.bool_),
-        )
-        batch = SamplingBatch(block, block_params)
-        result = sample(batch, mask_width=0).host()
+    for rows, block in _blocks(logits, np.arange(tokens)):  # a loop over memory blocks, not over requests
+        result = sample(SamplingBatch(block, _as_served(receipts, seeds, rows, False)), mask_width=0).host()
         drawn[rows] = result["output_ids"]
         row_max[rows] = result["row_max"]
         pair = torch.from_numpy(np.stack([served[rows], drawn[rows]], axis=1)).to(block.device)
         pair_logits[rows] = block.gather(1, pair).double().cpu().numpy()
+    # The drawn token is in the support; a served one that differs is looked up in the support
+    # the sampler builds for its row (only mismatched rows: they are few where it matters).
+    in_support = drawn == served
+    widths = effective_top_k(params, vocab)
+    for rows, block in _blocks(logits, np.flatnonzero(~in_support)):
+        result = sample(SamplingBatch(block, _as_served(receipts, seeds, rows, True)), int(widths[rows].max())).host()
+        support = np.arange(result["sampling_mask"].shape[1]) < result["sampling_mask_len"][:, None]
+        in_support[rows] = ((result["sampling_mask"] == served[rows, None]) & support).any(axis=1)
     ids = np.stack([served, drawn], axis=1)
     temperature = params.temperature.astype(np.float64)[:, None]
     scaled = (pair_logits - row_max[:, None]) / temperature
@@ -215,4 +213,31 @@ def rederive_tokens(logits: torch.Tensor, receipts: SamplingReceipts, token_ids)
         served_ids=served,
         score_gap=np.where(drawn == served, 0.0, score[:, 1] - score[:, 0]),
         band=rng.NEAR_TIE * (1 + np.abs(scaled).max(axis=1)),
+        served_in_support=in_support,
+    )
+
+
+def _blocks(logits: torch.Tensor, rows: np.ndarray):
+    """(row ids, their logits as the sampler takes them) in blocks of at most
+    FULL_VOCAB_BLOCK_ELEMENTS logits."""
+    block_rows = max(1, FULL_VOCAB_BLOCK_ELEMENTS // max(logits.shape[1], 1))
+    for start in range(0, rows.shape[0], block_rows):
+        index = rows[start : start + block_rows]
+        if index[-1] - index[0] + 1 == index.shape[0]:  # consecutive rows: a view, no copy
+            block = logits[int(index[0]) : int(index[-1]) + 1].detach()
+        else:
+            block = logits[torch.from_numpy(index).to(logits.device)].detach()
+        if block.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            block = block.to(torch.float32)
+        yield index, block
+
+
+def _as_served(receipts: SamplingReceipts, seeds: np.ndarray, rows: np.ndarray, want_mask: bool) -> RowParams:
+    """The rows' parameters as served (a new one included), each token's noise seed, and the mask
+    asked for or not."""
+    return replace(
+        receipts.params.take(rows),
+        seed=seeds[rows],
+        has_seed=np.ones(rows.shape[0], np.bool_),
+        return_sampling_mask=np.full(rows.shape[0], want_mask),
     )

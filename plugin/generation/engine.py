@@ -46,6 +46,7 @@ from ..sampling.batching import BatchSampler, outputs_to_numpy
 from ..sampling.outputs import (
     GENERATION_TOKEN_OUTPUT_NAMES,
     MASK_OUTPUT_NAMES,
+    NEG_INF_FILLED,
     OUTPUT_IDS,
     OUTPUT_LOGPROBS,
     SAMPLING_LOGPROBS,
@@ -54,6 +55,7 @@ from ..sampling.outputs import (
     UNMASKED_OUTPUT_NAMES,
     WEIGHT_VERSION,
     padding,
+    to_wire_values,
 )
 from ..sampling.params import RowParams
 from ..sampling.refusals import RETRY_MARKER
@@ -465,6 +467,8 @@ class ContinuousEngine:
         # (NaN, +inf, all -inf) are found here, without a separate pass over the logits.
         broken = ~np.equal(check_logit_rows(result.host()[ROW_MAX]), None).astype(bool)
         arrays = outputs_to_numpy(result)
+        for name in NEG_INF_FILLED:  # as sent, once per step rather than once per response
+            arrays[name] = to_wire_values(name, arrays[name])
         arrays[WEIGHT_VERSION.name] = np.broadcast_to(self._version_tag, (owner.size,))
         # The receipt: each position's row seed (its step is its token's place in the request).
         arrays[SAMPLING_SEED.name] = params.seed
@@ -647,7 +651,7 @@ def _whole(sequence: _Sequence, finish_reason: str, width: int) -> GenerationChu
     arrays = {name: np.concatenate([p[name] for p in sequence.parts]) for name in sequence.parts[0]}
     for name in MASK_OUTPUT_NAMES:
         if name not in arrays:
-            arrays[name] = padding(name, len(arrays[OUTPUT_IDS.name]), width)
+            arrays[name] = to_wire_values(name, padding(name, len(arrays[OUTPUT_IDS.name]), width))
     outputs = {name: arrays[name] for name in GENERATION_TOKEN_OUTPUT_NAMES}
     return GenerationChunk({**outputs, **_timings(sequence)}, finish_reason, sequence.steps)
 

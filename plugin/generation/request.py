@@ -34,8 +34,9 @@ class GenerationRequest:
 @dataclass
 class GenerationChunk:
     """Tokens of one request with their sampler outputs, aligned 1:1: `outputs` holds every token
-    output of `outputs.GENERATION_TOKEN_OUTPUTS` by name ([n] per token, [n, W] per mask row), and
-    `finish_reason` is "" until the request's last chunk, then "length" or "stop"."""
+    output of `outputs.GENERATION_TOKEN_OUTPUTS` by name ([n] per token, [n, W] per mask row) as
+    sent (`outputs.to_wire_values`), and `finish_reason` is "" until the request's last chunk,
+    then "length" or "stop"."""
 
     outputs: dict[str, np.ndarray]
     finish_reason: str

@@ -15,6 +15,7 @@ import os
 import resource
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -68,6 +69,29 @@ def end_process_group(pgid: int, timeout_s: float = 2.0) -> None:
         time.sleep(0.05)
 
 
+def set_priority(nice: int) -> None:
+    """This process's nice value, and its session's where the kernel shares CPU between sessions
+    first (autogroup: a child in a session of its own is a group of its own, and a process's nice
+    then weighs only against its group's other tasks). Best effort: the caller reads it back."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, nice)
+    except OSError:
+        return
+    try:
+        with open("/proc/self/autogroup", "w") as autogroup:
+            autogroup.write(str(nice))
+    except OSError:  # no autogroup (a kernel without it, or a cgroup of its own: nice is what counts)
+        pass
+
+
+def priority_of(pid: int) -> int | None:
+    """A process's nice value (None once it is gone)."""
+    try:
+        return os.getpriority(os.PRIO_PROCESS, pid)
+    except OSError:
+        return None
+
+
 def log_tail(path: Path | None, chars: int = 4000) -> str:
     """The last `chars` characters of a log file ("" when there is none to read)."""
     try:
@@ -82,9 +106,10 @@ class Child:
 
     Before exec it may get a parent-death signal (`die_with_parent`: SIGKILL when its parent
     dies, so it cannot outlive a killed supervisor), a soft descriptor limit (`nofile`, capped at
-    the hard limit; HARD_LIMIT for the hard limit itself) and a `setup` of the caller's (e.g.
-    entering a memory cgroup), in that order. Its output goes to `log_path` (appended, or
-    truncated first with `append_log=False`), else to the parent's."""
+    the hard limit; HARD_LIMIT for the hard limit itself), a scheduling priority (`nice`, see
+    `set_priority`) and a `setup` of the caller's (e.g. entering a memory cgroup), in that order.
+    Its output goes to `log_path` (appended, or truncated first with `append_log=False`), else to
+    the parent's."""
 
     name: str
     command: list[str]
@@ -96,6 +121,7 @@ class Child:
     die_with_parent: bool = False
     nofile: int | None = None
     setup: Callable[[], None] | None = None
+    nice: int = 0  # 0: the parent's priority
     soft_stop: int = signal.SIGTERM  # asks it to stop taking new work (HAProxy: SIGUSR1)
     process: subprocess.Popen | None = None
     restarts: int = 0  # counted by the caller that restarts it
@@ -117,6 +143,8 @@ class Child:
             capped = hard != resource.RLIM_INFINITY and self.nofile > hard
             soft = hard if self.nofile == HARD_LIMIT or capped else self.nofile
             resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        if self.nice:
+            set_priority(self.nice)
         if self.setup is not None:
             self.setup()
 
@@ -132,13 +160,19 @@ class Child:
                 stderr=subprocess.STDOUT if log else None,
                 start_new_session=True,
                 umask=self.umask,
-                preexec_fn=self._pre_exec if self.die_with_parent or self.nofile or self.setup else None,
+                preexec_fn=self._pre_exec if self.die_with_parent or self.nofile or self.setup or self.nice else None,
             )
         finally:
             if log:
                 log.close()  # the child holds its own copy
         self.started_at = time.monotonic()
         self._restart_at = None
+        if self.nice and priority_of(self.process.pid) not in (self.nice, None):
+            print(
+                f"{self.name}: nice {self.nice} not applied (below 0 needs CAP_SYS_NICE); it runs at "
+                f"{priority_of(self.process.pid)}",
+                file=sys.stderr,
+            )
         return self
 
     def running(self) -> bool:

@@ -53,6 +53,9 @@ def api_command(door) -> list[str]:
         f"--max-body-bytes={door.limits.api_max_body_bytes}",
         *(f"--{flag}={value}" for flag, value in limits.items() if value is not None and not isinstance(value, bool)),
         *(f"--{flag}" for flag, value in limits.items() if value is True),
+        # what routers read of this replica: /health follows the supervisor's readiness, /v1/loads the engine's gauges
+        f"--readiness-url=http://127.0.0.1:{door.internal['probe']}/ready",
+        f"--metrics-url=http://127.0.0.1:{door.internal['metrics']}/metrics",
         *([f"--model-path={model_path}"] if model_path else []),
         *([f"--admin-key-file={door.directory / 'admin.key'}"] if trusted else []),
     ]

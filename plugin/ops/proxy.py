@@ -199,7 +199,16 @@ class FrontDoor:
         commands += [("stream gate", gate_command(self), None, signal.SIGTERM)] if self.stream_gate else []
         commands += [("http api", api_command(self), None, signal.SIGTERM)] if self.serves_api() else []
         return [
-            Child(name, command, env=env, log_path=log_path, die_with_parent=True, nofile=HARD_LIMIT, soft_stop=stop)
+            Child(
+                name,
+                command,
+                env=env,
+                log_path=log_path,
+                die_with_parent=True,
+                nofile=HARD_LIMIT,
+                soft_stop=stop,
+                nice=settings.TRITON_NICE.value(),
+            )
             for name, command, env, stop in commands
         ]
 

@@ -18,14 +18,13 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 from ..sampling.admin import ADMIN_HEADER, CLIENT_ADDRESS_PARAMETER, GRPC_ADMIN_HEADER  # noqa: F401 (the launcher's names)
 from ..serving.admin_key import ADMIN_KEY_DIGEST_ENV, key_digest
-from . import settings
+from . import settings, startup_wait
 from .allocator import with_allocator
 from .capabilities import ServerCapabilities, help_flags, run_help
 from .child import Child, log_tail
@@ -338,8 +337,9 @@ class TritonServer(LoopbackUrls):
             extra = admin_args(self.admin_key) + extra
         return server_command(self.model_repository, self.ports, extra)
 
-    def start(self, timeout_s: float = 180.0) -> TritonServer:
-        """Start the server and wait until every model is ready; raises with the log tail if not."""
+    def start(self, timeout_s: float = startup_wait.CAP_S) -> TritonServer:
+        """Start the server and wait until every model is ready, for as long as it makes progress
+        (startup_wait; `timeout_s` is the last-resort cap); raises with the log tail if not."""
         self.child = Child(
             "tritonserver",
             self.command(),
@@ -347,17 +347,19 @@ class TritonServer(LoopbackUrls):
             umask=SERVER_UMASK,
             log_path=self.log_path,
             append_log=False,
+            nice=settings.TRITON_NICE.value(),
         ).start()
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                self.stop()
-                raise RuntimeError(f"tritonserver exited with {self.process.returncode}:\n{self.log_tail()}")
-            if self.is_ready() and self.metrics_listening():
-                return self
-            time.sleep(0.25)
-        self.stop()
-        raise RuntimeError(f"tritonserver not ready within {timeout_s}s:\n{self.log_tail()}")
+        try:
+            startup_wait.wait_until_ready(
+                f"tritonserver on port {self.ports['http']}",
+                lambda: self.is_ready() and self.metrics_listening(),
+                [self.child],
+                cap_s=timeout_s,
+            )
+        except startup_wait.StartupFailed as failed:
+            self.stop()
+            raise startup_wait.StartupFailed(f"{failed}:\n{self.log_tail()}") from None
+        return self
 
     def metrics_listening(self) -> bool:
         """Whether the metrics port accepts connections (it opens a moment after HTTP is ready)."""

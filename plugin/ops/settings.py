@@ -161,7 +161,7 @@ TRITON_API_TOKENIZER_THREADS = Setting(
     _positive,
     2,
     "threads of the HTTP API that parse bodies, tokenize prompts and render chat templates, off its event loop "
-    "(16 requests wait per thread; 503 beyond)",
+    "(256 MiB of bodies or 4,096 requests wait for them; 503 beyond)",
 )
 TRITON_API_TRUST_REQUEST_CHAT_TEMPLATE = Setting(
     _switch,
@@ -309,6 +309,14 @@ GOMP_SPINCOUNT = Setting(
     str,
     "10000",
     "OpenMP spins of the stubs' threads before they sleep; not set when `OMP_WAIT_POLICY` is",
+)
+# A busy neighbour on the host takes CPU from every hop of a call (the proxy, tritonserver's threads,
+# the stub); a lower nice gives the serving processes a larger share (docs/operations.md, "A busy host").
+TRITON_NICE = Setting(
+    int,
+    0,
+    "nice value (-20 to 19) of tritonserver with its stubs, HAProxy, the stream gate and the HTTP API; "
+    "below 0 needs CAP_SYS_NICE (root); 0 leaves the launcher's",
 )
 MALLOC_CONF = Setting(
     str,

@@ -32,6 +32,9 @@ tritonserver, and frames pass through as they are, except that
   trailers with grpc-status RESOURCE_EXHAUSTED toward the client;
 - bytes the gate drops (held data of a reset stream, frames of a stream it ended) are credited
   back with WINDOW_UPDATE, so no connection's window leaks;
+- the proxy's WINDOW_UPDATEs (one per DATA frame it reads: one per streamed token) are kept and
+  passed to tritonserver once they add up to half of the client's window: the server's windows
+  are the client's less what is kept, never more;
 - a stream the client abandons (RST_STREAM, or its connection lost) while requests are open is
   not reset toward tritonserver: Triton 2.51 never frees the responses of a cancelled stream's
   requests. The gate ends the stream's requests (END_STREAM), opens its window and reads the
@@ -39,8 +42,10 @@ tritonserver, and frames pass through as they are, except that
   stream to a model that honours cancellation (`--cancellable`: the decoupled `generate`, which
   stops a cancelled request at its next step) whose client was reading (its flow-control window
   above half of what the client grants) is reset as it was, so its requests are cancelled.
-Each response message's leading bytes are read to tell a final one; nothing is deserialised, and
-a streamed token costs a socket read, a write and a little frame parsing here (no grpc runtime).
+Each response message's leading bytes are read to tell a final one (in place when the message is
+whole in its frame, as a streamed token's is); nothing is deserialised, and a streamed token costs
+a socket read and a write toward the proxy, a read of the proxy's WINDOW_UPDATE, and a little
+frame parsing here (no grpc runtime).
 
     python -m triton_sampling_mask.ops.stream_gate --listen 127.0.0.1:P --upstream 127.0.0.1:Q
         [--max-open N] [--max-message-bytes B] [--max-streams N --max-queue N --queue-timeout S]
@@ -62,6 +67,8 @@ import hpack
 from .proxy import QUEUE_FULL, QUEUE_TIMEOUT
 
 FINAL_PARAMETER = b"triton_final_response"
+_FINAL_KEY = b"\x0a" + bytes([len(FINAL_PARAMETER)]) + FINAL_PARAMETER  # a parameters entry's key field
+_FRAME_HEAD = struct.Struct(">BHBBI")  # an HTTP/2 frame's 9 bytes: length (24 bits), type, flags, stream
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 # Frame types and flags (RFC 9113).
 DATA, HEADERS, RST_STREAM, SETTINGS, PUSH_PROMISE, WINDOW_UPDATE, CONTINUATION = 0x0, 0x1, 0x3, 0x4, 0x5, 0x8, 0x9
@@ -116,10 +123,8 @@ def is_final(response: bytes) -> bool:
                 return False
             size, pos = _varint(response, pos)
             if field == 4:  # one parameters map entry: key (1), InferParameter value (2)
-                entry = response[pos : pos + size]
-                key = b"\x0a" + bytes([len(FINAL_PARAMETER)]) + FINAL_PARAMETER
-                if entry.startswith(key):
-                    return entry[len(key) :] == b"\x12\x02\x08\x01"  # bool_param: true
+                if response[pos : pos + len(_FINAL_KEY)] == _FINAL_KEY:
+                    return response[pos + len(_FINAL_KEY) : pos + size] == b"\x12\x02\x08\x01"  # bool_param: true
             elif field > 4:  # past the parameters
                 return False
             pos += size
@@ -180,7 +185,7 @@ class _Stream:
 
     __slots__ = ("open", "request_head", "request_left", "held", "held_from", "held_end", "response_head")
     __slots__ += ("response_left", "response_bytes", "answered", "sent_end", "draining", "window", "model", "first")
-    __slots__ += ("admitted", "expired")
+    __slots__ += ("admitted", "expired", "credit")
 
     def __init__(self):
         self.open = 0
@@ -200,6 +205,7 @@ class _Stream:
         self.first = bytearray()  # that request's leading bytes, until the name is read
         self.admitted: bool | None = None  # holds one of the server's slots (False: waits for one)
         self.expired = False  # it waited out the queue timeout
+        self.credit = 0  # window the client granted on it, not yet passed to the server
 
     @property
     def waiting(self) -> int:
@@ -272,6 +278,7 @@ class Relay:
         # The flow-control windows the client (the proxy) grants the server: per stream on _Stream.
         self.client_initial_window = DEFAULT_WINDOW
         self.client_window = DEFAULT_WINDOW
+        self.credit = 0  # connection window the client granted, not yet passed to the server (_credit)
         self.window_opened = False  # the connection's window opened for draining streams
         gate.relays.add(self)
 
@@ -364,33 +371,41 @@ class Relay:
         return True
 
     @staticmethod
-    def _frames(buffer: bytearray):
-        """The complete frames at the start of `buffer` (removed from it): (type, flags, stream,
-        payload, raw bytes)."""
-        pos, size = 0, len(buffer)
+    def _frames(buffer: bytearray, data=b""):
+        """The complete frames of `buffer` followed by `data` (the incomplete rest is kept in
+        `buffer`): (type, flags, stream, payload, raw bytes), the last two views of one copy of
+        the bytes (a read's buffer is reused by the next read)."""
+        if buffer:
+            buffer += data
+            data = bytes(buffer)
+            buffer.clear()
+        else:
+            data = bytes(data)
+        view, pos, size = memoryview(data), 0, len(data)
         while size - pos >= 9:
-            end = pos + 9 + int.from_bytes(buffer[pos : pos + 3], "big")
+            high, low, kind, flags, stream = _FRAME_HEAD.unpack_from(data, pos)
+            end = pos + 9 + (high << 16 | low)
             if end > size:
                 break
-            raw = bytes(buffer[pos:end])
-            yield raw[3], raw[4], int.from_bytes(raw[5:9], "big") & 0x7FFFFFFF, raw[9:], raw
+            yield kind, flags, stream & 0x7FFFFFFF, view[pos + 9 : end], view[pos:end]
             pos = end
-        del buffer[:pos]
+        buffer += view[pos:]
 
     # ---- client (proxy) to server ----
 
     def client_data(self, data: bytes) -> None:
         buffer = self.client_buffer
-        buffer += data
-        if self.server.transport is None:  # read before the server side is connected
-            return
-        if not self.preface_seen:
+        if not self.preface_seen or self.server.transport is None:
+            buffer += data
+            data = b""
+            if self.server.transport is None:  # read before the server side is connected
+                return
             if len(buffer) < len(PREFACE):
                 return
             self.to_server.append(bytes(buffer[: len(PREFACE)]))
             del buffer[: len(PREFACE)]
             self.preface_seen = True
-        for kind, flags, stream_id, payload, raw in self._frames(buffer):
+        for kind, flags, stream_id, payload, raw in self._frames(buffer, data):
             if kind == DATA:
                 self._client_data_frame(stream_id, flags, payload, raw)
                 continue
@@ -409,12 +424,11 @@ class Relay:
                 self._forget(stream_id)
             elif kind == SETTINGS and not flags & 1:
                 self._read_settings(payload)
-            elif kind == WINDOW_UPDATE and len(payload) == 4:
+            elif kind == WINDOW_UPDATE and len(payload) == 4 and (stream_id == 0 or stream is not None):
                 increment = struct.unpack(">I", payload)[0] & 0x7FFFFFFF
-                if stream_id == 0:
-                    self.client_window += increment
-                elif stream is not None:
-                    stream.window += increment
+                if increment:  # kept, and passed on once it matters (a zero increment is the server's to refuse)
+                    self._credit(stream_id, stream, increment)
+                    continue
             self.to_server.append(raw)
             if self.pending and not self.client_block_open:
                 self._release_pending()
@@ -536,6 +550,26 @@ class Relay:
             self._flush()
             self.close()
 
+    def _credit(self, stream_id: int, stream: _Stream | None, increment: int) -> None:
+        """The client's WINDOW_UPDATE of `increment` on the connection (stream 0) or a stream, kept
+        and passed to the server in one update once it is half of what the client's window now
+        allows: the proxy credits every DATA frame it reads, and a WINDOW_UPDATE relayed per
+        streamed token costs the gate a read and a write and the server a read. The server's window
+        is the client's less what is kept, so it never sends more than the client allows, and
+        always has more than half of it."""
+        if stream is None:
+            self.client_window += increment
+            self.credit += increment
+            if 2 * self.credit >= self.client_window:
+                self.to_server.append(window_update(0, self.credit))
+                self.credit = 0
+        else:
+            stream.window += increment
+            stream.credit += increment
+            if 2 * stream.credit >= stream.window:
+                self.to_server.append(window_update(stream_id, stream.credit))
+                stream.credit = 0
+
     def _read_settings(self, payload: bytes) -> None:
         for pos in range(0, len(payload) - 5, 6):
             key, value = struct.unpack_from(">HI", payload, pos)
@@ -543,15 +577,15 @@ class Relay:
                 self.decoder.max_allowed_table_size = value
             elif key == SETTINGS_INITIAL_WINDOW_SIZE:  # every open stream's window moves by the change
                 delta, self.client_initial_window = value - self.client_initial_window, value
-                for stream in self.streams.values():
+                for stream_id, stream in self.streams.items():
                     stream.window += delta
+                    # a smaller window may leave the server none while credit is kept: pass it on
+                    self._credit(stream_id, stream, 0)
 
     # ---- server to client (proxy) ----
 
     def server_data(self, data: bytes) -> None:
-        buffer = self.server_buffer
-        buffer += data
-        for kind, flags, stream_id, payload, raw in self._frames(buffer):
+        for kind, flags, stream_id, payload, raw in self._frames(self.server_buffer, data):
             if self.block and kind != CONTINUATION:
                 self.close()  # a header block interrupted: a protocol error
                 return
@@ -594,13 +628,25 @@ class Relay:
             return
         self.to_client.append(raw)
         self.client_window -= len(payload)
-        if stream is not None:
-            stream.window -= len(payload)
+        if 2 * self.credit >= self.client_window and self.credit:
+            self._credit(0, None, 0)
         if stream is None:
             return
+        stream.window -= len(payload)
+        if 2 * stream.credit >= stream.window and stream.credit:
+            self._credit(stream_id, stream, 0)
         data, pos, freed = _unpad(flags, payload), 0, False
         size = len(data)
         while pos < size:
+            if not stream.response_left and not stream.response_head and size - pos >= GRPC_PREFIX_BYTES:
+                start = pos + GRPC_PREFIX_BYTES
+                length = int.from_bytes(data[pos + 1 : start], "big")
+                if size - start >= length:  # the whole response in this frame (a streamed token's): read in place
+                    pos = start + length
+                    if stream.open and is_final(data[start : start + min(length, RESPONSE_HEAD_BYTES)]):
+                        stream.open -= 1
+                        freed = True
+                    continue
             if stream.response_left:
                 step = min(stream.response_left, size - pos)
                 room = RESPONSE_HEAD_BYTES - len(stream.response_bytes)

@@ -519,7 +519,9 @@ class Supervisor:
         # and enters the memory limit before exec (the stubs tritonserver forks inherit both).
         cage = self.config.memory_cage
         if self.child is None:
-            self.child = Child("tritonserver", command, die_with_parent=True, umask=SERVER_UMASK)
+            self.child = Child(
+                "tritonserver", command, die_with_parent=True, umask=SERVER_UMASK, nice=settings.TRITON_NICE.value()
+            )
         self.child.command = command
         self.child.env = server_environment(self.config.public_admin_key, private_shm=self.config.private_shm)
         self.child.setup = cage.enter if cage else None

@@ -14,6 +14,8 @@ exact float64 difference against the one bound the host computes.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -34,6 +36,10 @@ def epilogue_numpy(
     the masks are written straight into their padded [rows, mask_width] arrays.
     """
     count, k = values32.shape
+    if count == 1:
+        one_row = _epilogue_one_row(values32[0], ids[0], z[0], params, int(k_eff[0]), mask_width)
+        if one_row is not None:
+            return one_row
     want_mask = params.return_sampling_mask
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):  # NaN / inf rows: refused later
         # x - max in float64: exact for the float32 operands (widened exactly).
@@ -66,9 +72,9 @@ def epilogue_numpy(
         width = min(longest, mask_width)
         in_mask = keep[:, :width] & want_mask[:, None]
         # Outside the mask the padding stays: -1 ids, -inf log-probs, 0 where no mask was asked.
-        mask_ids = np.full((count, mask_width), -1, np.int32)
+        mask_ids = _filled((count, mask_width), -1, np.int32)
         np.copyto(mask_ids[:, :width], ids[:, :width], casting="same_kind", where=in_mask)
-        support_logprobs = np.full((count, mask_width), -np.inf, np.float32)
+        support_logprobs = _filled((count, mask_width), -np.inf, np.float32)
         np.subtract(
             scaled[:, :width],
             support_log_mass[:, None],
@@ -88,6 +94,83 @@ def epilogue_numpy(
         ROW_MAX: values32[:, 0].copy(),
     }
     return fields, support_len
+
+
+# Below this, a (x - max) / T may leave float32's range once the log-normaliser (at most
+# log(V) < 32) is subtracted: the general epilogue casts such log-probs to -inf with the warnings off.
+_FLOAT32_SAFE = -1e38
+
+
+def _epilogue_one_row(
+    values32: np.ndarray, ids: np.ndarray, z: np.float32, params: RowParams, k_eff: int, mask_width: int
+) -> tuple[dict[str, np.ndarray], np.ndarray] | None:
+    """`epilogue_numpy` of a batch of one row, bit for bit, in about half its numpy calls: the row's
+    parameters as scalars, and no keep mask (one row's support is the prefix its candidates are
+    cut to). The same numpy operations run on the same values, so every output has the same bits.
+
+    None where the batch's code must run: a row with no finite max or an empty support (refused
+    later), or log-probs past float32's range. Elsewhere no operation here can overflow, divide
+    by zero or meet an invalid operand, so numpy's error state is left alone (setting it costs
+    more than the rest of this function's calls together)."""
+    row_max = values32[0]
+    if not -np.inf < row_max < np.inf:
+        return None
+    k = values32.size
+    temperature, top_p = params.temperature[0], params.top_p[0]
+    # x - max in float64: exact for the float32 operands (widened exactly).
+    scaled = np.subtract(values32, row_max, dtype=np.float64)
+    support_len = min(k_eff, k)
+    if values32[-1] == -np.inf:  # banned tokens among the candidates
+        support_len = min(support_len, np.count_nonzero(values32 > -np.inf))
+    if params.min_p[0] > 0:
+        support_len = min(support_len, np.count_nonzero(scaled >= min_p_bound(params)[0]))
+    scaled /= temperature  # (x - max) / T
+    relative = np.exp(scaled)  # p / p_max
+    if top_p < 1:  # the mass ranked strictly before a token must not pass top_p
+        mass_before = relative.cumsum()
+        mass_before -= relative
+        support_len = min(support_len, np.count_nonzero(mass_before <= top_p * np.float64(z)))  # exact in float64
+    if support_len < 1 or scaled[support_len - 1] < _FLOAT32_SAFE:
+        return None
+    scaled, relative, ids = scaled[:support_len], relative[:support_len], ids[:support_len]
+    # Gumbel-max: scaled - log(-log u) is scaled + Gumbel noise, bit for bit.
+    score = np.subtract(scaled, rng.negated_gumbel_numpy(rng.seed_state_numpy(params.seed), ids))
+    pick = int(score.argmax())
+    token_scaled = scaled[pick]
+    # log of the support's mass relative to p_max: a singleton's renormalised log-prob is 0 exactly.
+    support_log_mass = np.log(relative.sum())
+    mask_ids, support_logprobs = (padding.copy() for padding in _one_row_padding(mask_width))
+    mask_len, mask_logprob = 0, 0.0
+    if params.return_sampling_mask[0]:
+        mask_len = min(support_len, mask_width)
+        mask_ids[0, :mask_len] = ids[:mask_len]
+        np.subtract(scaled[:mask_len], support_log_mass, out=support_logprobs[0, :mask_len], casting="same_kind")
+        mask_logprob = token_scaled - support_log_mass
+    fields = {
+        outputs.OUTPUT_IDS.name: ids[pick : pick + 1].copy(),
+        outputs.OUTPUT_LOGPROBS.name: np.array([token_scaled - np.log(z, dtype=np.float64)], np.float32),
+        outputs.SAMPLING_MASK.name: mask_ids,
+        outputs.SAMPLING_MASK_LEN.name: np.array([mask_len], np.int32),
+        outputs.SAMPLING_LOGPROBS.name: np.array([mask_logprob], np.float32),
+        outputs.SAMPLING_MASK_LOGPROBS.name: support_logprobs,
+        ROW_MAX: values32[:1].copy(),
+    }
+    return fields, np.array([support_len], np.int64)
+
+
+@functools.lru_cache(maxsize=8)
+def _one_row_padding(mask_width: int) -> tuple[np.ndarray, np.ndarray]:
+    """A one-row batch's padded mask ids and mask log-probs [1, mask_width], to copy (read-only)."""
+    ids, logprobs = _filled((1, mask_width), -1, np.int32), _filled((1, mask_width), -np.inf, np.float32)
+    ids.flags.writeable = logprobs.flags.writeable = False
+    return ids, logprobs
+
+
+def _filled(shape: tuple[int, int], value, dtype) -> np.ndarray:
+    """np.full in two C calls (np.full itself runs Python code around them)."""
+    array = np.empty(shape, dtype)
+    array.fill(value)
+    return array
 
 
 def epilogue_torch(

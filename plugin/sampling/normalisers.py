@@ -17,18 +17,23 @@ def workspace(slot: str, shape: tuple[int, int]) -> torch.Tensor:
     Row blocks are several MiB, and allocators hand blocks that size back to the OS when freed: a
     fresh one per call would pay its page faults on every call, more than the work done in it.
     """
-    buffers = _WORKSPACE.__dict__.setdefault("buffers", {})
+    views = _WORKSPACE.__dict__.setdefault("views", {})
+    held = views.get(slot)
+    # The view of the last shape asked is kept: a decode step asks the same shape every time, and
+    # making a view costs two torch calls, which show at B=1.
+    if held is not None and held[0] == shape:
+        return held[1]
     numel = shape[0] * shape[1]
-    buffer = buffers.get(slot)
-    if buffer is None or buffer.numel() < numel:
-        buffer = buffers[slot] = torch.empty(numel, dtype=torch.float32)
-    return buffer[:numel].view(shape)
+    buffer = held[2] if held is not None and held[2].numel() >= numel else torch.empty(numel, dtype=torch.float32)
+    views[slot] = (shape, buffer[:numel].view(shape), buffer)
+    return views[slot][1]
 
 
 # Logits per scratch block in the CPU normaliser: a few MiB stays in cache and under the
 # allocator's mmap threshold.
 _NORMALISER_BLOCK_ELEMENTS = 1 << 20
 _LOG2_E = 1.4426950408889634
+_SMALLEST_NORMAL = np.finfo(np.float32).tiny  # below it, log2(e) / T may overflow float32
 
 
 def normaliser_torch(logits: torch.Tensor, row_max: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
@@ -51,13 +56,17 @@ def normaliser_cpu(logits: torch.Tensor, row_max: np.ndarray, temperature: np.nd
     NaN: such calls divide by T first, (x - max) / T * log2(e), which is right for every T.
     """
     rows, vocab = logits.shape
-    shift = torch.from_numpy(row_max[:, None])
-    with np.errstate(over="ignore"):
-        scale = _LOG2_E / temperature  # float32 (a Python float does not widen it)
     divisor = None
-    if np.isinf(scale).any():
-        divisor, scale = torch.from_numpy(temperature[:, None]), np.full_like(scale, _LOG2_E)
-    scale = torch.from_numpy(scale[:, None])
+    if (
+        not temperature.size or temperature.min() >= _SMALLEST_NORMAL
+    ):  # log2(e) / T cannot overflow: no error state to set
+        scale = _LOG2_E / temperature  # float32 (a Python float does not widen it)
+    else:
+        with np.errstate(over="ignore"):
+            scale = _LOG2_E / temperature
+        if np.isinf(scale).any():
+            divisor, scale = torch.from_numpy(temperature[:, None]), np.full_like(scale, _LOG2_E)
+    shift, scale = torch.from_numpy(row_max[:, None]), torch.from_numpy(scale[:, None])
     block = max(1, min(rows, _NORMALISER_BLOCK_ELEMENTS // max(vocab, 1)))
     scratch = workspace("normaliser", (block, vocab))
     if block == rows:  # one block: no slicing (at B=1 every torch call's dispatch shows)
@@ -76,7 +85,9 @@ def _exp_sum(
     logits: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, scratch: torch.Tensor, divisor: torch.Tensor | None
 ) -> torch.Tensor:
     """sum exp2((logits - shift) / divisor * scale) per row (no division where `divisor` is None),
-    through `scratch` (four calls, five for bf16 / fp16; one small allocation)."""
+    through `scratch` (four calls, five for bf16 / fp16; one small allocation). Torch's ops, not
+    numpy's: a row spanning more than float32's range overflows (x - max) to -inf, which numpy
+    would warn about on every such call."""
     if logits.dtype == torch.float32:
         torch.sub(logits, shift, out=scratch)
     else:  # bf16 / fp16: converted into scratch first (a mixed-dtype sub would allocate a float32 copy)

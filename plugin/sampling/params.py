@@ -75,6 +75,8 @@ class _RowParamsMethods:
     def greedy_applied(self) -> RowParams:
         """These rows as the sampler reads them: a greedy row (temperature 0) samples with top_k 1 at
         temperature 1, so its log-probabilities are those of temperature 1 (SGLang's convention)."""
+        if self.temperature.size and self.temperature.min() > 0:  # no greedy row (the common case: one call)
+            return self
         greedy = self.temperature == 0
         if not greedy.any():
             return self
@@ -94,8 +96,16 @@ RowParams.__doc__ = """Sampling parameters for a batch of rows, one numpy array 
 def effective_top_k(params: RowParams, vocab_size: int) -> np.ndarray:
     """The most ids each row's support can hold (int64): its top_k once greedy is applied (1 for a
     greedy row), at most V, and V for top_k -1."""
-    top_k = params.greedy_applied().top_k
-    return np.where(top_k == TOP_K_ALL, vocab_size, np.minimum(top_k, vocab_size)).astype(np.int64, copy=False)
+    return applied_top_k(params.greedy_applied().top_k, vocab_size)
+
+
+def applied_top_k(top_k: np.ndarray, vocab_size: int) -> np.ndarray:
+    """`effective_top_k` of rows whose greedy is already applied (`top_k` of
+    `RowParams.greedy_applied`): at most V, and V for top_k -1 (int64)."""
+    limited = np.minimum(top_k, vocab_size, dtype=np.int64)
+    if limited.size and limited.min() <= TOP_K_ALL:  # a row may have top_k -1 (the whole vocabulary)
+        limited[top_k == TOP_K_ALL] = vocab_size
+    return limited
 
 
 def min_p_bound(params: RowParams) -> np.ndarray:

@@ -85,6 +85,8 @@ def _u64(value: int) -> np.ndarray:
 _NP_MUL_1, _NP_MUL_2, _NP_GOLDEN = _u64(MIX_MUL_1), _u64(MIX_MUL_2), _u64(GOLDEN_GAMMA)
 _NP_STEP_GAMMA, _NP_ONE = _u64(STEP_GAMMA), _u64(1)
 _NP_SHIFTS = tuple(_u64(bits) for bits in (30, 27, 31, 64 - UNIFORM_BITS))
+# The same constants as unsigned Python integers, for one row's seed.
+_INT_MUL_1, _INT_MUL_2, _INT_GOLDEN = (value & _MASK64 for value in (MIX_MUL_1, MIX_MUL_2, GOLDEN_GAMMA))
 _NP_UNIFORM_SCALE = 1.0 / (1 << (UNIFORM_BITS + 1))
 
 
@@ -105,7 +107,20 @@ def mix64_numpy(x: np.ndarray) -> np.ndarray:
 
 def seed_state_numpy(seeds: np.ndarray) -> np.ndarray:
     """`seed_state` on the int64 (or uint64) bit patterns of seeds; returns uint64 keys."""
-    return _mix64_numpy_inplace(np.asarray(seeds).view(np.uint64) ^ _NP_GOLDEN)
+    seeds = np.asarray(seeds)
+    if seeds.size == 1:  # one row (the B=1 decode step): Python integers cost less than 8 numpy calls
+        key = _mix64_int(int(seeds.view(np.uint64).flat[0]) ^ _INT_GOLDEN)
+        keys = np.empty(seeds.shape, np.uint64)
+        keys.fill(key)
+        return keys
+    return _mix64_numpy_inplace(seeds.view(np.uint64) ^ _NP_GOLDEN)
+
+
+def _mix64_int(x: int) -> int:
+    """`mix64` on one unsigned 64-bit Python integer, bit for bit."""
+    x = ((x ^ (x >> 30)) * _INT_MUL_1) & _MASK64
+    x = ((x ^ (x >> 27)) * _INT_MUL_2) & _MASK64
+    return x ^ (x >> 31)
 
 
 def step_seeds_numpy(seeds: np.ndarray, steps: np.ndarray) -> np.ndarray:
@@ -120,7 +135,13 @@ def uniform_numpy(state: np.ndarray, token_ids: np.ndarray) -> np.ndarray:
     """`uniform` on uint64 keys [rows, 1] and int64 ids [rows, n], as float64 (same values)."""
     bits = np.asarray(token_ids).view(np.uint64) * _NP_GOLDEN
     bits += state
-    bits = _mix64_numpy_inplace(bits) >> _NP_SHIFTS[3]
+    # mix64 without its last step, x ^= x >> 31: that step leaves the top UNIFORM_BITS bits as they
+    # are (x >> 31 has none of them set), and only those are kept.
+    bits ^= bits >> _NP_SHIFTS[0]
+    bits *= _NP_MUL_1
+    bits ^= bits >> _NP_SHIFTS[1]
+    bits *= _NP_MUL_2
+    bits >>= _NP_SHIFTS[3]
     # (2 * top + 1) * 2**-24 as top * 2**-23 + 2**-24: every step is exact in float64, so the
     # values are `uniform`'s bit for bit, in two numpy calls instead of four.
     uniform = bits * (2 * _NP_UNIFORM_SCALE)

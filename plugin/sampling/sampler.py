@@ -21,16 +21,28 @@ each row group to the ops: `selection` ranks candidates, `normalisers` sum the r
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from .epilogues import epilogue_numpy, epilogue_torch, unranked_outputs
 from .normalisers import normaliser_cpu, normaliser_torch
-from .params import MIN_P, RETURN_SAMPLING_MASK, SEED, TEMPERATURE, TOP_K, TOP_K_ALL, TOP_P, RowParams, effective_top_k
+from .params import (
+    MIN_P,
+    PARAM_SPECS,
+    RETURN_SAMPLING_MASK,
+    SEED,
+    TEMPERATURE,
+    TOP_K,
+    TOP_K_ALL,
+    TOP_P,
+    RowParams,
+    applied_top_k,
+)
 from .results import ROW_MAX, HostResult, SamplingResult, TensorResult
-from .selection import FULL_VOCAB_BLOCK_ELEMENTS, device_path_for, ranked_candidates
+from .selection import FULL_VOCAB_BLOCK_ELEMENTS, device_path_for, ranked_candidates, ranked_candidates_cpu
 
 
 @dataclass
@@ -54,20 +66,31 @@ class SamplingBatch:
     def from_arrays(cls, logits: torch.Tensor, temperature, top_k, top_p, min_p, seed, want_mask) -> SamplingBatch:
         """A batch from one array or tensor [B] per parameter (any other parameter at its default);
         `seed` holds the uint64 seeds or their int64 bit patterns, `want_mask` is return_sampling_mask."""
+        rows = logits.shape[0]
+        given = {
+            TEMPERATURE.name: temperature,
+            TOP_K.name: top_k,
+            TOP_P.name: top_p,
+            MIN_P.name: min_p,
+            RETURN_SAMPLING_MASK.name: want_mask,
+        }
+        # Every field is built once (no defaults made and then replaced): a caller may build a batch
+        # per step. The seed is given as uint64 bit patterns, every row seeded.
+        fields = {
+            spec.name: _host(given[spec.name], spec.dtype) if spec.name in given else spec.filled(rows)
+            for spec in PARAM_SPECS
+            if spec is not SEED
+        }
+        fields[SEED.name] = _host(seed, np.int64).view(SEED.dtype)
+        fields[SEED.presence] = np.ones(rows, np.bool_)
+        return cls(logits, RowParams(**fields))
 
-        def host(value, dtype):
-            if isinstance(value, torch.Tensor):
-                value = value.detach().cpu().numpy()
-            return np.ascontiguousarray(value).astype(dtype, copy=False)
 
-        given = {TEMPERATURE: temperature, TOP_K: top_k, TOP_P: top_p, MIN_P: min_p, RETURN_SAMPLING_MASK: want_mask}
-        params = replace(
-            RowParams.defaults(logits.shape[0]),
-            **{spec.name: host(value, spec.dtype) for spec, value in given.items()},
-            seed=host(seed, np.int64).view(SEED.dtype),
-            has_seed=np.ones(logits.shape[0], np.bool_),
-        )
-        return cls(logits, params)
+def _host(value, dtype) -> np.ndarray:
+    """`value` (an array, a tensor or a sequence) as a contiguous host array of `dtype`."""
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu().numpy()
+    return np.ascontiguousarray(value).astype(dtype, copy=False)
 
 
 # Rows whose effective top_k is above this are ranked apart from the rest (see sample()).
@@ -100,7 +123,7 @@ def plan_rows(batch: SamplingBatch) -> RowPlan:
     """Which path each row takes, from the host-side parameters alone."""
     rows, vocab = batch.logits.shape
     params = batch.params.greedy_applied()
-    k_eff = effective_top_k(params, vocab)
+    k_eff = applied_top_k(params.top_k, vocab)
     everything = params.top_k == TOP_K_ALL
     if not everything.any():  # the decode step's common case: a handful of numpy calls, not two dozen
         small_k = k_eff <= _SMALL_TOP_K
@@ -111,6 +134,18 @@ def plan_rows(batch: SamplingBatch) -> RowPlan:
     top_p_first = everything & ~unranked & (vocab > _TOP_P_CANDIDATES)
     full_sort = ~(unranked | small_k | top_p_first)
     return RowPlan(params, k_eff, small_k, top_p_first, full_sort, unranked)
+
+
+def _small_k_group(batch: SamplingBatch) -> tuple[RowParams, np.ndarray, int] | None:
+    """(params greedy applied, effective top_k, the largest) when every row of the batch is ranked
+    to a top-k of at most _SMALL_TOP_K candidates, read in a few numpy calls; None when a row may
+    take another path (`plan_rows` then routes every row)."""
+    params = batch.params.greedy_applied()
+    if params.top_k.min() <= TOP_K_ALL:  # the whole vocabulary, or a top_k no request may send
+        return None
+    k_eff = applied_top_k(params.top_k, batch.logits.shape[1])
+    largest = int(k_eff.max())
+    return (params, k_eff, largest) if largest <= _SMALL_TOP_K else None
 
 
 def sample(
@@ -126,16 +161,18 @@ def sample(
     rows = batch.logits.shape[0]
     device = batch.logits.device
     device_path = device_path_for(device, device_path)
-    plan = plan_rows(batch)
     if fused is None:
         fused = device.type == "cuda" and _fused_available()
-    if rows and plan.small_k.all():
-        # The decode step's common case: one group. On the GPU no sync and a handful of launches
-        # (fused.py); on the CPU its padded numpy outputs are the result, with no scatter.
-        if fused:
-            return _sample_fused(batch, plan, None, mask_width)
-        if device_path == "cpu":
-            return HostResult(_ranked_outputs(batch, plan, None, int(plan.k_eff.max()), mask_width, device_path)[0])
+    if rows and device_path == "cpu" and not fused:
+        group = _small_k_group(batch)
+        if group is not None:
+            # The decode step's common case on the CPU: one group, read without a full plan; its
+            # padded numpy outputs are the result, with no scatter.
+            return HostResult(_ranked_outputs(batch.logits, *group, mask_width, device_path)[0])
+    plan = plan_rows(batch)
+    if rows and fused and plan.small_k.all():
+        # One group on the fused kernels: on the GPU no sync and a handful of launches (fused.py).
+        return _sample_fused(batch, plan, None, mask_width)
     result = TensorResult.empty(rows, mask_width, device)
     if plan.small_k.any():
         index = np.flatnonzero(plan.small_k)
@@ -212,28 +249,27 @@ def _sample_ranked(
 ) -> np.ndarray:
     """Rows whose support is a prefix of their top-k ranking (k = the largest effective top_k, or
     the candidate count); writes their outputs and returns their support lengths (numpy)."""
-    outputs, support_len = _ranked_outputs(batch, plan, index, k, mask_width, path)
+    outputs, support_len = _ranked_outputs(_rows(batch, index), *plan.rows(index), k, mask_width, path)
     _write(result, index, outputs)
     return support_len.cpu().numpy() if isinstance(support_len, torch.Tensor) else support_len
 
 
 def _ranked_outputs(
-    batch: SamplingBatch, plan: RowPlan, index: np.ndarray | None, k: int, mask_width: int, path: str
+    logits: torch.Tensor, params: RowParams, k_eff: np.ndarray, k: int, mask_width: int, path: str
 ) -> tuple[dict, np.ndarray | torch.Tensor]:
-    """The outputs and support lengths of the rows `index` (None: every row): select, normalise,
-    epilogue, with the ops of the device path `path` ("cpu" or "gpu")."""
-    logits = _rows(batch, index)
-    values, ids = ranked_candidates(logits, k, path)
-    params, k_eff = plan.rows(index)
+    """The outputs and support lengths of the rows `logits` with their (greedy-applied) `params` and
+    effective top_k: select, normalise, epilogue, with the ops of the device path `path` ("cpu" or
+    "gpu"); k is the largest effective top_k, or the candidate count."""
     if path == "cpu":
-        values32 = (values if values.dtype == torch.float32 else values.float()).numpy()  # bf16 / fp16: exact
+        values32, ids = ranked_candidates_cpu(logits, k)  # float32 values: exact for bf16 / fp16
         z = normaliser_cpu(logits, values32[:, 0], params.temperature)
-        outputs, support_len = epilogue_numpy(values32, ids.numpy(), z, params, k_eff, mask_width)
+        outputs, support_len = epilogue_numpy(values32, ids, z, params, k_eff, mask_width)
         # z is NaN where the row holds a NaN or an inf, or no finite logit. Threshold selection
         # never selects a NaN, so such rows (refused later) take their max as `amax` gives it.
-        if np.isnan(z.sum()):
+        if math.isnan(z.sum()):
             broken = np.isnan(z)
             outputs[ROW_MAX][broken] = logits[torch.from_numpy(broken)].amax(dim=-1).float().numpy()
         return outputs, support_len
+    values, ids = ranked_candidates(logits, k, path)
     z = normaliser_torch(logits, values[:, 0], torch.from_numpy(params.temperature).to(logits.device))
     return epilogue_torch(values, ids, z, params, k_eff, mask_width)

@@ -39,12 +39,23 @@ def ranked_candidates(
     """The k highest logits of each row in the total order (logit desc, id asc): values, ids.
     `device_path` as `device_path_for` reads it. On the CPU path, rows holding NaN may rank
     without it (the sampler takes their max apart)."""
+    if device_path_for(logits.device, device_path) == "cpu":
+        values, ids = ranked_candidates_cpu(logits, k)
+        ranked_values = torch.from_numpy(values)
+        return ranked_values if logits.dtype == torch.float32 else ranked_values.to(logits.dtype), torch.from_numpy(ids)
     if k >= logits.shape[1]:
         # A stable descending sort keeps equal logits in ascending id order.
         return torch.sort(logits, dim=-1, descending=True, stable=True)
-    if device_path_for(logits.device, device_path) == "cpu":
-        return _ranked_candidates_cpu(logits, k)
     return _ranked_candidates_device(logits, k)
+
+
+def ranked_candidates_cpu(logits: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """`ranked_candidates` on the CPU path, as host arrays: float32 values (exact for bf16 / fp16
+    logits) and int64 ids, [rows, min(k, V)] each."""
+    if k >= logits.shape[1]:
+        values, ids = torch.sort(logits, dim=-1, descending=True, stable=True)
+        return (values if values.dtype == torch.float32 else values.float()).numpy(), ids.numpy()
+    return _ranked_candidates_cpu(logits, k)
 
 
 def candidate_count(k: int, vocab: int) -> int:
@@ -82,8 +93,8 @@ _THRESHOLD_MIN_RANK = 16
 _THRESHOLD_MIN_RATIO = 8
 
 
-def _ranked_candidates_cpu(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`ranked_candidates` on the CPU, for k < V.
+def _ranked_candidates_cpu(logits: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """`ranked_candidates_cpu` for k < V.
 
     torch's CPU top-k copies each row into a buffer of (value, index) pairs, which costs more than
     the selection itself and evicts the caches the rest of the step needs.
@@ -93,7 +104,10 @@ def _ranked_candidates_cpu(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, 
     """
     rows, vocab = logits.shape
     if vocab < _THRESHOLD_MIN_RATIO * (k + 1):
-        return _ranked_by_topk_cpu(logits, k)
+        return _topk_host(logits, k)
+    if rows == 1:  # the B=1 decode step: no blocks, and top-k only for a row the threshold cannot settle
+        ranked = _select_by_threshold(_float32_host(logits).numpy(), k)
+        return ranked[:2] if ranked[2][0] else _topk_host(logits, k)
     block_rows = max(1, FULL_VOCAB_BLOCK_ELEMENTS // vocab)
     if block_rows < rows:
         values, ids = np.empty((rows, k), np.float32), np.empty((rows, k), np.int64)
@@ -103,14 +117,17 @@ def _ranked_candidates_cpu(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, 
         if not settled.all():  # the rest by top-k, within the block: memory stays bounded
             index = np.flatnonzero(~settled)
             rest = block if index.size == block.shape[0] else block[torch.from_numpy(index)]
-            rest_values, rest_ids = _ranked_by_topk_cpu(rest, k)
-            block_values[index], block_ids[index] = rest_values.float().numpy(), rest_ids.numpy()
+            block_values[index], block_ids[index] = _topk_host(rest, k)
         if block_rows >= rows:  # one block: its arrays are the result (no copy at B=1)
-            values, ids = block_values, block_ids
-        else:
-            values[start : start + block_rows], ids[start : start + block_rows] = block_values, block_ids
-    ranked_values = torch.from_numpy(values)
-    return ranked_values if logits.dtype == torch.float32 else ranked_values.to(logits.dtype), torch.from_numpy(ids)
+            return block_values, block_ids
+        values[start : start + block_rows], ids[start : start + block_rows] = block_values, block_ids
+    return values, ids
+
+
+def _topk_host(logits: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """`_ranked_by_topk_cpu` as host arrays: float32 values, int64 ids."""
+    values, ids = _ranked_by_topk_cpu(logits, k)
+    return (values if values.dtype == torch.float32 else values.float()).numpy(), ids.numpy()
 
 
 def _select_by_threshold(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -127,32 +144,29 @@ def _select_by_threshold(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.nda
     than a top-k. Rows*V is at most FULL_VOCAB_BLOCK_ELEMENTS (or one row), so keys fit in int64.
     """
     rows, vocab = logits.shape
-    sample = logits[:, :: max(1, vocab // _THRESHOLD_SAMPLE)]
-    points = sample.shape[1]
+    stride = max(1, vocab // _THRESHOLD_SAMPLE)
+    points = -(-vocab // stride)  # the strided sample's length
     rank = min(points, max(_THRESHOLD_MIN_RANK, -(-2 * (k + 1) * points // vocab)))  # ceil
+    most = 4 * rank * vocab // points  # four times the count expected: more is a long run of ties
+    if rows == 1:
+        return _select_row_by_threshold(logits[0], k, stride, points - rank, most)
+    sample = logits[:, ::stride]
     threshold = np.partition(sample, points - rank, axis=1)[:, points - rank]
     flat = np.flatnonzero(logits >= threshold[:, None])
-    most = 4 * rank * vocab // points  # four times the count expected: more is a long run of ties
-    if rows == 1:  # the B=1 decode step: none of the per-row bookkeeping below
-        settled = np.array([k < flat.size <= most])
-        if not settled[0]:
+    row = flat // vocab
+    counts = np.bincount(row, minlength=rows)
+    settled = (counts > k) & (counts <= most)
+    if not settled.all():  # drop the unsettled rows' candidates: they may be the whole row
+        kept = settled[row]
+        if not kept.any():
             return np.empty((rows, k), np.float32), np.empty((rows, k), np.int64), settled
-        key, places = _descending_key(logits.ravel()[flat]), np.arange(k)
-    else:
-        row = flat // vocab
-        counts = np.bincount(row, minlength=rows)
-        settled = (counts > k) & (counts <= most)
-        if not settled.all():  # drop the unsettled rows' candidates: they may be the whole row
-            kept = settled[row]
-            if not kept.any():
-                return np.empty((rows, k), np.float32), np.empty((rows, k), np.int64), settled
-            flat, row = flat[kept], row[kept]
-            counts = np.where(settled, counts, 0)
-        # Each row's first k keys, clipped in range for unsettled rows (their result is not used).
-        places = np.minimum((np.cumsum(counts) - counts)[:, None] + np.arange(k), flat.size - 1)
-        key = _descending_key(logits.ravel()[flat])
-        key |= row << 32  # the row leads the key
-        flat = flat - row * vocab  # the ids
+        flat, row = flat[kept], row[kept]
+        counts = np.where(settled, counts, 0)
+    # Each row's first k keys, clipped in range for unsettled rows (their result is not used).
+    places = np.minimum((np.cumsum(counts) - counts)[:, None] + np.arange(k), flat.size - 1)
+    key = _descending_key(logits.ravel()[flat])
+    key |= row << 32  # the row leads the key
+    flat = flat - row * vocab  # the ids
     id_bits = (vocab - 1).bit_length()
     key <<= id_bits
     key |= flat  # ties rank by lower id
@@ -160,6 +174,23 @@ def _select_by_threshold(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.nda
     ids = key[places].reshape(rows, k)
     ids &= (1 << id_bits) - 1
     return logits[np.arange(rows)[:, None], ids], ids, settled
+
+
+def _select_row_by_threshold(
+    row: np.ndarray, k: int, stride: int, place: int, most: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`_select_by_threshold` of one row (the B=1 decode step) in a handful of numpy calls: the
+    threshold is the `place`-th smallest of the strided sample, and the candidates (in id order,
+    as the flat nonzero lists them) are ranked by one stable sort of their negated logits, which
+    keeps equal logits (-0.0 and 0.0 too) in id order."""
+    sample = row[::stride].copy()  # partitioned in place: a copy, not the logits
+    sample.partition(place)
+    (flat,) = (row >= sample[place]).nonzero()
+    if not k < flat.size <= most:
+        return np.empty((1, k), np.float32), np.empty((1, k), np.int64), np.array([False])
+    candidates = row[flat]
+    order = np.negative(candidates).argsort(kind="stable")[:k]
+    return candidates[order][None], flat[order][None], np.array([True])
 
 
 def _descending_key(values: np.ndarray) -> np.ndarray:

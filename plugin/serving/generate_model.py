@@ -27,7 +27,7 @@ from ..generation.request import GenerationChunk, admission_errors
 from ..model_config import int_parameter, string_parameter
 from ..sampling.validation import SamplingRequestError
 from .deployment import load_deployment
-from .metrics import GenerateMetrics
+from .metrics import CANCELLED, KIND_CONTROL, KIND_GENERATION, NOT_SENT, OK, GenerateMetrics
 from .tracing import BATCH_SIZE, MASK_WIDTH, BatchSpans, ModelTracer, RequestSpans
 from .triton_io import chunk_response, error_response, parse_generation_request, wanted_outputs
 from .weight_control import CONTROL, ControlError, WeightControl, control_response
@@ -73,13 +73,14 @@ def speculation_summary(algorithm: str, drafter: NgramDrafter | None, lm) -> str
 
 
 class _Outbox:
-    """Sends the engine's responses on a thread of its own, in order (one FIFO for all requests, so
-    a request's final always follows its tokens): the engine computes its next step meanwhile."""
+    """Runs calls on a thread of its own, in order: the engine's responses (one FIFO for all
+    requests, so a request's final always follows its tokens) while the engine computes its next
+    step, or (a second one) its metric updates, each an IPC round trip the engine does not wait for."""
 
-    def __init__(self, logger):
-        self.logger = logger
+    def __init__(self, logger, after_each=None, name: str = "generate-outbox", lost: str = "response not sent"):
+        self.logger, self.after_each, self.lost = logger, after_each, lost  # after_each(idle): after every item
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._run, name="generate-outbox", daemon=True)
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
 
     def put(self, call, *args) -> None:
@@ -91,7 +92,12 @@ class _Outbox:
             try:
                 call(*args)
             except Exception as exc:  # one response lost must not stop the others
-                self.logger.log_error(f"generate: response not sent ({type(exc).__name__}: {exc})")
+                self.logger.log_error(f"generate: {self.lost} ({type(exc).__name__}: {exc})")
+            if self.after_each is not None:
+                try:
+                    self.after_each(self.queue.empty())
+                except Exception as exc:  # a metric update failed: the responses go on
+                    self.logger.log_error(f"generate metrics not updated: {type(exc).__name__}: {exc}")
 
     def stop(self) -> None:
         """Send everything queued, then end the thread."""
@@ -135,6 +141,8 @@ class _RequestHandle:
             self.sender.send(
                 chunk_response(self.model.pb_utils, chunk, self._wanted), flags=self.final_flag if final else 0
             )
+            if final:
+                self.model.metrics.ended(KIND_GENERATION, OK)
             if sending_ns:
                 self.spans.finish(chunk.outputs, chunk.finish_reason, sending_ns, time.time_ns(), chunk.steps)
         except Exception as exc:  # e.g. the client went away: fail this request only
@@ -142,6 +150,7 @@ class _RequestHandle:
                 f"generate: response for one request not sent ({type(exc).__name__}: {exc}); dropping it"
             )
             self.broken = self.done = True
+            self.model.metrics.ended(KIND_GENERATION, NOT_SENT)
 
     def cancelled(self, tokens: int) -> None:
         if self.broken:
@@ -152,6 +161,7 @@ class _RequestHandle:
         self.outbox.put(self._final_flag_now)
 
     def _final_flag_now(self) -> None:
+        self.model.metrics.ended(KIND_GENERATION, CANCELLED)
         try:  # the final flag releases the request; the client may already be gone
             self.sender.send(flags=self.final_flag)
         except Exception as exc:
@@ -164,8 +174,14 @@ class _RequestHandle:
         self.outbox.put(self._fail_now, message, code_name)
 
     def _fail_now(self, message: str, code_name: str) -> None:
-        if not self.broken:
+        if self.broken:
+            return
+        try:
             self.sender.send(error_response(self.model.pb_utils, message, code_name), flags=self.final_flag)
+        except Exception:
+            self.model.metrics.ended(KIND_GENERATION, NOT_SENT)
+            raise
+        self.model.metrics.ended(KIND_GENERATION, code_name.lower())
 
 
 class GenerateModel:
@@ -190,14 +206,15 @@ class GenerateModel:
         drafter = build_drafter(model_config, deployment.config_file)
         self.tracer = ModelTracer(args.get("model_name", "generate"), log_error=self.logger.log_error)
         self.mask_width = deployment.policy.mask_width
-        self.metrics = GenerateMetrics(pb_utils, args.get("model_name", "generate"))
+        self.metric_updates = _Outbox(self.logger, name="generate-metrics", lost="metrics not updated")
+        self.metrics = GenerateMetrics(pb_utils, args.get("model_name", "generate"), defer=self.metric_updates.put)
         limits = EngineLimits(
             max_active_sequences=int_parameter(model_config, "max_active_sequences", EngineLimits.max_active_sequences),
             max_waiting=int_parameter(model_config, "max_waiting", EngineLimits.max_waiting),
             kv_budget_tokens=int_parameter(model_config, "kv_budget_tokens", EngineLimits.kv_budget_tokens),
             max_waiting_tokens=int_parameter(model_config, "max_waiting_tokens", EngineLimits.max_waiting_tokens),
         )
-        self.outbox = _Outbox(self.logger)
+        self.outbox = _Outbox(self.logger, self.metrics.send_outcomes)
         self.engine = ContinuousEngine(
             self.lm,
             self.sampler,
@@ -307,15 +324,22 @@ class GenerateModel:
 
     def _send_control(self, sender, outcome) -> None:
         final = self.pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-        if isinstance(outcome, ControlError):
-            sender.send(error_response(self.pb_utils, outcome.message, outcome.code_name), flags=final)
-        else:
-            sender.send(control_response(self.pb_utils, outcome), flags=final)
+        refused = isinstance(outcome, ControlError)
+        try:
+            if refused:
+                sender.send(error_response(self.pb_utils, outcome.message, outcome.code_name), flags=final)
+            else:
+                sender.send(control_response(self.pb_utils, outcome), flags=final)
+        except Exception:
+            self.metrics.ended(KIND_CONTROL, NOT_SENT)
+            raise
+        self.metrics.ended(KIND_CONTROL, outcome.code_name.lower() if refused else OK)
 
     def finalize(self) -> None:
         """Stop the engine loop: requests still in flight or waiting end with an UNAVAILABLE final."""
         self.engine.stop()  # first: a control op waiting for a pause returns once it stops
         self.control.stop()
         self.outbox.stop()
+        self.metric_updates.stop()
         self.tracer.shutdown()
         self.logger.log_info("generate finalized")

@@ -3,8 +3,8 @@
 Triton serves them on its metrics port beside its own `nv_*` metrics. A metric update is an IPC
 round trip from the stub to the server, so every update is aggregated: the sampler records one
 update per series an execute touched, the generate engine one per counter per step (a gauge
-only when it changes, its histograms at most every `FLUSH_INTERVAL_S`); never one per request,
-row or token.
+only when it changes, its histograms at most every `FLUSH_INTERVAL_S`), sent from a thread of
+its own so that the engine's loop never waits for one; never one per request, row or token.
 
 Every histogram is kept as Prometheus' histogram series (`_bucket{le=...}`, `_sum`, `_count`,
 cumulative) built from counters (`CountedHistogram`): a native HISTOGRAM only takes one
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
@@ -74,17 +74,29 @@ class CountedHistogram:
 
     def flush(self) -> None:
         """Send the counts observed since the last flush (nothing when there were none)."""
-        total = int(self._pending[-1])
-        if not total:
-            return
-        for metric, count in zip(self._buckets, self._pending.tolist()):
-            if count:
-                metric.increment(count)
-        if self._pending_sum:
-            self._sum.increment(self._pending_sum)
-        self._count.increment(total)
+        self.send(self.take())
+
+    def take(self) -> tuple[list[int], float] | None:
+        """The counts observed since the last call (None when there were none), cleared here:
+        what `send` sends, taken without an IPC so that another thread may send it."""
+        if not self._pending[-1]:
+            return None
+        counts, total = self._pending.tolist(), self._pending_sum
         self._pending[:] = 0
         self._pending_sum = 0.0
+        return counts, total
+
+    def send(self, taken: tuple[list[int], float] | None) -> None:
+        """Send what `take` returned: one update per touched series."""
+        if taken is None:
+            return
+        counts, total = taken
+        for metric, count in zip(self._buckets, counts):
+            if count:
+                metric.increment(count)
+        if total:
+            self._sum.increment(total)
+        self._count.increment(counts[-1])
 
 
 def _bound_label(bound) -> str:
@@ -154,6 +166,11 @@ GENERATE_SUCCESS = "generate_request_success_total"  # {finished_reason}
 GENERATE_CANCELLED = "generate_cancelled_total"
 GENERATE_REJECTED = "generate_requests_rejected_total"  # {reason}: INVALID (400) or CAPACITY (shed, 503)
 INVALID, CAPACITY = "invalid", "capacity"
+# Every request's end, as its client saw it: {kind, outcome}. Triton's nv_inference_request_success
+# counts the model's own error answers as successes (docs/metrics.md), so this is where they show.
+GENERATE_REQUESTS = "generate_requests_total"
+KIND_GENERATION, KIND_CONTROL = "generation", "control"  # kind: a prompt, or a control request (weights, pause)
+OK, CANCELLED, NOT_SENT = "ok", "cancelled", "not_sent"  # outcomes besides an error code's name
 GENERATE_RUNNING = "generate_num_requests_running"
 GENERATE_WAITING = "generate_num_requests_waiting"
 GENERATE_KV_TOKENS = "generate_kv_tokens"
@@ -178,13 +195,16 @@ FLUSH_INTERVAL_S = 0.5
 
 
 class GenerateMetrics:
-    """The generate model's counters, gauges and histograms; it observes the engine (`admitted`,
-    `stepped`, `occupancy`, `speculated`) and counts cancellations and refusals. What `admitted`
-    and `stepped` observe (histograms as one array per engine step, prompt tokens, finishes) is
-    kept locally and sent from `occupancy`, outside the step, every `FLUSH_INTERVAL_S` and
-    whenever the engine has nothing left to do."""
+    """The generate model's counters, gauges and histograms; it observes the engine (`generated`,
+    `admitted`, `stepped`, `occupancy`, `speculated`) and counts cancellations and refusals.
+    Everything the engine reports is kept locally: `occupancy`, called once after each step,
+    hands one step's counts and changed gauges to `defer` (an update each), and what `admitted`
+    and `stepped` observe (histograms as one array per engine step, prompt tokens, finishes)
+    every `FLUSH_INTERVAL_S` and whenever the engine has nothing left to do. `defer(call, *args)`
+    runs the updates on another thread, so the engine never waits for an IPC round trip; without
+    it they run in the caller."""
 
-    def __init__(self, pb_utils, model: str, clock=time.monotonic):
+    def __init__(self, pb_utils, model: str, clock=time.monotonic, defer: Callable[..., None] | None = None):
         kinds = pb_utils.MetricFamily
         counter, gauge = kinds.COUNTER, kinds.GAUGE
         # The families must outlive their metrics: the stub refuses updates once a family is gone.
@@ -195,6 +215,12 @@ class GenerateMetrics:
                 (GENERATE_PROMPT_TOKENS, "Prompt tokens prefilled (requests admitted into the batch)", counter),
                 (GENERATE_SUCCESS, "Generate requests finished, by finished_reason (stop, length)", counter),
                 (GENERATE_CANCELLED, "Generate requests stopped by client cancellation", counter),
+                (
+                    GENERATE_REQUESTS,
+                    "Generate requests by kind (generation, control) and outcome (ok, cancelled, not_sent, "
+                    "or the error code: invalid_arg, unavailable, unsupported, internal)",
+                    counter,
+                ),
                 (
                     GENERATE_REJECTED,
                     "Generate requests refused before generation, by reason (invalid, capacity)",
@@ -238,18 +264,46 @@ class GenerateMetrics:
             self._families[name].Metric(labels=labels)
             for name in (GENERATE_SPEC_DRAFTS, GENERATE_SPEC_DRAFTED, GENERATE_SPEC_ACCEPTED)
         ]
+        self._defer = defer if defer is not None else _call
+        self._pending_tokens = 0
+        self._pending_speculation = [0, 0, 0]
         self._pending_prompt_tokens = 0
         self._pending_success: Counter = Counter()
         self._clock = clock
         self._flushed_at = clock()
+        self._requests: dict[tuple[str, str], object] = {}  # by (kind, outcome), created on first use
+        self._pending_outcomes: Counter = Counter()  # the response thread's own: counted and sent there
+        self._outcomes_sent_at = clock()
 
     def generated(self, tokens: int) -> None:
-        """Count the tokens of one engine step."""
-        self._tokens.increment(tokens)
+        """Count the tokens of one engine step (sent by the next `occupancy`)."""
+        self._pending_tokens += tokens
 
     def cancelled(self) -> None:
         """Count a request stopped by its client."""
-        self._cancelled.increment(1)
+        self._defer(self._cancelled.increment, 1)
+
+    def ended(self, kind: str, outcome: str) -> None:
+        """Count one request's end (kept locally; `send_outcomes` sends them). Called from the
+        thread that sends the responses, and only from there."""
+        self._pending_outcomes[kind, outcome] += 1
+
+    def send_outcomes(self, idle: bool) -> None:
+        """Send the ends counted since the last call, when the response thread has nothing left to
+        send (`idle`) or every FLUSH_INTERVAL_S: one update per series, not one per request."""
+        if not self._pending_outcomes:  # the common case: checked before reading the clock
+            return
+        now = self._clock()
+        if not (idle or now - self._outcomes_sent_at >= FLUSH_INTERVAL_S):
+            return
+        for key, count in self._pending_outcomes.items():
+            if key not in self._requests:
+                kind, outcome = key
+                labels = {**self._labels, "kind": kind, "outcome": outcome}
+                self._requests[key] = self._families[GENERATE_REQUESTS].Metric(labels=labels)
+            self._requests[key].increment(count)
+        self._pending_outcomes.clear()
+        self._outcomes_sent_at = now
 
     def rejected(self, invalid: int, capacity: int) -> None:
         """Count one execute's refusals: invalid requests (400) and those shed at capacity (503)."""
@@ -275,34 +329,61 @@ class GenerateMetrics:
 
     def speculated(self, drafts: int, drafted: int, accepted: int) -> None:
         """Count one engine step's speculation: rows that drafted, tokens drafted, tokens accepted
-        (accepted / drafted is the acceptance rate; 1 + accepted / drafts the tokens per draft)."""
-        for metric, count in zip(self._speculation, (drafts, drafted, accepted)):
-            if count:
-                metric.increment(count)
+        (accepted / drafted is the acceptance rate; 1 + accepted / drafts the tokens per draft);
+        sent by the next `occupancy`, before that step's tokens."""
+        for i, count in enumerate((drafts, drafted, accepted)):
+            self._pending_speculation[i] += count
 
     def occupancy(self, active: int, waiting: int, kv_tokens: int) -> None:
-        """Set the gauges that changed since the last call; send the histograms' counts when due
-        or when the engine has nothing left to do (so a scrape after a load sees all of it)."""
+        """Hand `defer` the step's counts and the gauges that changed since the last call, and
+        the histograms' counts when due or when the engine has nothing left to do (so a scrape
+        after a load sees all of it): one deferred call, the values taken now."""
+        gauges = []
         for i, value in enumerate((active, waiting, kv_tokens)):
             if value != self._last[i]:
-                self._gauges[i].set(value)
+                gauges.append((self._gauges[i], value))
                 self._last[i] = value
+        speculation, tokens = self._pending_speculation, self._pending_tokens
+        self._pending_speculation, self._pending_tokens = [0, 0, 0], 0
         now = self._clock()
+        flushed = None
         if (active == 0 and waiting == 0) or now - self._flushed_at >= FLUSH_INTERVAL_S:
-            self._flush()
+            flushed = self._take()
             self._flushed_at = now
+        if tokens or any(speculation) or gauges or flushed is not None:
+            self._defer(self._send, speculation, tokens, gauges, flushed)
 
-    def _flush(self) -> None:
-        for histogram in self._histograms.values():
-            histogram.flush()
-        if self._pending_prompt_tokens:
-            self._prompt_tokens.increment(self._pending_prompt_tokens)
-            self._pending_prompt_tokens = 0
-        for reason, count in self._pending_success.items():
+    def _send(self, speculation: list[int], tokens: int, gauges: list, flushed: tuple | None) -> None:
+        """The updates `occupancy` took (an update per series that changed): speculation first, so
+        whoever sees a step's tokens counted sees its speculation too."""
+        for metric, count in zip(self._speculation, speculation):
+            if count:
+                metric.increment(count)
+        if tokens:
+            self._tokens.increment(tokens)
+        for gauge, value in gauges:
+            gauge.set(value)
+        if flushed is None:
+            return
+        histograms, prompt_tokens, success = flushed
+        for histogram, taken in zip(self._histograms.values(), histograms):
+            histogram.send(taken)
+        if prompt_tokens:
+            self._prompt_tokens.increment(prompt_tokens)
+        for reason, count in success.items():
             if count:
                 if reason not in self._success:
                     self._success[reason] = self._families[GENERATE_SUCCESS].Metric(
                         labels={**self._labels, "finished_reason": reason}
                     )
                 self._success[reason].increment(count)
-        self._pending_success.clear()
+
+    def _take(self) -> tuple:
+        """What the histograms, prompt tokens and finishes counted since the last take, cleared."""
+        taken = ([h.take() for h in self._histograms.values()], self._pending_prompt_tokens, self._pending_success)
+        self._pending_prompt_tokens, self._pending_success = 0, Counter()
+        return taken
+
+
+def _call(call, *args) -> None:
+    call(*args)

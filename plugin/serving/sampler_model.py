@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 import traceback
 
 import numpy as np
+import torch
 
 from ..model_config import input_dtype, int_parameter
 from ..sampling.outputs import SAMPLING_MASK_LEN
@@ -16,6 +18,27 @@ from .tracing import BATCH_SIZE, MASK_WIDTH, OUTCOME, REASON, BatchSpans, ModelT
 from .triton_io import error_response, parse_request, sampler_response, wanted_outputs
 
 DEFAULT_MAX_VOCAB_SIZE = 262144
+# A CPU batch of at most this many logits (rows x vocabulary: up to 27 rows at V=151,936, what
+# the dynamic batcher makes of a few engines' decode steps) is sampled on one thread. A team of
+# threads waits at every barrier for its slowest member, which a busy neighbour keeps off a CPU
+# for milliseconds at a time: on a loaded 2-core host two threads took up to twice the CPU and
+# two to three times as long as one, at B=1 and B=8 alike. Larger batches keep the stub's threads.
+SINGLE_THREAD_ELEMENTS = 2**22
+
+
+@contextlib.contextmanager
+def batch_threads(elements: int, device: torch.device):
+    """torch's intra-op threads while one batch of `elements` logits is sampled: one for a small
+    CPU batch, the stub's own number otherwise (restored after)."""
+    threads = torch.get_num_threads()
+    if device.type != "cpu" or elements > SINGLE_THREAD_ELEMENTS or threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 class SamplerModel:
@@ -70,7 +93,8 @@ class SamplerModel:
                 positions.append(position)
             spans.mark("parse")
             start = time.perf_counter()
-            results = self.sampler.run(parsed)
+            with batch_threads(sum(logits.numel() for logits, _ in parsed), self.device):
+                results = self.sampler.run(parsed)
             sampler_seconds = time.perf_counter() - start if parsed else None
             spans.mark("sample")
             answered = []

@@ -9,12 +9,20 @@ OTLP/HTTP to the same endpoint as tritonserver's own.
 
 Off, the cost is one small object per execute call and one attribute test per phase: no
 request's trace is read, nothing is imported. The stubs read the endpoint from their environment, which the launcher's carries.
+
+The context tritonserver hands over is that of its span for the model, which it ends when
+`execute` returns. A decoupled request lives on after that (queue, decoding, its final response),
+inside tritonserver's `InferRequest` span, whose id the model is never given. So what happens
+after `execute` is not put under the model's span, where it would end after its parent: it is a
+span of its own in the same trace, linked to the model's span (OpenTelemetry's way to say "follows
+from"), and only what runs inside `execute` is a child of it (docs/tracing.md).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -42,20 +50,36 @@ class ModelTracer:
         if not endpoint:
             return
         try:  # a missing extra must not cost the model its load: it serves, untraced, and says why
+            from opentelemetry.context import Context
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
             from opentelemetry.sdk.resources import Resource
             from opentelemetry.sdk.trace import TracerProvider
             from opentelemetry.sdk.trace.export import BatchSpanProcessor
-            from opentelemetry.trace import set_span_in_context
+            from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+            from opentelemetry.trace import Link, get_current_span, set_span_in_context
             from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
         except ImportError as error:
             log_error(f"{model_name}: {ENDPOINT_ENV} is set but OpenTelemetry is not installed ({error}); no spans")
             return
-        self.provider = TracerProvider(resource=Resource.create({"service.name": SERVICE_NAME}))
+
+        class SameTraceIds(RandomIdGenerator):
+            """Random ids, except the trace id of a span started by `follow`: the trace it follows."""
+
+            def __init__(self):
+                self.pending = threading.local()
+
+            def generate_trace_id(self) -> int:
+                trace_id = getattr(self.pending, "trace_id", None)
+                return trace_id if trace_id is not None else super().generate_trace_id()
+
+        self.ids = SameTraceIds()
+        self.provider = TracerProvider(resource=Resource.create({"service.name": SERVICE_NAME}), id_generator=self.ids)
         self.provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
         self.tracer = self.provider.get_tracer("triton_sampling_mask.serving")
         self.propagator = TraceContextTextMapPropagator()
         self.context_of_span = set_span_in_context
+        self.span_context_in = lambda context: get_current_span(context).get_span_context()
+        self.link, self.empty_context = Link, Context
         self.enabled = True
 
     def parent_of(self, request):
@@ -73,6 +97,27 @@ class ModelTracer:
         span = self.tracer.start_span(
             f"{self.model_name}.{name}", context=parent, start_time=start_ns, attributes=attributes
         )
+        self._end(span, end_ns, children)
+
+    def follow(self, followed, name: str, start_ns: int, end_ns: int, attributes: dict, children=()) -> None:
+        """Record a finished span `name` (with its `children`, as for `span`) that follows from the
+        span of the context `followed` without lying inside it: no parent, the same trace id, and a
+        link to that span."""
+        followed_span = self.span_context_in(followed)
+        self.ids.pending.trace_id = followed_span.trace_id
+        try:
+            span = self.tracer.start_span(
+                f"{self.model_name}.{name}",
+                context=self.empty_context(),  # no parent: not the current span's child either
+                start_time=start_ns,
+                attributes=attributes,
+                links=[self.link(followed_span)],
+            )
+        finally:
+            self.ids.pending.trace_id = None
+        self._end(span, end_ns, children)
+
+    def _end(self, span, end_ns: int, children) -> None:
         inner = self.context_of_span(span)
         for child in children:
             self.span(inner, *child)
@@ -114,11 +159,15 @@ class BatchSpans:
 
 
 class RequestSpans:
-    """One decoupled request's spans, recorded when its final response is sent: parse (its execute
-    call's), queue (submission to admission), decode (admission to its last token) and response
-    (sending the final), under one `request` span, and under decode one `step` span per engine step
-    it took part in (the first MAX_STEP_SPANS), from the engine's StepSpans; without those the
-    engine's durations come from the request's timing outputs, placed after its submission."""
+    """One decoupled request's spans, recorded when its final response is sent. Under
+    tritonserver's span for the model, what ran inside `execute`: an `execute` span (the batch's
+    start to the request's submission to the engine) holding `parse`. Following it (linked, same
+    trace, no parent: tritonserver ends its span when `execute` returns), a `request` span from
+    the execute call's start to the final response sent, holding queue (submission to admission),
+    decode (admission to its last token, one `step` span per engine step it took part in, the
+    first MAX_STEP_SPANS, from the engine's StepSpans) and response (sending the final); without
+    step spans the engine's durations come from the request's timing outputs, placed after its
+    submission."""
 
     def __init__(self, tracer: ModelTracer, parent, batch: BatchSpans, shared: dict):
         self.tracer, self.parent, self.shared = tracer, parent, shared
@@ -164,13 +213,14 @@ class RequestSpans:
                 )
                 for step in steps[:MAX_STEP_SPANS]
             ]
-            children = [
-                ("parse", self.started_ns, parsed_ns, self.shared),
+            in_execute = [("parse", self.started_ns, parsed_ns, self.shared)]
+            self.tracer.span(self.parent, "execute", self.started_ns, self.submitted_ns, self.shared, in_execute)
+            after_execute = [
                 ("queue", self.submitted_ns, steps[0].start_ns if steps else admitted_ns, self.shared),
                 ("decode", admitted_ns, last_token_ns, decode, step_spans),
                 ("response", send_start_ns, send_end_ns, self.shared),
             ]
             attributes = {**self.shared, FINISH_REASON: finish_reason}
-            self.tracer.span(self.parent, "request", self.started_ns, send_end_ns, attributes, children)
+            self.tracer.follow(self.parent, "request", self.started_ns, send_end_ns, attributes, after_execute)
         except Exception as error:  # tracing never costs a request its answer
             self.tracer.log_error(f"{self.tracer.model_name}: spans not recorded ({type(error).__name__}: {error})")

@@ -165,13 +165,27 @@ def parse_generation_request(request, pb_utils, vocab_size: int, context_length:
     )
 
 
+# A finish reason as its [1, 1] tensor value, built once per reason (every streamed token sends one).
+_FINISH_REASONS: dict[str, np.ndarray] = {}
+
+
+def _finish_reason(reason: str) -> np.ndarray:
+    value = _FINISH_REASONS.get(reason)
+    if value is None:
+        value = _FINISH_REASONS[reason] = np.array([[reason.encode()]], dtype=FINISH_REASON.dtype)
+        value.flags.writeable = False
+    return value
+
+
 def chunk_response(pb_utils, chunk: GenerationChunk, wanted: set[str] | None = None):
     """A response with a chunk's outputs (the `wanted` ones when given), each with the leading
-    batch dimension of 1."""
-    arrays = {**chunk.outputs, FINISH_REASON.name: np.array([chunk.finish_reason.encode()], dtype=FINISH_REASON.dtype)}
+    batch dimension of 1. The chunk holds the values as sent already (the engine converts a
+    step's outputs once, not once per response)."""
     tensors = [
-        pb_utils.Tensor(name, np.ascontiguousarray(to_wire_values(name, value))[np.newaxis])
-        for name, value in arrays.items()
+        pb_utils.Tensor(name, np.ascontiguousarray(value)[np.newaxis])
+        for name, value in chunk.outputs.items()
         if wanted is None or name in wanted
     ]
+    if wanted is None or FINISH_REASON.name in wanted:
+        tensors.append(pb_utils.Tensor(FINISH_REASON.name, _finish_reason(chunk.finish_reason)))
     return pb_utils.InferenceResponse(output_tensors=tensors)

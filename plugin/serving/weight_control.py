@@ -257,8 +257,8 @@ class WeightControl:
             if not isinstance(path, str) or not path:
                 raise ControlError("model_path must be a checkpoint directory relative to the weights root")
             directory, label = resolve_checkpoint(self.weights_root, path)
-            source = CheckpointDirectory(directory, label, getattr(self.module, "config", None))
-            written = self._apply(source, version, mode)
+            with CheckpointDirectory(directory, label, getattr(self.module, "config", None)) as source:
+                written = self._apply(source, version, mode)
         elif op == "update_weights_from_tensor":
             with SharedMemoryTensors(command.get("shm_name"), command.get("tensors")) as shared:
                 written = self._apply(shared.source(), version, mode)

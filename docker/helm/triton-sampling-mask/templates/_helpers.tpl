@@ -48,3 +48,33 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- define "tsm.serviceAccountName" -}}
 {{- default (include "tsm.fullname" .) .Values.serviceAccount.name -}}
 {{- end -}}
+
+{{/* The router's name: <fullname>-router. */}}
+{{- define "tsm.routerName" -}}
+{{- printf "%s-router" (include "tsm.fullname" . | trunc 56 | trimSuffix "-") -}}
+{{- end -}}
+
+{{/* The router pods' selector labels. Not the replicas' (app.kubernetes.io/name differs): the replicas'
+Deployment, Service and the router's own discovery select the replicas only. */}}
+{{- define "tsm.routerSelectorLabels" -}}
+app.kubernetes.io/name: {{ include "tsm.name" . | trunc 56 | trimSuffix "-" }}-router
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "tsm.routerLabels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{ include "tsm.routerSelectorLabels" . }}
+app.kubernetes.io/component: router
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end -}}
+
+{{/* The router image: repository@digest when a digest is given, else repository:tag (tag defaults to appVersion). */}}
+{{- define "tsm.routerImage" -}}
+{{- $image := .Values.router.image -}}
+{{- if $image.digest -}}
+{{- printf "%s@%s" $image.repository $image.digest -}}
+{{- else -}}
+{{- printf "%s:%s" $image.repository (default .Chart.AppVersion $image.tag) -}}
+{{- end -}}
+{{- end -}}
