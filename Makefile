@@ -70,8 +70,13 @@ format: setup
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
+# The unit tests (tests/: no shared server) on TEST_WORKERS processes, then the client tests
+# (client_tests/: one session server, load and latency checks that want the machine) in one; both
+# run, and the target fails if either did.
+TEST_WORKERS ?= 2
 test: lint
-	$(PYTHON) -m pytest $(PYTEST_ARGS)
+	$(PYTHON) -m pytest -n $(TEST_WORKERS) tests $(PYTEST_ARGS); unit=$$?; \
+	  $(PYTHON) -m pytest client_tests $(PYTEST_ARGS) && exit $$unit
 
 # 128 clients x 16 x 151936 rows for 3 rounds of 30 s through the front door: shed share, p99 and RSS
 # per round (docs/operations.md, "Stress").
