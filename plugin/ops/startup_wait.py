@@ -5,7 +5,7 @@ as long as it makes progress: one of its processes (or their descendants, e.g. t
 stubs) uses CPU time or writes to its log. It fails, naming what it waited for and why, when a
 process exits, when all of them stay silent for `stall_s` (a hung start), or, as a last resort
 against one that keeps busy without ever being ready, after `cap_s` in all. Used by the test and
-benchmark servers (`server_process.TritonServer`, and testbed's front door, HTTP API and launched
+benchmark servers (`testbed.server.TritonServer`, and testbed's front door, HTTP API and launched
 stack).
 """
 
