@@ -18,8 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
+from testbed import startup_wait
 from triton_sampling_mask.client.wire import INPUT_DTYPES, NUMPY_DTYPES, sampler_inputs  # noqa: F401 (re-exported to tests)
-from triton_sampling_mask.ops import settings, startup_wait
+from triton_sampling_mask.ops import settings
 from triton_sampling_mask.ops.child import Child, log_tail
 from triton_sampling_mask.ops.server_process import (
     SERVER_UMASK,

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import psutil
 
+from testbed.startup_wait import StartupFailed, wait_until_ready
 from triton_sampling_mask.ops.child import Child, log_tail
 from triton_sampling_mask.ops.memory_limit import MemoryCage, make_cage
 from triton_sampling_mask.ops.proxy import INTERNAL_PORTS
 from triton_sampling_mask.ops.server_process import LoopbackUrls, free_port
-from triton_sampling_mask.ops.startup_wait import StartupFailed, wait_until_ready
 
 from .server import REPO_ROOT, copy_model
 
