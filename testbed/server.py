@@ -21,7 +21,7 @@ import numpy as np
 from testbed import startup_wait
 from triton_sampling_mask.client.wire import INPUT_DTYPES, NUMPY_DTYPES, sampler_inputs  # noqa: F401 (re-exported to tests)
 from triton_sampling_mask.ops import settings
-from triton_sampling_mask.ops.child import Child, log_tail
+from triton_sampling_mask.ops.child import Child
 from triton_sampling_mask.ops.server_process import (
     SERVER_UMASK,
     LoopbackUrls,
@@ -206,6 +206,14 @@ def infer(client, module, model: str, logits, **params) -> dict[str, np.ndarray]
 
 if __name__ == "__main__":
     main()
+
+
+def log_tail(path: Path | None, chars: int = 4000) -> str:
+    """The last `chars` characters of a log file ("" when there is none to read)."""
+    try:
+        return Path(path).read_text(errors="replace")[-chars:] if path else ""
+    except OSError:
+        return ""
 
 
 # The three endpoints a test server listens on, each on a free port.

@@ -17,8 +17,9 @@ from pathlib import Path
 
 import psutil
 
+from testbed.server import log_tail
 from testbed.startup_wait import StartupFailed, wait_until_ready
-from triton_sampling_mask.ops.child import Child, log_tail
+from triton_sampling_mask.ops.child import Child
 from triton_sampling_mask.ops.memory_limit import MemoryCage, make_cage
 from triton_sampling_mask.ops.proxy import INTERNAL_PORTS
 from triton_sampling_mask.ops.server_process import LoopbackUrls, free_port
