@@ -24,7 +24,6 @@ from triton_sampling_mask.ops import settings
 from triton_sampling_mask.ops.child import Child
 from triton_sampling_mask.ops.server_process import (
     SERVER_UMASK,
-    LoopbackUrls,
     admin_args,
     free_port,
     server_command,
@@ -214,6 +213,35 @@ def log_tail(path: Path | None, chars: int = 4000) -> str:
         return Path(path).read_text(errors="replace")[-chars:] if path else ""
     except OSError:
         return ""
+
+
+class LoopbackUrls:
+    """The URLs of a server listening on loopback at `self.ports` (http, grpc, metrics)."""
+
+    ports: dict[str, int]
+
+    @property
+    def http_url(self) -> str:
+        """host:port of the HTTP endpoint."""
+        return f"127.0.0.1:{self.ports['http']}"
+
+    @property
+    def grpc_url(self) -> str:
+        """host:port of the gRPC endpoint."""
+        return f"127.0.0.1:{self.ports['grpc']}"
+
+    @property
+    def metrics_url(self) -> str:
+        """The full URL of the Prometheus metrics."""
+        return f"http://127.0.0.1:{self.ports['metrics']}/metrics"
+
+    def is_ready(self) -> bool:
+        """Whether /v2/health/ready answers 200 on the HTTP endpoint."""
+        try:
+            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as response:
+                return response.status == 200
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            return False
 
 
 # The three endpoints a test server listens on, each on a free port.

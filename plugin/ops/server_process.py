@@ -15,8 +15,6 @@ import re
 import shutil
 import socket
 import sys
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 from ..sampling.admin import ADMIN_HEADER, CLIENT_ADDRESS_PARAMETER, GRPC_ADMIN_HEADER  # noqa: F401 (the launcher's names)
@@ -267,32 +265,3 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-class LoopbackUrls:
-    """The URLs of a server listening on loopback at `self.ports` (http, grpc, metrics)."""
-
-    ports: dict[str, int]
-
-    @property
-    def http_url(self) -> str:
-        """host:port of the HTTP endpoint."""
-        return f"127.0.0.1:{self.ports['http']}"
-
-    @property
-    def grpc_url(self) -> str:
-        """host:port of the gRPC endpoint."""
-        return f"127.0.0.1:{self.ports['grpc']}"
-
-    @property
-    def metrics_url(self) -> str:
-        """The full URL of the Prometheus metrics."""
-        return f"http://127.0.0.1:{self.ports['metrics']}/metrics"
-
-    def is_ready(self) -> bool:
-        """Whether /v2/health/ready answers 200 on the HTTP endpoint."""
-        try:
-            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as response:
-                return response.status == 200
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            return False
