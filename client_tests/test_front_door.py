@@ -328,14 +328,7 @@ def test_a_short_admin_key_is_refused_at_start():
         api_attacks.abandoned_streams,
         api_attacks.gone_mid_body,
         api_attacks.schema_surface,
-        pytest.param(
-            api_attacks.abandoned_requests,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="the proxy passes a client's departure on only with `option abortonclose`, which HAProxy "
-                "2.6 honours from a defaults section (docs/api.md, 'Clients that leave')",
-            ),
-        ),
+        api_attacks.abandoned_requests,
     ],
     ids=lambda attack: attack.__name__,
 )

@@ -19,6 +19,7 @@ import re
 import shlex
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
 
 import pytest
@@ -216,21 +217,40 @@ def unmet_requirements(report: dict, environment: dict[str, str]) -> list[str]:
     return list(missing)
 
 
-@pytest.mark.parametrize("line_name", list(LINES))
-def test_dockerfile_pins_install_on_the_line_python_and_platform(line_name, tmp_path):
+def resolve_line(line_name: str, directory: Path) -> tuple[dict, str]:
+    """(pip's report, the line's Python) for the Dockerfile's `pip install` on that line: pip
+    evaluates markers for the Python running it, so what the line's Python needs beyond that is
+    added and resolved again."""
     text, line = DOCKERFILE.read_text(), LINES[line_name]
     python, platform = line_target(line)
     targets = pip_install_targets(text, line)
     environment = target_environment(python, platform)
     for attempt in range(4):
-        report = pip_resolve(targets, python, platform, tmp_path / f"report{attempt}.json")
+        report = pip_resolve(targets, python, platform, directory / f"report{attempt}.json")
         missing = unmet_requirements(report, environment)
         if not missing:
-            break
+            return report, python
         targets = targets + missing
-    else:
-        pytest.fail(f"dependencies for Python {python} still unresolved: {missing}")
+    pytest.fail(f"dependencies for Python {python} still unresolved: {missing}")
 
+
+@pytest.fixture(scope="module")
+def resolutions(request, tmp_path_factory):
+    """{line name: the future of resolve_line}, for every line a selected test checks; the lines
+    resolve side by side (pip mostly waits on the index), each test waits for its own."""
+    wanted = [
+        item.callspec.params["line_name"]
+        for item in request.session.items
+        if item.originalname == "test_dockerfile_pins_install_on_the_line_python_and_platform"
+    ]
+    with ThreadPoolExecutor(max_workers=len(wanted)) as pool:
+        yield {name: pool.submit(resolve_line, name, tmp_path_factory.mktemp(f"pip-{name}")) for name in wanted}
+
+
+@pytest.mark.parametrize("line_name", list(LINES))
+def test_dockerfile_pins_install_on_the_line_python_and_platform(line_name, resolutions):
+    report, python = resolutions[line_name].result()  # a failed resolution fails here, with pip's tail
+    line = LINES[line_name]
     resolved = {canonicalize_name(item["metadata"]["name"]): item["metadata"] for item in report["install"]}
     assert "triton-sampling-mask" in resolved, "the project itself was not resolved"
     for name, metadata in resolved.items():

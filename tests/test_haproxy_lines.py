@@ -3,7 +3,9 @@
 server, every framing-header check refuses what it must whatever that version does itself with
 overflowing or repeated lengths, and the Lua JSON checks run on its Lua (5.3 or 5.4); and a
 ModelStreamInfer stream refused for want of a slot reaches tritonclient as UNAVAILABLE with the
-proxy's message (2.4 and 2.6 reset a stream after any answer of their own: CANCELLED).
+proxy's message (2.4 and 2.6 reset a stream after any answer of their own: CANCELLED), and a
+unary call refused (queue full or timed out, over its address's share) gets gRPC's trailers-only
+answer (HTTP 200, application/grpc) that tritonclient reads as UNAVAILABLE or RESOURCE_EXHAUSTED.
 
 The lines' binaries are unpacked by `make setup` (scripts/haproxy_lines.py); without them those
 cases skip, saying so.
@@ -15,6 +17,7 @@ import contextlib
 import http.server
 import json
 import queue
+import shutil
 import socket
 import subprocess
 import sys
@@ -29,7 +32,7 @@ import tritonclient.grpc as grpcclient
 from triton_sampling_mask.client.wire import sampler_inputs
 from triton_sampling_mask.ops import proxy, proxy_metrics
 from triton_sampling_mask.ops.child import Child
-from triton_sampling_mask.ops.proxy import QUEUE_FULL, QUEUE_TIMEOUT, FrontDoor, ProxyLimits
+from triton_sampling_mask.ops.proxy import MESSAGES, QUEUE_FULL, QUEUE_TIMEOUT, FrontDoor, ProxyLimits
 from triton_sampling_mask.ops.server_process import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,6 +40,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import haproxy_lines  # noqa: E402  (scripts/, standard library only)
 
 REPOSITORY = ROOT / "model_repository"
+OVER_SHARE = MESSAGES["MSG_OVER_SHARE"]
 
 
 def _haproxy(line: str) -> list[str]:
@@ -259,4 +263,100 @@ def test_each_lines_stream_refusals_reach_tritonclient_as_unavailable_with_the_p
             client.close()
         for child in children:
             child.stop()
+        upstream.listener.close()
+
+
+def _unary_outcome(client: grpcclient.InferenceServerClient, logits: np.ndarray) -> queue.Queue:
+    """One ModelInfer call sent: where its outcome ("ok" or "<status> <message>") arrives."""
+    outcomes: queue.Queue = queue.Queue()
+    client.async_infer(
+        "sampler",
+        sampler_inputs(grpcclient, logits, top_k=5),
+        callback=lambda result, error: outcomes.put("ok" if error is None else f"{error.status()} {error.message()}"),
+    )
+    return outcomes
+
+
+GRPC_CODES = {"8": "RESOURCE_EXHAUSTED", "14": "UNAVAILABLE"}
+
+
+def _raw_grpc_calls(port: int, count: int, directory: Path) -> list[dict[str, str]]:
+    """`count` concurrent ModelInfer calls (one empty message each) by curl over HTTP/2: each
+    answer's head, its status under "status" and its headers by lower-case name."""
+    if shutil.which("curl") is None:
+        pytest.skip("no curl here to read the refusals' HTTP/2 heads")
+    url = f"http://127.0.0.1:{port}/inference.GRPCInferenceService/ModelInfer"
+    command = ["curl", "-s", "--http2-prior-knowledge", "-o", "/dev/null", "-D", "-", "--max-time", "20"]
+    message = directory / "empty-message"
+    message.write_bytes(b"\0\0\0\0\0")  # uncompressed, 0 bytes
+    command += ["-H", "content-type: application/grpc", "-H", "te: trailers", "--data-binary", f"@{message}", url]
+    calls = [subprocess.Popen(command, stdout=subprocess.PIPE) for _ in range(count)]
+    heads = []
+    for call in calls:
+        text = call.communicate(timeout=30)[0].decode()
+        lines = [line for line in text.splitlines() if line.strip()]
+        head = {"status": lines[0].split()[1]} if lines else {}
+        head |= {name.lower(): value.strip() for name, _, value in (line.partition(":") for line in lines[1:])}
+        heads.append(head)
+    return heads
+
+
+# (the limits, the two refusals the calls behind a first one that holds the only slot read)
+UNARY_REFUSALS = {
+    "queue": (
+        {"max_in_flight": 1, "max_queue": 1, "queue_timeout_s": 0.5},
+        {f"StatusCode.UNAVAILABLE {QUEUE_FULL}", f"StatusCode.UNAVAILABLE {QUEUE_TIMEOUT}"},
+    ),
+    "address-share": (
+        {"max_in_flight": 1, "requests_per_ip": 1},
+        {f"StatusCode.RESOURCE_EXHAUSTED {OVER_SHARE.replace('${PROXY_REQUESTS_PER_IP}', '1')}"},
+    ),
+}
+
+
+@pytest.mark.parametrize("refusal", list(UNARY_REFUSALS))
+@pytest.mark.parametrize("line", ["host", "2.4", "2.8"])
+def test_each_lines_unary_refusals_reach_tritonclient_as_grpc_statuses_with_the_proxys_message(tmp_path, line, refusal):
+    """One slot for ModelInfer, held by a first call the server never answers: of the next two, on
+    the queue's limits one finds the queue full and one waits out the queue timeout (which is which
+    depends on their arrival), on one address's share both are over it. Each is a trailers-only
+    gRPC answer tritonclient reads as its status and the proxy's message."""
+    command = _haproxy(line)
+    limits, expected = UNARY_REFUSALS[refusal]
+    upstream = _SilentGrpcServer()
+    upstream.start()
+    internal = {name: free_port() for name in ("http", "metrics", "probe", "stream_gate", "api")}
+    door = FrontDoor(
+        REPOSITORY,
+        public={"http": free_port(), "grpc": free_port(), "metrics": 0, "probe": 0},
+        admin_key=None,
+        internal={**internal, "grpc": upstream.port},
+        limits=ProxyLimits(**limits),
+        haproxy=command,
+    )
+    door.directory = tmp_path
+    door.write_files()
+    [haproxy] = door.children()[:1]
+    client = None
+    try:
+        haproxy.start()
+        _wait_listening(door.public["grpc"], [haproxy])
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{door.public['grpc']}")
+        logits = np.zeros((1, 8), dtype=np.float32)
+        first = _unary_outcome(client, logits)
+        assert upstream.data.wait(20), "the first call's request never reached the server"
+        later = [_unary_outcome(client, logits) for _ in range(2)]
+        outcomes = {outcome.get(timeout=20) for outcome in later}
+        assert outcomes == expected, outcomes
+        # on the wire, as gRPC's HTTP/2 protocol writes a trailers-only answer (any gRPC client)
+        answers = _raw_grpc_calls(door.public["grpc"], 2, tmp_path)
+        for head in answers:
+            assert head["status"] == "200" and head.get("content-type") == "application/grpc", head
+        wire = {f"StatusCode.{GRPC_CODES[head['grpc-status']]} {head['grpc-message']}" for head in answers}
+        assert wire == expected, answers
+        assert first.empty()  # the first call still waits for its answer
+    finally:
+        if client is not None:
+            client.close()
+        haproxy.stop()
         upstream.listener.close()

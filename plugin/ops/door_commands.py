@@ -17,6 +17,17 @@ from . import settings
 from .model_limits import model_routes
 
 GENERATE_MODEL = "generate"  # the model the HTTP API serves
+# The API's flags an operator sets through the environment (docs/settings.md), by flag name; a
+# switch is passed bare when on, a setting left to the API (None) not at all.
+API_LIMITS = {
+    "max-choices": settings.TRITON_API_MAX_CHOICES,
+    "max-stop-strings": settings.TRITON_API_MAX_STOP_STRINGS,
+    "max-model-len": settings.TRITON_API_MAX_MODEL_LEN,
+    "max-prompt-chars": settings.TRITON_API_MAX_PROMPT_CHARS,
+    "busy-timeout-s": settings.TRITON_API_BUSY_TIMEOUT_S,
+    "tokenizer-threads": settings.TRITON_API_TOKENIZER_THREADS,
+    "trust-request-chat-template": settings.TRITON_API_TRUST_REQUEST_CHAT_TEMPLATE,
+}
 
 
 def api_runs(repository: Path, public_port: int) -> bool:
@@ -32,11 +43,16 @@ def api_command(door) -> list[str]:
     config = Path(door.repository) / GENERATE_MODEL / "config.pbtxt"
     model_path = string_parameters(read_config_file(config)).get("model_path", "") if config.exists() else ""
     trusted = door.admin_key is not None and settings.TRITON_API_TRUSTED_NETWORKS.value()
+    limits = {flag: setting.value() for flag, setting in API_LIMITS.items()}
     return [
         *(sys.executable, "-m", "triton_sampling_mask.api", f"--triton-url=127.0.0.1:{door.internal['grpc']}"),
         *("--host=127.0.0.1", f"--port={door.internal['api']}"),
-        # the API ends a body its client stopped sending as the proxy would (PROXY_CLIENT_TIMEOUT_S)
+        # the API ends a body its client stopped sending as the proxy would (PROXY_CLIENT_TIMEOUT_S),
+        # and caps bodies where the proxy does
         f"--client-timeout-s={door.limits.client_timeout_s}",
+        f"--max-body-bytes={door.limits.api_max_body_bytes}",
+        *(f"--{flag}={value}" for flag, value in limits.items() if value is not None and not isinstance(value, bool)),
+        *(f"--{flag}" for flag, value in limits.items() if value is True),
         # what routers read of this replica: /health follows the supervisor's readiness, /v1/loads the engine's gauges
         f"--readiness-url=http://127.0.0.1:{door.internal['probe']}/ready",
         f"--metrics-url=http://127.0.0.1:{door.internal['metrics']}/metrics",

@@ -70,6 +70,20 @@ def _positive(text: str) -> int:
     return number
 
 
+def _switch(text: str) -> bool:
+    words = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+    if text.lower() not in words:
+        raise ValueError("must be one of 1, true, yes, on, 0, false, no, off")
+    return words[text.lower()]
+
+
+def _non_negative(text: str) -> float:
+    number = float(text)
+    if not number >= 0:
+        raise ValueError("must be a number, 0 or more")
+    return number
+
+
 def _visible_gpus() -> int:
     import torch  # only the image's sizing needs it, and only when GPU_COUNT is unset
 
@@ -126,6 +140,34 @@ TRITON_API_FORWARDED_ALLOW_IPS = Setting(
     "127.0.0.1",
     "the proxies whose X-Forwarded-For the HTTP API takes as the client address (uvicorn's forwarded_allow_ips): "
     "the front door on loopback",
+)
+# The HTTP API's limits (docs/api.md, "Settings"): the launcher passes each to the API's flag of
+# the same name (ops.door_commands); these defaults are the API's own (tests/test_door_commands.py).
+TRITON_API_MAX_CHOICES = Setting(_positive, 256, "sequences one HTTP API request may ask for (prompts × `n`)")
+TRITON_API_MAX_STOP_STRINGS = Setting(_positive, 64, "stop strings one HTTP API request may carry")
+TRITON_API_MAX_MODEL_LEN = Setting(
+    _positive, None, "the HTTP API's context length (prompt and new tokens)", shown_default="the checkpoint's"
+)
+TRITON_API_MAX_PROMPT_CHARS = Setting(
+    _positive,
+    None,
+    "the longest prompt text (and chat content) the HTTP API takes, in characters, refused before tokenizing",
+    shown_default="the context × the vocabulary's longest token × 2",
+)
+TRITON_API_BUSY_TIMEOUT_S = Setting(
+    _non_negative, 5.0, "seconds the HTTP API retries a request the model refuses as busy before it answers 503"
+)
+TRITON_API_TOKENIZER_THREADS = Setting(
+    _positive,
+    2,
+    "threads of the HTTP API that parse bodies, tokenize prompts and render chat templates, off its event loop "
+    "(256 MiB of bodies or 4,096 requests wait for them; 503 beyond)",
+)
+TRITON_API_TRUST_REQUEST_CHAT_TEMPLATE = Setting(
+    _switch,
+    False,
+    "whether the HTTP API renders a chat template a request brings (`chat_template_kwargs.chat_template`, vLLM's "
+    "flag); off: a 400",
 )
 TRITON_PROXY = Setting(
     str.lower,
@@ -210,6 +252,9 @@ PROXY_CLIENT_TIMEOUT_S = Setting(
 )
 PROXY_SERVER_TIMEOUT_S = Setting(
     float, 600.0, "seconds of silence from tritonserver (or on a gRPC stream) before the proxy gives up on a request"
+)
+PROXY_API_MAX_BODY_BYTES = Setting(
+    _positive, 32 * MIB, "the largest request body on the HTTP API's port: the proxy and the API refuse larger (413)"
 )
 PROXY_JSON_HEADER_BYTES = Setting(
     int,
