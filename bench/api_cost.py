@@ -30,9 +30,9 @@ import openai
 
 from bench.load.generate import build_repository
 from testbed.api_server import ApiProcess
+from testbed.server import TritonServer
 from triton_sampling_mask.client import AsyncGenerateClient
 from triton_sampling_mask.client.sampling_params import SamplingParams
-from triton_sampling_mask.ops.server_process import TritonServer
 
 from . import report
 from .common import machine_facts

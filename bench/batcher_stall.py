@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-from triton_sampling_mask.ops.server_process import TritonServer
+from testbed.server import TritonServer
 
 MODEL = """
 import json

@@ -325,8 +325,7 @@ import sys
 import urllib.request
 from pathlib import Path
 
-from testbed.server import build_external_repository
-from triton_sampling_mask.ops.server_process import TritonServer
+from testbed.server import TritonServer, build_external_repository
 
 out, device, work, *client_args = sys.argv[1:]
 out, repository = Path(out), Path(work) / "models"

@@ -28,9 +28,9 @@ import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
 
 from testbed.process_memory import cpu_seconds
+from testbed.server import TritonServer
 from triton_sampling_mask.client import unregister_shared_memory
 from triton_sampling_mask.client.wire import sampler_inputs
-from triton_sampling_mask.ops.server_process import TritonServer
 from triton_sampling_mask.sampling.backends import TorchSamplingBackend
 from triton_sampling_mask.sampling.batching import BatchSampler
 from triton_sampling_mask.sampling.params import RowParams

@@ -37,9 +37,9 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
 
+from testbed.server import TritonServer
 from triton_sampling_mask.client import unregister_shared_memory
 from triton_sampling_mask.client.wire import sampler_inputs
-from triton_sampling_mask.ops.server_process import TritonServer
 from triton_sampling_mask.sampling.backends import TorchSamplingBackend
 from triton_sampling_mask.sampling.batching import BatchSampler
 from triton_sampling_mask.sampling.outputs import SAMPLING_MASK_LOGPROBS, TOKEN_OUTPUT_NAMES

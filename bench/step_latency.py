@@ -47,8 +47,8 @@ from testbed import step_hops
 from testbed.cpu_hog import CpuHog
 from testbed.fronted import FrontedTritonServer
 from testbed.process_memory import cpu_seconds
+from testbed.server import TritonServer
 from testbed.step_calls import MODEL, SLOW_MS, STEP_OUTPUTS, STEP_PARAMS, closed_loop, latency_summary, make_step_logits
-from triton_sampling_mask.ops.server_process import TritonServer
 
 from . import report, served_call
 from .common import MODEL_REPOSITORY, machine_facts, server_breakdown

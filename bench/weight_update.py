@@ -29,13 +29,12 @@ import torch
 from bench.common import RESULTS_DIR
 from testbed.checkpoints import random_model
 from testbed.process_memory import process_name
-from testbed.server import copy_model
+from testbed.server import TritonServer, copy_model
 from triton_sampling_mask.client import GenerateClient, GenerateError
 from triton_sampling_mask.client.sampler_client import admin_headers
 from triton_sampling_mask.client.sampling_params import SamplingParams
 from triton_sampling_mask.generation.lm import build_default_model
 from triton_sampling_mask.ops.child import group_members
-from triton_sampling_mask.ops.server_process import TritonServer
 
 MODEL = "generate"
 ADMIN_KEY = "bench-weights-key"

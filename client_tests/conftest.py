@@ -22,9 +22,8 @@ import tritonclient.http as httpclient
 
 from testbed.api_server import ApiProcess
 from testbed.fronted import FrontedTritonServer
-from testbed.server import ExternalTritonServer, build_test_repository
+from testbed.server import ExternalTritonServer, TritonServer, build_test_repository
 from triton_sampling_mask.ops.proxy import find_haproxy
-from triton_sampling_mask.ops.server_process import TritonServer
 
 # Tests that start a tritonserver of their own on this host (nodeid -> why that cannot be the
 # external server). Against an external server they are skipped with that reason.

@@ -21,12 +21,11 @@ import numpy as np
 import pytest
 
 from testbed.api_server import ApiProcess
-from testbed.server import ExternalTritonServer
+from testbed.server import ExternalTritonServer, TritonServer
 from tests.weights_fixtures import moved_model
 from triton_sampling_mask.client import GenerateClient, GenerateError
 from triton_sampling_mask.client.generate_transport import GrpcConnection
 from triton_sampling_mask.client.weight_updates import control_request
-from triton_sampling_mask.ops.server_process import TritonServer
 from triton_sampling_mask.sampling.admin import CLIENT_ADDRESS_PARAMETER, WRONG_KEYS_PER_MINUTE
 
 from .test_generate_engine import build_engine_repository

@@ -12,11 +12,10 @@ import pytest
 import torch
 
 from testbed.checkpoints import random_model
-from testbed.server import ExternalTritonServer, copy_model
+from testbed.server import ExternalTritonServer, TritonServer, copy_model
 from tests.lm_reference import step_logits
 from triton_sampling_mask.client import GenerateClient, GenerateError
 from triton_sampling_mask.client.sampling_params import SamplingParams
-from triton_sampling_mask.ops.server_process import TritonServer
 
 from .generate_client import assert_matches_reference
 

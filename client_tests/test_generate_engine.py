@@ -15,10 +15,9 @@ import pytest
 from tritonclient.utils import InferenceServerException
 
 from testbed.metrics import counter, wait_for_counter
-from testbed.server import ExternalTritonServer, copy_model
+from testbed.server import ExternalTritonServer, TritonServer, copy_model
 from triton_sampling_mask.client import GenerateClient
 from triton_sampling_mask.client.sampling_params import SamplingParams
-from triton_sampling_mask.ops.server_process import TritonServer
 
 from .generate_client import GenerateStream, collect, grpc_generate, http_generate
 

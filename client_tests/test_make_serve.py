@@ -10,9 +10,9 @@ import urllib.request
 
 from testbed.server import REPO_ROOT
 from testbed.stack import shipped_repository
+from testbed.startup_wait import StartupFailed, wait_until_ready
 from triton_sampling_mask.ops.child import Child
 from triton_sampling_mask.ops.server_process import free_port
-from triton_sampling_mask.ops.startup_wait import StartupFailed, wait_until_ready
 
 
 def answers(url: str) -> bool:

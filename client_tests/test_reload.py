@@ -15,9 +15,15 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from testbed.server import FAULTY_SAMPLER, ExternalTritonServer, add_faulty_sampler, build_test_repository, infer
+from testbed.server import (
+    FAULTY_SAMPLER,
+    ExternalTritonServer,
+    TritonServer,
+    add_faulty_sampler,
+    build_test_repository,
+    infer,
+)
 from triton_sampling_mask.client.sampler_client import admin_headers
-from triton_sampling_mask.ops.server_process import TritonServer
 
 from .reliability import INTERNAL, INVALID_ARGUMENT, check_against_reference, expect_error, scrape
 

@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 from tritonclient.utils import InferenceServerException
 
-from testbed.server import MODEL_REPOSITORY, OUTPUTS, infer, sampler_inputs, set_parameter
-from triton_sampling_mask.ops.server_process import TritonServer
+from testbed.server import MODEL_REPOSITORY, OUTPUTS, TritonServer, infer, sampler_inputs, set_parameter
 from triton_sampling_mask.sampling.validation import (
     SPECULATIVE_MASK_MESSAGE,
     UNBOUNDED_MASK_MESSAGE,

@@ -20,10 +20,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from testbed.server import copy_model
+from testbed.server import TritonServer, copy_model
 from triton_sampling_mask.client import SamplerClient
 from triton_sampling_mask.client.sampling_params import SamplingParams
-from triton_sampling_mask.ops.server_process import TritonServer
 from triton_sampling_mask.ops.shm_cleanup import SHM_DIR
 
 RUN_SECONDS = float(os.environ.get("SCALE_OUT_SECONDS", "10"))

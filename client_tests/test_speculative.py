@@ -18,8 +18,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from testbed.metrics import counter, wait_for_counter
-from testbed.server import REPO_ROOT, ExternalTritonServer, copy_model, infer
-from triton_sampling_mask.ops.server_process import TritonServer
+from testbed.server import REPO_ROOT, ExternalTritonServer, TritonServer, copy_model, infer
 from triton_sampling_mask.sampling.validation import SPECULATIVE_MASK_MESSAGE
 
 from .generate_client import GenerateStream, collect, http_generate

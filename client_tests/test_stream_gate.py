@@ -12,11 +12,11 @@ import sys
 
 import pytest
 
+from testbed.startup_wait import wait_until_ready
 from triton_sampling_mask.client import AsyncGenerateClient, GenerateError
 from triton_sampling_mask.client.sampling_params import SamplingParams
 from triton_sampling_mask.ops.child import Child
 from triton_sampling_mask.ops.server_process import free_port
-from triton_sampling_mask.ops.startup_wait import wait_until_ready
 
 MAX_MESSAGE_BYTES = 65536
 PARAMS = SamplingParams(temperature=1.0, top_k=20, return_sampling_mask=True)

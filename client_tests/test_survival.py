@@ -44,14 +44,13 @@ import tritonclient.utils.shared_memory as shm
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
-from testbed.server import MODEL_REPOSITORY, ExternalTritonServer
+from testbed.server import MODEL_REPOSITORY, ExternalTritonServer, TritonServer
 from testbed.stack import Stack, launch, pids_with_argument, recover, request, shipped_repository
 from triton_sampling_mask.client import SamplerClient, SamplerError
 from triton_sampling_mask.client.sampler_client import ADMIN_HEADER as CLIENT_ADMIN_HEADER
 from triton_sampling_mask.client.sampling_params import SamplingParams
 from triton_sampling_mask.ops import server_process
 from triton_sampling_mask.ops.proxy import RESTRICTED
-from triton_sampling_mask.ops.server_process import TritonServer
 from triton_sampling_mask.ops.shm_cleanup import remove_unused_regions, server_shm_prefix
 
 from .generate_client import generate_inputs

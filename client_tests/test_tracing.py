@@ -11,10 +11,9 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 
-from testbed.server import MODEL_REPOSITORY, ExternalTritonServer
+from testbed.server import MODEL_REPOSITORY, ExternalTritonServer, TritonServer
 from triton_sampling_mask.client.wire import sampler_inputs
 from triton_sampling_mask.model_config import output_width
-from triton_sampling_mask.ops.server_process import TritonServer
 from triton_sampling_mask.ops.trace_flags import SERVICE_NAME as TRITON_SERVICE
 from triton_sampling_mask.ops.trace_flags import trace_args
 from triton_sampling_mask.serving.tracing import ENDPOINT_ENV, SERVICE_NAME

@@ -13,12 +13,11 @@ import time
 import numpy as np
 import pytest
 
-from testbed.server import REPO_ROOT, ExternalTritonServer
+from testbed.server import REPO_ROOT, ExternalTritonServer, TritonServer
 from tests.reference import reference_row
 from tests.weights_fixtures import moved_model, replay_logits, replay_model
 from triton_sampling_mask.client import GenerateClient, GenerateError
 from triton_sampling_mask.client.sampling_params import SamplingParams
-from triton_sampling_mask.ops.server_process import TritonServer
 
 from .test_generate_engine import build_engine_repository
 

@@ -13,9 +13,10 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from triton_sampling_mask.ops.child import Child, log_tail
+from testbed.server import log_tail
+from testbed.startup_wait import CAP_S, StartupFailed, wait_until_ready
+from triton_sampling_mask.ops.child import Child
 from triton_sampling_mask.ops.server_process import free_port
-from triton_sampling_mask.ops.startup_wait import CAP_S, StartupFailed, wait_until_ready
 
 
 class ApiProcess:

@@ -7,10 +7,11 @@ import secrets
 import subprocess
 from pathlib import Path
 
+from testbed.server import PORT_NAMES, LoopbackUrls, TritonServer
+from testbed.startup_wait import CAP_S, wait_until_ready
 from triton_sampling_mask.ops.child import Child
 from triton_sampling_mask.ops.proxy import FrontDoor, ProxyLimits
-from triton_sampling_mask.ops.server_process import PORT_NAMES, LoopbackUrls, TritonServer, free_port, loopback_args
-from triton_sampling_mask.ops.startup_wait import CAP_S, wait_until_ready
+from triton_sampling_mask.ops.server_process import free_port, loopback_args
 
 
 class FrontedTritonServer(LoopbackUrls):

@@ -18,7 +18,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from triton_sampling_mask.ops.child import Child, log_tail
+from testbed.server import log_tail
+from triton_sampling_mask.ops.child import Child
 from triton_sampling_mask.ops.server_process import free_port
 
 from .server import REPO_ROOT

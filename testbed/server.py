@@ -1,11 +1,16 @@
 """Real tritonservers for tests and benchmarks: the test model repositories (the shipped one plus
-variants on the backends in `backends/`), a server someone else started, and a tiny sampler client."""
+variants on the backends in `backends/`), a server someone else started, a tiny sampler client, and
+`TritonServer`, a tritonserver child on free ports built as the launcher builds its own
+(`ops.server_process`)."""
 
 from __future__ import annotations
 
 import os
 import re
 import shutil
+import socket
+import subprocess
+import tempfile
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -13,7 +18,18 @@ from pathlib import Path
 
 import numpy as np
 
+from testbed import startup_wait
 from triton_sampling_mask.client.wire import INPUT_DTYPES, NUMPY_DTYPES, sampler_inputs  # noqa: F401 (re-exported to tests)
+from triton_sampling_mask.ops import settings
+from triton_sampling_mask.ops.child import Child
+from triton_sampling_mask.ops.server_process import (
+    SERVER_UMASK,
+    admin_args,
+    free_port,
+    server_command,
+    server_environment,
+)
+from triton_sampling_mask.ops.shm_cleanup import remove_unused_regions, server_shm_prefix
 from triton_sampling_mask.sampling.outputs import SAMPLING_MASK_LOGPROBS, TOKEN_OUTPUT_NAMES
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -189,3 +205,131 @@ def infer(client, module, model: str, logits, **params) -> dict[str, np.ndarray]
 
 if __name__ == "__main__":
     main()
+
+
+def log_tail(path: Path | None, chars: int = 4000) -> str:
+    """The last `chars` characters of a log file ("" when there is none to read)."""
+    try:
+        return Path(path).read_text(errors="replace")[-chars:] if path else ""
+    except OSError:
+        return ""
+
+
+class LoopbackUrls:
+    """The URLs of a server listening on loopback at `self.ports` (http, grpc, metrics)."""
+
+    ports: dict[str, int]
+
+    @property
+    def http_url(self) -> str:
+        """host:port of the HTTP endpoint."""
+        return f"127.0.0.1:{self.ports['http']}"
+
+    @property
+    def grpc_url(self) -> str:
+        """host:port of the gRPC endpoint."""
+        return f"127.0.0.1:{self.ports['grpc']}"
+
+    @property
+    def metrics_url(self) -> str:
+        """The full URL of the Prometheus metrics."""
+        return f"http://127.0.0.1:{self.ports['metrics']}/metrics"
+
+    def is_ready(self) -> bool:
+        """Whether /v2/health/ready answers 200 on the HTTP endpoint."""
+        try:
+            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as response:
+                return response.status == 200
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            return False
+
+
+# The three endpoints a test server listens on, each on a free port.
+PORT_NAMES = ("http", "grpc", "metrics")
+
+
+class TritonServer(LoopbackUrls):
+    """A tritonserver child process on free ports, for tests and benchmarks (a context manager).
+
+    With `admin_key` the shared-memory and model-repository APIs need that key (`admin_args`);
+    None leaves them open. The stubs' /dev/shm regions carry this server's own prefix
+    and `stop` removes the ones left behind."""
+
+    def __init__(
+        self,
+        model_repository: Path,
+        extra_args: list[str] = (),
+        log_path: Path | None = None,
+        admin_key: str | None = None,
+    ):
+        self.model_repository = Path(model_repository)
+        self.extra_args = list(extra_args)
+        self.admin_key = admin_key
+        self.ports = {name: free_port() for name in PORT_NAMES}
+        self.shm_prefix = server_shm_prefix(self.ports["http"])
+        self.log_path = log_path or Path(tempfile.gettempdir()) / f"tritonserver-{self.ports['http']}.log"
+        self.child: Child | None = None
+
+    @property
+    def process(self) -> subprocess.Popen | None:
+        """tritonserver's process (None before `start`)."""
+        return self.child.process if self.child else None
+
+    def command(self) -> list[str]:
+        """The tritonserver command line this server runs."""
+        extra = [f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}", *self.extra_args]
+        if self.admin_key is not None:
+            extra = admin_args(self.admin_key) + extra
+        return server_command(self.model_repository, self.ports, extra)
+
+    def start(self, timeout_s: float = startup_wait.CAP_S) -> TritonServer:
+        """Start the server and wait until every model is ready, for as long as it makes progress
+        (startup_wait; `timeout_s` is the last-resort cap); raises with the log tail if not."""
+        self.child = Child(
+            "tritonserver",
+            self.command(),
+            env=server_environment(self.admin_key),
+            umask=SERVER_UMASK,
+            log_path=self.log_path,
+            append_log=False,
+            nice=settings.TRITON_NICE.value(),
+        ).start()
+        try:
+            startup_wait.wait_until_ready(
+                f"tritonserver on port {self.ports['http']}",
+                lambda: self.is_ready() and self.metrics_listening(),
+                [self.child],
+                cap_s=timeout_s,
+            )
+        except startup_wait.StartupFailed as failed:
+            self.stop()
+            raise startup_wait.StartupFailed(f"{failed}:\n{self.log_tail()}") from None
+        return self
+
+    def metrics_listening(self) -> bool:
+        """Whether the metrics port accepts connections (it opens a moment after HTTP is ready)."""
+        try:
+            with socket.create_connection(("127.0.0.1", self.ports["metrics"]), timeout=1):
+                return True
+        except OSError:
+            return False
+
+    def stop(self, timeout_s: float = 30.0) -> int | None:
+        """SIGTERM to its process group (Triton's clean shutdown), then SIGKILL if it lingers;
+        returns the exit code. Stubs the server left behind are killed and their /dev/shm regions
+        removed."""
+        if self.child is None:
+            return None
+        code = self.child.stop(timeout_s, group=True)
+        remove_unused_regions(self.shm_prefix)
+        return code
+
+    def log_tail(self, chars: int = 4000) -> str:
+        """The end of the server log."""
+        return log_tail(self.log_path, chars)
+
+    def __enter__(self) -> TritonServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -17,11 +17,12 @@ from pathlib import Path
 
 import psutil
 
-from triton_sampling_mask.ops.child import Child, log_tail
+from testbed.server import LoopbackUrls, log_tail
+from testbed.startup_wait import StartupFailed, wait_until_ready
+from triton_sampling_mask.ops.child import Child
 from triton_sampling_mask.ops.memory_limit import MemoryCage, make_cage
 from triton_sampling_mask.ops.proxy import INTERNAL_PORTS
-from triton_sampling_mask.ops.server_process import LoopbackUrls, free_port
-from triton_sampling_mask.ops.startup_wait import StartupFailed, wait_until_ready
+from triton_sampling_mask.ops.server_process import free_port
 
 from .server import REPO_ROOT, copy_model
 

@@ -1,4 +1,4 @@
-"""Starts wait on readiness while the process makes progress (ops.startup_wait): a slow start on a
+"""Starts wait on readiness while the process makes progress (testbed.startup_wait): a slow start on a
 busy machine is waited for past any fixed budget, a hung one (alive, silent) fails once it has been
 silent for the stall limit, a dead one at once, and every failure names what was awaited and why."""
 
@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from triton_sampling_mask.ops import startup_wait
+from testbed import startup_wait
+from testbed.startup_wait import StartupFailed, wait_until_ready
 from triton_sampling_mask.ops.child import Child
-from triton_sampling_mask.ops.startup_wait import StartupFailed, wait_until_ready
 
 
 class Clock:

@@ -27,10 +27,9 @@ from pathlib import Path
 
 import numpy as np
 
-from testbed.server import copy_model
+from testbed.server import TritonServer, copy_model
 from triton_sampling_mask.client import GenerateClient, GenerateError
 from triton_sampling_mask.client.sampling_params import SamplingParams
-from triton_sampling_mask.ops.server_process import TritonServer
 
 PARAMS = dict(temperature=1.0, top_k=20, top_p=0.95, return_sampling_mask=True, ignore_eos=True)
 MODEL = "generate"

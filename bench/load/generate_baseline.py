@@ -28,8 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from testbed.server import REPO_ROOT
-from triton_sampling_mask.ops.server_process import TritonServer
+from testbed.server import REPO_ROOT, TritonServer
 
 from .generate import BUDGET_RANGE, MODEL, build_repository, closed_loop
 

@@ -24,10 +24,9 @@ from pathlib import Path
 
 import numpy as np
 
-from testbed.server import copy_model
+from testbed.server import TritonServer, copy_model
 from triton_sampling_mask.client.sampler_client import SamplerClient
 from triton_sampling_mask.client.sampling_params import SamplingParams
-from triton_sampling_mask.ops.server_process import TritonServer
 
 
 def drive(urls: list[str], protocol: str, threads: int, seconds: float, rows: int, vocab: int) -> dict:

@@ -17,9 +17,9 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from testbed.server import TritonServer
 from testbed.soak import run_soak
 from triton_sampling_mask.ops import settings
-from triton_sampling_mask.ops.server_process import TritonServer
 
 
 def main(argv: list[str] | None = None) -> int:

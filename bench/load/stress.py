@@ -44,11 +44,11 @@ import numpy as np
 
 from testbed.fronted import FrontedTritonServer
 from testbed.process_memory import ProcessMemory, cpu_seconds, mapped_shm_regions, process_tree_memory
+from testbed.server import TritonServer
 from testbed.soak import run_threads_for
 from triton_sampling_mask.client.replicas import DEFAULT_EJECT_BACKOFF_S, DEFAULT_MAX_EJECT_BACKOFF_S
 from triton_sampling_mask.ops import settings
 from triton_sampling_mask.ops.proxy import QUEUE_TIMEOUT
-from triton_sampling_mask.ops.server_process import TritonServer
 from triton_sampling_mask.sampling.outputs import SAMPLING_MASK_LOGPROBS, TOKEN_OUTPUT_NAMES
 
 MODEL = "sampler"

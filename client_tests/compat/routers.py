@@ -11,8 +11,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from testbed.startup_wait import StartupFailed, wait_until_ready
 from triton_sampling_mask.ops.child import Child
-from triton_sampling_mask.ops.startup_wait import StartupFailed, wait_until_ready
 
 from . import venv
 from .weights import free_port
@@ -61,7 +61,7 @@ def launch_router(kind: str, worker_urls: list[str], log_path: Path, policy: str
     command += ["--prometheus-port", str(free_port())]
     child = Child(kind, command, log_path=log_path, append_log=False).start()  # a session of its own
     router = Router(kind, f"http://127.0.0.1:{port}", child.process, log_path)
-    try:  # on readiness, for as long as it makes progress (ops.startup_wait)
+    try:  # on readiness, for as long as it makes progress (testbed.startup_wait)
         wait_until_ready(kind, lambda: get(router.url + "/health", timeout_s=2)[0] == 200, [child], poll_s=0.5)
     except StartupFailed as failed:
         router.stop()

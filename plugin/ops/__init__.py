@@ -2,7 +2,7 @@
 
 Owns `launcher` (the command line of `make serve` and the image), `server_process` (the
 `tritonserver` of `nvidia-pytriton` or of a Triton image: its environment, flags and locked admin
-APIs, and `TritonServer`, a child server for tests and benchmarks), `child` (how every child process
+APIs; the tests' child server on it is `testbed.server.TritonServer`), `child` (how every child process
 is started, stopped and restarted), `supervisor` (restarts, a
 model watchdog, the readiness endpoint), `proxy` (the front door: HAProxy on the public ports
 running `haproxy/haproxy.cfg`, given values from the settings and, by `model_limits`, from the

@@ -92,14 +92,6 @@ def priority_of(pid: int) -> int | None:
         return None
 
 
-def log_tail(path: Path | None, chars: int = 4000) -> str:
-    """The last `chars` characters of a log file ("" when there is none to read)."""
-    try:
-        return Path(path).read_text(errors="replace")[-chars:] if path else ""
-    except OSError:
-        return ""
-
-
 @dataclass
 class Child:
     """A child process in a session of its own (see the module docstring).

@@ -1,4 +1,6 @@
 """Readiness that means "a real inference works": one tiny inference per model, standard library only.
+Why by hand (urllib, not tritonclient): tritonclient is an optional extra, and the probe must run
+wherever the package is installed (an exec probe in any image).
 
     python -m triton_sampling_mask.ops.probe [--url localhost:8000] [--model sampler ...] [--timeout 5]
 

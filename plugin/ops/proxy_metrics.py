@@ -1,4 +1,6 @@
 """The front door's refusals as Prometheus metrics, read from HAProxy's own counters.
+Why by hand: `http.client` has no unix-socket transport (`_UnixConnection`), and HAProxy's exporter
+counts answers, not why the door gave them: the reasons come from its frontends' and backends' series.
 
 HAProxy serves its counters through its built-in Prometheus exporter on a unix socket in the
 front door's private directory (mode 0600; `fe_stats` of haproxy/haproxy.cfg). A stats

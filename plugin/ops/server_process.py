@@ -1,10 +1,9 @@
-"""The tritonserver process: which binary, with which environment and flags, as a child process.
+"""The tritonserver process: which binary, with which environment and flags.
 
 Finds the `tritonserver` shipped in the `nvidia-pytriton` wheel (or a Triton image's own), prepares
 the Python backend's folder for this interpreter, builds the server's environment and command line
-(sizing, hardening, the admin APIs locked behind a key), and runs it as a child in a process group
-of its own (`TritonServer`, for tests and benchmarks). The CLI (`ops.launcher`) and the supervisor
-(`ops.supervisor`) both build their servers from here.
+(sizing, hardening, the admin APIs locked behind a key). The CLI (`ops.launcher`), the supervisor
+(`ops.supervisor`) and the tests' `testbed.server.TritonServer` all build their servers from here.
 """
 
 from __future__ import annotations
@@ -15,24 +14,18 @@ import os
 import re
 import shutil
 import socket
-import subprocess
 import sys
-import tempfile
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 from ..sampling.admin import ADMIN_HEADER, CLIENT_ADDRESS_PARAMETER, GRPC_ADMIN_HEADER  # noqa: F401 (the launcher's names)
 from ..serving.admin_key import ADMIN_KEY_DIGEST_ENV, key_digest
-from . import settings, startup_wait
+from . import settings
 from .allocator import with_allocator
 from .capabilities import ServerCapabilities, help_flags, run_help
-from .child import Child, log_tail
 from .private_shm import with_private_shm
-from .shm_cleanup import remove_unused_regions, server_shm_prefix
+from .shm_cleanup import server_shm_prefix
 from .workarounds import BY_NAME
 
-PORT_NAMES = ("http", "grpc", "metrics")
 # The admin surfaces: anyone who reaches them can map host shared memory into the server, load
 # and unload models, or change what the server logs and traces (verbosity costs throughput).
 # Requests to them must carry ADMIN_HEADER: <key>; over gRPC Triton expects the header as
@@ -272,119 +265,3 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-class LoopbackUrls:
-    """The URLs of a server listening on loopback at `self.ports` (http, grpc, metrics)."""
-
-    ports: dict[str, int]
-
-    @property
-    def http_url(self) -> str:
-        """host:port of the HTTP endpoint."""
-        return f"127.0.0.1:{self.ports['http']}"
-
-    @property
-    def grpc_url(self) -> str:
-        """host:port of the gRPC endpoint."""
-        return f"127.0.0.1:{self.ports['grpc']}"
-
-    @property
-    def metrics_url(self) -> str:
-        """The full URL of the Prometheus metrics."""
-        return f"http://127.0.0.1:{self.ports['metrics']}/metrics"
-
-    def is_ready(self) -> bool:
-        """Whether /v2/health/ready answers 200 on the HTTP endpoint."""
-        try:
-            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as response:
-                return response.status == 200
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            return False
-
-
-class TritonServer(LoopbackUrls):
-    """A tritonserver child process on free ports, for tests and benchmarks (a context manager).
-
-    With `admin_key` the shared-memory and model-repository APIs need that key (`admin_args`);
-    None leaves them open. The stubs' /dev/shm regions carry this server's own prefix
-    and `stop` removes the ones left behind."""
-
-    def __init__(
-        self,
-        model_repository: Path,
-        extra_args: list[str] = (),
-        log_path: Path | None = None,
-        admin_key: str | None = None,
-    ):
-        self.model_repository = Path(model_repository)
-        self.extra_args = list(extra_args)
-        self.admin_key = admin_key
-        self.ports = {name: free_port() for name in PORT_NAMES}
-        self.shm_prefix = server_shm_prefix(self.ports["http"])
-        self.log_path = log_path or Path(tempfile.gettempdir()) / f"tritonserver-{self.ports['http']}.log"
-        self.child: Child | None = None
-
-    @property
-    def process(self) -> subprocess.Popen | None:
-        """tritonserver's process (None before `start`)."""
-        return self.child.process if self.child else None
-
-    def command(self) -> list[str]:
-        """The tritonserver command line this server runs."""
-        extra = [f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}", *self.extra_args]
-        if self.admin_key is not None:
-            extra = admin_args(self.admin_key) + extra
-        return server_command(self.model_repository, self.ports, extra)
-
-    def start(self, timeout_s: float = startup_wait.CAP_S) -> TritonServer:
-        """Start the server and wait until every model is ready, for as long as it makes progress
-        (startup_wait; `timeout_s` is the last-resort cap); raises with the log tail if not."""
-        self.child = Child(
-            "tritonserver",
-            self.command(),
-            env=server_environment(self.admin_key),
-            umask=SERVER_UMASK,
-            log_path=self.log_path,
-            append_log=False,
-            nice=settings.TRITON_NICE.value(),
-        ).start()
-        try:
-            startup_wait.wait_until_ready(
-                f"tritonserver on port {self.ports['http']}",
-                lambda: self.is_ready() and self.metrics_listening(),
-                [self.child],
-                cap_s=timeout_s,
-            )
-        except startup_wait.StartupFailed as failed:
-            self.stop()
-            raise startup_wait.StartupFailed(f"{failed}:\n{self.log_tail()}") from None
-        return self
-
-    def metrics_listening(self) -> bool:
-        """Whether the metrics port accepts connections (it opens a moment after HTTP is ready)."""
-        try:
-            with socket.create_connection(("127.0.0.1", self.ports["metrics"]), timeout=1):
-                return True
-        except OSError:
-            return False
-
-    def stop(self, timeout_s: float = 30.0) -> int | None:
-        """SIGTERM to its process group (Triton's clean shutdown), then SIGKILL if it lingers;
-        returns the exit code. Stubs the server left behind are killed and their /dev/shm regions
-        removed."""
-        if self.child is None:
-            return None
-        code = self.child.stop(timeout_s, group=True)
-        remove_unused_regions(self.shm_prefix)
-        return code
-
-    def log_tail(self, chars: int = 4000) -> str:
-        """The end of the server log."""
-        return log_tail(self.log_path, chars)
-
-    def __enter__(self) -> TritonServer:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()

@@ -39,7 +39,6 @@ from .secret_files import remove_secret_file
 from .server_process import (
     ADMIN_HEADER,
     SERVER_UMASK,
-    LoopbackUrls,
     hardening_args,
     loopback_args,
     redact,
@@ -60,7 +59,7 @@ def log(message: str) -> None:
 
 
 @dataclass
-class SupervisorConfig(LoopbackUrls):
+class SupervisorConfig:
     """What the supervisor runs and how closely it watches."""
 
     model_repository: Path
@@ -81,6 +80,11 @@ class SupervisorConfig(LoopbackUrls):
     # The defences `ops.workarounds` may turn off where they cannot act or are not needed.
     private_shm: bool = True  # the stubs' regions 0600 (ops.private_shm)
     dead_stub_sweeps: bool = True  # dead stubs' regions unlinked, a server holding too many restarted
+
+    @property
+    def http_url(self) -> str:
+        """host:port of tritonserver's HTTP endpoint (loopback)."""
+        return f"127.0.0.1:{self.ports['http']}"
 
     @property
     def public_http_port(self) -> int:

@@ -5,8 +5,7 @@ as long as it makes progress: one of its processes (or their descendants, e.g. t
 stubs) uses CPU time or writes to its log. It fails, naming what it waited for and why, when a
 process exits, when all of them stay silent for `stall_s` (a hung start), or, as a last resort
 against one that keeps busy without ever being ready, after `cap_s` in all. Used by the test and
-benchmark servers (`server_process.TritonServer`, and testbed's front door, HTTP API and launched
-stack).
+benchmark servers here (`server.TritonServer`, the front door, the HTTP API and the launched stack).
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 import psutil
 
-from .child import Child, describe_exit
+from triton_sampling_mask.ops.child import Child, describe_exit
 
 STALL_S = 120.0  # no CPU time and no log output from any of the processes for this long: hung
 CAP_S = 900.0  # the longest a start may take, however busy: the last resort only
