@@ -5,14 +5,12 @@ the API key (vLLM's Bearer scheme, /health left open), the body limit, /v1/model
 from __future__ import annotations
 
 import json
-import threading
-import time
 import urllib.error
 import urllib.request
 
 import pytest
-import uvicorn
 
+from testbed.app_thread import app_on_a_thread
 from triton_sampling_mask.api.app import create_app, main
 from triton_sampling_mask.api.config import ApiConfig
 from triton_sampling_mask.api.schemas import CompletionRequest, GenerateRequest, SGLangSamplingParams
@@ -26,17 +24,8 @@ KEY = "s3cret-key"
 @pytest.fixture(scope="module")
 def api():
     unreachable = f"127.0.0.1:{free_port()}"  # nothing listens: the routes below never need the model
-    app = create_app(ApiConfig(triton_url=unreachable, api_key=KEY, max_body_bytes=1000))
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=10)
+    with app_on_a_thread(create_app(ApiConfig(triton_url=unreachable, api_key=KEY, max_body_bytes=1000))) as url:
+        yield url
 
 
 def call(url: str, data: bytes | None = None, key: str | None = None):

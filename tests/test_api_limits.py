@@ -20,8 +20,8 @@ import urllib.request
 from contextlib import contextmanager
 
 import pytest
-import uvicorn
 
+from testbed.app_thread import app_on_a_thread
 from triton_sampling_mask.api.app import create_app
 from triton_sampling_mask.api.config import ApiConfig
 from triton_sampling_mask.api.service import ApiService
@@ -59,18 +59,8 @@ def serving(tokenizer=None, **settings):
     """An API on a free port in front of a model address nothing listens on: (base URL, service)."""
     config = ApiConfig(triton_url=f"127.0.0.1:{free_port()}", **settings)
     service = ApiService(config, tokenizer=tokenizer)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(config, service), host="127.0.0.1", port=port, log_level="error"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}", service
-    finally:
-        server.should_exit = True
-        thread.join(timeout=20)
+    with app_on_a_thread(create_app(config, service)) as url:
+        yield url, service
 
 
 def call(url: str, body: dict | None = None, timeout_s: float = 30):

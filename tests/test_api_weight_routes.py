@@ -7,14 +7,12 @@ trusted network) checked before the body; the trusted-network setting both ways.
 from __future__ import annotations
 
 import json
-import threading
-import time
 import urllib.error
 import urllib.request
 
 import pytest
-import uvicorn
 
+from testbed.app_thread import app_on_a_thread
 from triton_sampling_mask.api.app import create_app
 from triton_sampling_mask.api.config import (
     ADMIN_KEY_ENV,
@@ -140,17 +138,8 @@ def api():
     config = ApiConfig(
         triton_url=unreachable, max_body_bytes=4000, admin_key=ADMIN, trusted_networks=parse_networks("10.1.0.0/16")
     )
-    app = create_app(config)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=10)
+    with app_on_a_thread(create_app(config)) as url:
+        yield url
 
 
 def post(url: str, body: object, headers: dict | None = None) -> tuple[int, dict]:
