@@ -223,6 +223,22 @@ def test_a_lost_client_connection_drains_its_open_streams_then_closes():
     assert closed and gate.closed
 
 
+def test_a_lost_client_connection_without_open_streams_closes_the_server_connection_at_once():
+    """tritonserver's gRPC shutdown waits for every connection: one the proxy closed must not linger."""
+    gate = relay(max_open=4)
+    gate.client_data(frame(DATA, END_STREAM, STREAM, grpc_message(b"a")))
+    gate.server_data(frame(DATA, 0, STREAM, response(final=True)))
+    gate.server_data(frame(HEADERS, END_STREAM | 0x4, STREAM, hpack.Encoder().encode([("grpc-status", "0")])))
+    closed = []
+    gate.server.transport.close = lambda: closed.append(True)
+
+    async def lose():
+        gate.client_lost()
+
+    asyncio.run(lose())
+    assert closed and gate.closed and not gate.gate.relays
+
+
 def _connected(gate: stream_gate.StreamGate) -> stream_gate.Relay:
     """A relay of `gate` (a proxy connection) with stream 1 opened."""
     relay = stream_gate.Relay(gate)

@@ -170,6 +170,7 @@ class GrpcStream:
         self._asyncio, self.model_name = asyncio, model_name
         self._outgoing: asyncio.Queue = asyncio.Queue()
         self._routes: dict[str, asyncio.Queue] = {}
+        self._unanswered: set[str] = set()  # requests sent whose final response has not come
         self.ended: GenerateError | None = None
         self._call = stub.ModelStreamInfer(self._requests(), metadata=metadata)
         self._reader = asyncio.get_running_loop().create_task(self._read())
@@ -199,18 +200,23 @@ class GrpcStream:
             raise self.ended.copy()
         route: self._asyncio.Queue = self._asyncio.Queue()
         self._routes[request.request_id] = route
+        self._unanswered.add(request.request_id)
         self._outgoing.put_nowait(_infer_request(request, self.model_name))
         try:
             while True:
                 item = await route.get()
                 if isinstance(item, GenerateError):
                     raise item.copy()
+                parameters = item.infer_response.parameters
                 if item.error_message:
+                    if parameters[_FINAL].bool_param if _FINAL in parameters else True:
+                        self._unanswered.discard(request.request_id)
                     raise GenerateError(IN_BAND, item.error_message)
                 outputs = _grpc_outputs(item.infer_response)
-                parameters = item.infer_response.parameters
                 ended = bool(outputs[FINISH_REASON.name]) or outputs[CONTROL_RESULT.name] is not None
                 final = parameters[_FINAL].bool_param if _FINAL in parameters else ended
+                if final:
+                    self._unanswered.discard(request.request_id)
                 if final and not ended:  # e.g. the empty final of a request cancelled on the server
                     raise cut("StatusCode.UNAVAILABLE")
                 yield outputs
@@ -220,9 +226,11 @@ class GrpcStream:
             self._routes.pop(request.request_id, None)
 
     async def close(self, cancel: bool) -> None:
-        """End the stream: `cancel` cancels every request still on it; otherwise it is half-closed
-        (the server ends it once every request has answered)."""
-        if cancel:
+        """End the stream: `cancel` cancels every request still on it; otherwise, or when every
+        request has had its final response, it is half-closed (the server ends it once every
+        request has answered). A stream is never cancelled for nothing: Triton 2.51 may keep a
+        cancelled stream's responses, and with them the model, for good (its stop then times out)."""
+        if cancel and self._unanswered:
             self._call.cancel()
         else:
             self._outgoing.put_nowait(None)

@@ -338,6 +338,8 @@ class Relay:
             if not self._drain(stream_id, stream):
                 self.to_server.append(frame(RST_STREAM, 0, stream_id, struct.pack(">I", CANCEL)))
                 self._forget(stream_id)
+        if not self.streams:  # none to drain: close now (tritonserver's gRPC shutdown waits for the connection)
+            self.close()
         if self.closed:
             return
         self.server.transport.resume_reading()  # it may have been paused for the client's sake
