@@ -32,7 +32,7 @@ import inspect
 import itertools
 import queue
 import weakref
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -346,15 +346,18 @@ class _Call:
     def request_id(self, job: _Job) -> str:
         return f"{job.index}.{next(self._ids)}"  # unique per try: a stale answer never matches
 
-    def exchange(self, connection, job: _Job) -> AsyncIterator[dict]:
-        """The responses to one try of `job` on `connection` (the transport's own iterator)."""
+    async def exchange(self, connection, job: _Job, take) -> None:
+        """One try of `job` on `connection`: each response's outputs handed to `take` as they
+        come, to the last (raises GenerateError)."""
         request = job.wire(self.request_id(job))
         if isinstance(connection, HttpConnection):
-            return connection.exchange(request, self.client._limits.policy.mask_width)
+            async for outputs in connection.exchange(request, self.client._limits.policy.mask_width):
+                take(outputs)
+            return
         stream = self._streams.get(id(connection))
         if stream is None or stream.ended is not None:
             stream = self._streams[id(connection)] = connection.open_stream()
-        return stream.exchange(request)
+        await stream.receive(request, take)
 
     async def run(self, jobs: list[_Job], deliver=None, return_exceptions: bool = False) -> list:
         tasks = [asyncio.ensure_future(self.client._run_job(self, job, deliver)) for job in jobs]
@@ -576,6 +579,12 @@ class AsyncGenerateClient(ReplicatedClient):
 
     async def _run_job(self, call: _Call, job: _Job, deliver):
         """One request to its end: busy refusals retried after a backoff, failed replicas left."""
+
+        def take(outputs: dict) -> None:
+            chunk = job.accept(outputs)
+            if chunk is not None:
+                deliver(chunk)
+
         async with self._in_flight:
             attempts = self._attempts()
             while True:
@@ -584,10 +593,7 @@ class AsyncGenerateClient(ReplicatedClient):
                     await asyncio.sleep(attempts.pause_s())
                     continue
                 try:
-                    async for outputs in call.exchange(lease[1], job):
-                        chunk = job.accept(outputs)
-                        if chunk is not None:
-                            deliver(chunk)
+                    await call.exchange(lease[1], job, take)
                 except GenerateError as error:
                     error.index = job.index
                     pause = attempts.failed(lease, error)  # raises unless a retry is due

@@ -170,14 +170,15 @@ def _grpc_error(exc: BaseException) -> GenerateError:
 
 
 class GrpcStream:
-    """One bidirectional stream: requests are written as they come, responses routed by request id."""
+    """One bidirectional stream: requests are written as they come, responses routed by request id
+    to a callable of each request's, on the task that reads the stream."""
 
     def __init__(self, stub, model_name: str, metadata: tuple = ()):
         import asyncio
 
         self._asyncio, self.model_name = asyncio, model_name
         self._outgoing: asyncio.Queue = asyncio.Queue()
-        self._routes: dict[str, asyncio.Queue] = {}
+        self._routes: dict[str, object] = {}  # request id -> route(response or the stream's end)
         self.ended: GenerateError | None = None
         self._call = stub.ModelStreamInfer(self._requests(), metadata=metadata)
         self._reader = asyncio.get_running_loop().create_task(self._read())
@@ -191,40 +192,58 @@ class GrpcStream:
             async for response in self._call:
                 route = self._routes.get(response.infer_response.id)
                 if route is not None:
-                    route.put_nowait(response)
+                    route(response)
             ended = GenerateError("StatusCode.UNAVAILABLE", "the server closed the stream")
         except self._asyncio.CancelledError:
             ended = GenerateError("StatusCode.CANCELLED", "the stream was cancelled")
         except Exception as exc:
             ended = _grpc_error(exc)
         self.ended = ended
-        for route in self._routes.values():
-            route.put_nowait(ended)
+        for route in list(self._routes.values()):
+            route(ended)
+
+    def _send(self, request: WireRequest, route) -> None:
+        if self.ended is not None:
+            raise self.ended.copy()
+        self._routes[request.request_id] = route
+        self._outgoing.put_nowait(_infer_request(request, self.model_name))
 
     async def exchange(self, request: WireRequest) -> AsyncIterator[dict]:
         """Send `request`; yield its responses' outputs to its final one (raises GenerateError)."""
-        if self.ended is not None:
-            raise self.ended.copy()
         route: self._asyncio.Queue = self._asyncio.Queue()
-        self._routes[request.request_id] = route
-        self._outgoing.put_nowait(_infer_request(request, self.model_name))
-        wanted = None if request.outputs is None else frozenset(request.outputs)
+        self._send(request, route.put_nowait)
+        wanted = _wanted(request)
         try:
             while True:
-                item = await route.get()
-                if isinstance(item, GenerateError):
-                    raise item.copy()
-                if item.error_message:
-                    raise GenerateError(IN_BAND, item.error_message)
-                outputs = _grpc_outputs(item.infer_response, wanted)
-                parameters = item.infer_response.parameters
-                ended = bool(outputs[FINISH_REASON.name]) or outputs[CONTROL_RESULT.name] is not None
-                final = parameters[_FINAL].bool_param if _FINAL in parameters else ended
-                if final and not ended:  # e.g. the empty final of a request cancelled on the server
-                    raise cut("StatusCode.UNAVAILABLE")
+                outputs, final = _response_outputs(await route.get(), wanted)
                 yield outputs
                 if final:
                     return
+        finally:
+            self._routes.pop(request.request_id, None)
+
+    async def receive(self, request: WireRequest, take) -> None:
+        """Send `request`; hand its responses' outputs to `take` as they are read, to its final
+        one; returns then (raises GenerateError, or what `take` raised). `exchange` without a
+        task switch per response: `take` runs on the task that reads the stream."""
+        done = self._asyncio.get_running_loop().create_future()
+        wanted = _wanted(request)
+
+        def route(item) -> None:
+            if done.done():  # failed already, or its waiter was cancelled
+                return
+            try:
+                outputs, final = _response_outputs(item, wanted)
+                take(outputs)
+            except Exception as error:
+                done.set_exception(error)
+                return
+            if final:
+                done.set_result(None)
+
+        self._send(request, route)
+        try:
+            await done
         finally:
             self._routes.pop(request.request_id, None)
 
@@ -236,6 +255,27 @@ class GrpcStream:
         else:
             self._outgoing.put_nowait(None)
         await self._asyncio.gather(self._reader, return_exceptions=True)
+
+
+def _wanted(request: WireRequest) -> frozenset[str] | None:
+    """The outputs a request asked for (None: every one)."""
+    return None if request.outputs is None else frozenset(request.outputs)
+
+
+def _response_outputs(item, wanted: frozenset[str] | None) -> tuple[dict, bool]:
+    """One routed response's outputs and whether it is the request's final one; raises its error
+    (the stream's end, an in-band error, or a cut: a final response without a finish reason)."""
+    if isinstance(item, GenerateError):
+        raise item.copy()
+    if item.error_message:
+        raise GenerateError(IN_BAND, item.error_message)
+    outputs = _grpc_outputs(item.infer_response, wanted)
+    parameters = item.infer_response.parameters
+    ended = bool(outputs[FINISH_REASON.name]) or outputs[CONTROL_RESULT.name] is not None
+    final = parameters[_FINAL].bool_param if _FINAL in parameters else ended
+    if final and not ended:  # e.g. the empty final of a request cancelled on the server
+        raise cut("StatusCode.UNAVAILABLE")
+    return outputs, final
 
 
 def _infer_request(request: WireRequest, model_name: str):
@@ -447,7 +487,7 @@ class HttpConnection:
             async with self.session().post(self._model_url(path), json=body) as response:
                 if response.status != 200:
                     raise GenerateError(str(response.status), _error_message(await response.text()))
-                wanted = None if request.outputs is None else frozenset(request.outputs)
+                wanted = _wanted(request)
                 if not request.stream:
                     yield _json_outputs(json.loads(await response.text()), mask_width, wanted)
                     return
