@@ -27,9 +27,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import inspect
 import itertools
-from collections.abc import AsyncIterator, Iterator, Sequence
+import queue
+import weakref
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,6 +44,7 @@ from ..sampling.outputs import (
     CONTROL_RESULT,
     FINISH_REASON,
     GENERATION_TIME,
+    NEG_INF_FILLED,
     QUEUE_TIME,
     SAMPLED_OUTPUTS,
     SAMPLING_MASK,
@@ -48,6 +52,7 @@ from ..sampling.outputs import (
     TIME_TO_FIRST_TOKEN,
     TIMING_OUTPUTS,
     WEIGHT_VERSION,
+    WIRE_NEG_INF,
 )
 from ..sampling.params import PARAM_SPECS, RowParams
 from ..sampling.refusals import DEFAULT_ROUTE_CAPACITY
@@ -221,9 +226,15 @@ class _Job:
         timings: bool = False,
     ):
         self.index, self.inputs, self.stream, self.seeded, self.outputs = index, inputs, stream, seeded, outputs
-        self.receipts, self.timings = receipts, timings
+        self.receipts = receipts
+        # asked for by return_timings, or by naming the timing outputs
+        self.timings = timings or (outputs is not None and all(spec.name in outputs for spec in TIMING_OUTPUTS))
         self.parts: list[dict] = []
-        self.yielded_ids: list[int] = []  # streamed tokens handed to the caller, over every try
+        # streamed tokens handed to the caller, over every try: their count, and a seeded
+        # request's ids as received (one array per chunk, read back only when a retry replays them)
+        self.yielded = 0
+        self._yielded_ids: list[np.ndarray] = []
+        self._replayed_ids: list[int] = []  # on a retried stream: the ids its first tokens must repeat
         self.resume_at = 0  # on a retried stream: tokens of this try that were already yielded
         self.position = 0
 
@@ -233,25 +244,24 @@ class _Job:
     def retry(self, error: GenerateError) -> None:
         """Prepare another try: a streamed request resumes after what it yielded, when seeded."""
         self.parts.clear()
-        if self.yielded_ids and not self.seeded:
+        if self.yielded and not self.seeded:
             raise GenerateError(
                 error.status,
-                f"{error.message} (after {len(self.yielded_ids)} streamed tokens; an unseeded request "
+                f"{error.message} (after {self.yielded} streamed tokens; an unseeded request "
                 "cannot resume on another try)",
                 self.index,
             ) from None
-        self.resume_at, self.position = len(self.yielded_ids), 0
+        self.resume_at, self.position = self.yielded, 0
+        self._replayed_ids = np.concatenate(self._yielded_ids).tolist() if self._yielded_ids else []
 
     def accept(self, outputs: dict) -> GenerateResult | None:
-        """Take one response; a streamed request returns the chunk to yield (None when a retried
-        try is still replaying tokens already yielded)."""
-        if self.outputs is not None:  # HTTP sends every output: keep only those asked for
-            outputs = {name: (v if name in self.outputs else None) for name, v in outputs.items()}
+        """Take one response (the transports' outputs, only those asked for); a streamed request
+        returns the chunk to yield (None when a retried try is still replaying tokens already yielded)."""
         ids = outputs["output_ids"]
         if self.stream and self.resume_at and ids is not None:
             skip = min(max(self.resume_at - self.position, 0), len(ids))
             replayed = ids[:skip].tolist()
-            expected = self.yielded_ids[self.position : self.position + skip]
+            expected = self._replayed_ids[self.position : self.position + skip]
             if replayed != expected:
                 raise GenerateError(  # final: no replica failure, so never retried again
                     "StatusCode.ABORTED",
@@ -262,13 +272,16 @@ class _Job:
             if skip == len(ids) and not outputs[FINISH_REASON.name]:
                 return None
             outputs = {name: (v[skip:] if isinstance(v, np.ndarray) else v) for name, v in outputs.items()}
+            ids = outputs["output_ids"]
         if not self.stream:
             self.parts.append(outputs)
             return None
-        first_step = len(self.yielded_ids)  # the tokens streamed before this chunk, over every try
-        if outputs["output_ids"] is not None:
-            self.yielded_ids.extend(outputs["output_ids"].tolist())
-        return self._result([outputs], first_step, len(self.yielded_ids))
+        first_step = self.yielded  # the tokens streamed before this chunk, over every try
+        if ids is not None:
+            if self.seeded:  # only a seeded stream resumes on another try
+                self._yielded_ids.append(ids)  # the transport's array: the chunk holds its own copy
+            self.yielded += len(ids)
+        return self._result([outputs], first_step, self.yielded)
 
     def result(self) -> GenerateResult | None:
         """The whole result (None for a streamed request: its chunks were handed out)."""
@@ -283,25 +296,41 @@ class _Job:
         if self.receipts is not None and result.sampling_seed is not None:
             rows = self.receipts.take(np.zeros(len(result.sampling_seed), np.int64))
             result.receipts = SamplingReceipts.served(result.sampling_seed, rows, first_step)
-        named = self.outputs is not None and all(spec.name in self.outputs for spec in TIMING_OUTPUTS)
-        if parts and (self.timings or named):  # asked for by return_timings, or by naming the outputs
+        if self.timings and parts and parts[-1].get(QUEUE_TIME.name) is not None:  # on a request's last response
             result.timings = RequestTimings.from_outputs(parts[-1], tokens)
         return result
 
 
+# Each sampled output: its name, dtype, and whether its -inf padding travels as WIRE_NEG_INF.
+_SAMPLED = tuple((spec.name, np.dtype(spec.dtype), spec.name in NEG_INF_FILLED) for spec in SAMPLED_OUTPUTS)
+
+
 def _result(index: int, parts: list[dict]) -> GenerateResult:
-    """A result from one request's responses in order (own copies: the wire buffers are read-only)."""
+    """A result from one request's responses in order: own copies (the wire buffers are read-only),
+    made once per output (a streamed chunk's one response copied, several concatenated), with
+    the padding sent as WIRE_NEG_INF back to -inf."""
     arrays = {}
-    for spec in SAMPLED_OUTPUTS:
-        values = [p.get(spec.name) for p in parts]
-        if any(v is None for v in values):
-            arrays[spec.name] = None
-        elif len(values) == 1:  # a streamed chunk: one copy, no concatenation
-            arrays[spec.name] = np.array(values[0], dtype=spec.dtype)
-        else:
-            arrays[spec.name] = np.concatenate(values).astype(spec.dtype)
-    versions = [p.get(WEIGHT_VERSION.name) for p in parts]
-    version = None if not parts or any(v is None for v in versions) else np.concatenate(versions)
+    if len(parts) == 1:  # a streamed chunk, or a whole result in one response
+        part = parts[0]
+        for name, dtype, neg_inf_filled in _SAMPLED:
+            value = part.get(name)
+            if value is not None:
+                value = np.array(value, dtype)
+                if neg_inf_filled:
+                    value[value <= WIRE_NEG_INF] = -np.inf
+            arrays[name] = value
+        version = part.get(WEIGHT_VERSION.name)
+        if version is not None and version.base is not None:  # a view (a replayed chunk's rest)
+            version = version.copy()
+    else:
+        for name, dtype, neg_inf_filled in _SAMPLED:
+            values = [p.get(name) for p in parts]
+            value = None if any(v is None for v in values) else np.concatenate(values).astype(dtype, copy=False)
+            if neg_inf_filled and value is not None:
+                value[value <= WIRE_NEG_INF] = -np.inf
+            arrays[name] = value
+        versions = [p.get(WEIGHT_VERSION.name) for p in parts]
+        version = None if not parts or any(v is None for v in versions) else np.concatenate(versions)
     finish = parts[-1][FINISH_REASON.name] if parts else ""
     return GenerateResult(**arrays, finish_reason=finish, index=index, weight_version=version)
 
@@ -317,17 +346,18 @@ class _Call:
     def request_id(self, job: _Job) -> str:
         return f"{job.index}.{next(self._ids)}"  # unique per try: a stale answer never matches
 
-    async def exchange(self, connection, job: _Job) -> AsyncIterator[dict]:
+    async def exchange(self, connection, job: _Job, take) -> None:
+        """One try of `job` on `connection`: each response's outputs handed to `take` as they
+        come, to the last (raises GenerateError)."""
         request = job.wire(self.request_id(job))
         if isinstance(connection, HttpConnection):
             async for outputs in connection.exchange(request, self.client._limits.policy.mask_width):
-                yield outputs
+                take(outputs)
             return
         stream = self._streams.get(id(connection))
         if stream is None or stream.ended is not None:
             stream = self._streams[id(connection)] = connection.open_stream()
-        async for outputs in stream.exchange(request):
-            yield outputs
+        await stream.receive(request, take)
 
     async def run(self, jobs: list[_Job], deliver=None, return_exceptions: bool = False) -> list:
         tasks = [asyncio.ensure_future(self.client._run_job(self, job, deliver)) for job in jobs]
@@ -445,7 +475,14 @@ class AsyncGenerateClient(ReplicatedClient):
         request = _STREAM_SIGNATURE.bind(self, prompts, *args, **kwargs)  # a TypeError here, not at first chunk
         request.apply_defaults()
         del request.arguments["self"]
-        return AsyncGenerateStream(self._stream_chunks(request.arguments))
+        arguments = request.arguments
+        return AsyncGenerateStream(self._stream_chunks(arguments), functools.partial(self._stream_into, arguments))
+
+    async def _stream_into(self, request: dict, deliver) -> None:
+        """A streamed call run to its end, each chunk handed to `deliver` as it arrives (raises
+        the call's error): GenerateStream's path, no queue on the loop between them."""
+        jobs = await self._jobs(**request, stream=True)
+        await self._tracked(self._call(jobs, deliver, False))
 
     async def _stream_chunks(self, request: dict):
         jobs = await self._jobs(**request, stream=True)
@@ -542,6 +579,12 @@ class AsyncGenerateClient(ReplicatedClient):
 
     async def _run_job(self, call: _Call, job: _Job, deliver):
         """One request to its end: busy refusals retried after a backoff, failed replicas left."""
+
+        def take(outputs: dict) -> None:
+            chunk = job.accept(outputs)
+            if chunk is not None:
+                deliver(chunk)
+
         async with self._in_flight:
             attempts = self._attempts()
             while True:
@@ -550,10 +593,7 @@ class AsyncGenerateClient(ReplicatedClient):
                     await asyncio.sleep(attempts.pause_s())
                     continue
                 try:
-                    async for outputs in call.exchange(lease[1], job):
-                        chunk = job.accept(outputs)
-                        if chunk is not None:
-                            deliver(chunk)
+                    await call.exchange(lease[1], job, take)
                 except GenerateError as error:
                     error.index = job.index
                     pause = attempts.failed(lease, error)  # raises unless a retry is due
@@ -731,8 +771,11 @@ class AsyncGenerateStream:
     """The chunks of a streamed call (an async iterator); `aclose` (or leaving `async with`)
     cancels its requests still running."""
 
-    def __init__(self, chunks):
+    def __init__(self, chunks, deliver_to=None):
         self._chunks = chunks
+        # `deliver_to(callback)` runs the same call handing each chunk to `callback` instead
+        # (GenerateStream's path); None: GenerateStream iterates this stream
+        self._deliver_to = deliver_to
 
     def __aiter__(self) -> AsyncGenerateStream:
         return self
@@ -816,24 +859,89 @@ class GenerateClient(LoopClient):
         return self._run(self._client.get_weight_version())
 
 
+class _Ended:
+    """What a GenerateStream receives after its last chunk: the call's error (None when it ended well)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException | None):
+        self.error = error
+
+
+async def _deliver(chunks: AsyncGenerateStream, arrived: queue.SimpleQueue) -> None:
+    """Run a streamed call on the loop, its chunks put in `arrived` as they come, then an _Ended.
+    A cancelled call ends with concurrent.futures' CancelledError, as a cancelled wait for a
+    chunk raised it."""
+    ended = _Ended(concurrent.futures.CancelledError())
+    try:
+        if chunks._deliver_to is not None:
+            await chunks._deliver_to(arrived.put)
+        else:
+            async for chunk in chunks:
+                arrived.put(chunk)
+        ended = _Ended(None)
+    except Exception as error:
+        ended = _Ended(error)
+    finally:
+        arrived.put(ended)
+
+
 class GenerateStream:
     """The chunks of a streamed call (an iterator); `close` (or leaving `with`) cancels its
-    requests still running."""
+    requests still running. Its first chunk asked for starts the call on the client's loop,
+    which hands each chunk over through a thread-safe queue (one hop per chunk, not a coroutine
+    run per chunk); an interrupted wait, or dropping the stream unclosed, cancels the call."""
 
     def __init__(self, client: GenerateClient, chunks: AsyncGenerateStream):
         self._client, self._chunks = client, chunks
+        self._arrived: queue.SimpleQueue | None = None  # from the first chunk asked for to the end
+        self._task: asyncio.Task | None = None  # the call's, on the loop
+        self._ended = False
 
     def __iter__(self) -> Iterator[GenerateResult]:
         return self
 
     def __next__(self) -> GenerateResult:
+        arrived = self._arrived
+        if arrived is None:
+            if self._ended:
+                raise StopIteration
+            arrived = self._start()
         try:
-            return self._client._run(self._chunks.__anext__())
-        except StopAsyncIteration:
-            raise StopIteration from None
+            item = arrived.get()
+        except BaseException:  # an interrupted wait (KeyboardInterrupt): the call is cancelled
+            self._end()
+            self._client._loop.call_soon(self._task.cancel)
+            raise
+        if type(item) is not _Ended:
+            return item
+        self._end()
+        if item.error is None:
+            raise StopIteration
+        raise item.error
+
+    def _start(self) -> queue.SimpleQueue:
+        self._arrived = queue.SimpleQueue()
+        self._task = self._client._run(self._begin(self._arrived))
+        # dropped unclosed: cancelled, as the event loop closes an abandoned async generator
+        weakref.finalize(self, self._client._loop.call_soon, self._task.cancel)
+        return self._arrived
+
+    async def _begin(self, arrived: queue.SimpleQueue) -> asyncio.Task:
+        return asyncio.ensure_future(_deliver(self._chunks, arrived))
+
+    def _end(self) -> None:
+        self._ended, self._arrived = True, None
 
     def close(self) -> None:
-        self._client._run(self._chunks.aclose())
+        self._end()
+        self._client._run(self._close())
+
+    async def _close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        await self._chunks.aclose()
 
     def __enter__(self) -> GenerateStream:
         return self

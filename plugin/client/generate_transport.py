@@ -9,6 +9,12 @@ final flag of an error response, so the stream is driven through tritonclient's 
 stubs and responses are read with its tensor decoders. Over HTTP each request is one POST to
 `/generate` (or `/generate_stream`, Server-Sent Events, when streamed).
 
+Both connections yield a request's responses as dicts holding every output name (None for one
+not sent or not asked for): the sampled outputs as arrays of the values as sent, without the batch
+dimension (read-only views of a gRPC response's buffers, WIRE_NEG_INF padding as on the wire; the
+client makes its own copies once, `generate_client`), the weight versions as str arrays, the
+finish reason as str, a control result parsed and the timings as floats.
+
 Every failure surfaces as `GenerateError`: `status` as tritonclient spells it ("400" over HTTP,
 "StatusCode.UNAVAILABLE" for a gRPC stream that failed), `IN_BAND` for an error a gRPC stream
 carried for one request (Triton sends its message, not its code), None when the server could not
@@ -19,7 +25,9 @@ cut, never a short result: `cut()` raises it as a failure of the replica, so the
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -30,10 +38,11 @@ from ..sampling.outputs import (
     CONTROL_RESULT,
     FINISH_REASON,
     MASK,
+    OUTPUT_IDS,
+    SAMPLED_OUTPUT_NAMES,
     SAMPLED_OUTPUTS,
     TIMING_OUTPUTS,
     WEIGHT_VERSION,
-    from_wire_values,
 )
 from ..sampling.refusals import is_busy
 from .sampler_client import SamplerError
@@ -162,14 +171,15 @@ def _grpc_error(exc: BaseException) -> GenerateError:
 
 
 class GrpcStream:
-    """One bidirectional stream: requests are written as they come, responses routed by request id."""
+    """One bidirectional stream: requests are written as they come, responses routed by request id
+    to a callable of each request's, on the task that reads the stream."""
 
     def __init__(self, stub, model_name: str, metadata: tuple = ()):
         import asyncio
 
         self._asyncio, self.model_name = asyncio, model_name
         self._outgoing: asyncio.Queue = asyncio.Queue()
-        self._routes: dict[str, asyncio.Queue] = {}
+        self._routes: dict[str, object] = {}  # request id -> route(response or the stream's end)
         self._unanswered: set[str] = set()  # requests sent whose final response has not come
         self.ended: GenerateError | None = None
         self._call = stub.ModelStreamInfer(self._requests(), metadata=metadata)
@@ -184,44 +194,59 @@ class GrpcStream:
             async for response in self._call:
                 route = self._routes.get(response.infer_response.id)
                 if route is not None:
-                    route.put_nowait(response)
+                    route(response)
             ended = GenerateError("StatusCode.UNAVAILABLE", "the server closed the stream")
         except self._asyncio.CancelledError:
             ended = GenerateError("StatusCode.CANCELLED", "the stream was cancelled")
         except Exception as exc:
             ended = _grpc_error(exc)
         self.ended = ended
-        for route in self._routes.values():
-            route.put_nowait(ended)
+        for route in list(self._routes.values()):
+            route(ended)
 
-    async def exchange(self, request: WireRequest) -> AsyncIterator[dict]:
-        """Send `request`; yield its responses' outputs to its final one (raises GenerateError)."""
+    def _send(self, request: WireRequest, route) -> None:
         if self.ended is not None:
             raise self.ended.copy()
-        route: self._asyncio.Queue = self._asyncio.Queue()
         self._routes[request.request_id] = route
         self._unanswered.add(request.request_id)
         self._outgoing.put_nowait(_infer_request(request, self.model_name))
+
+    async def exchange(self, request: WireRequest) -> AsyncIterator[dict]:
+        """Send `request`; yield its responses' outputs to its final one (raises GenerateError)."""
+        route: self._asyncio.Queue = self._asyncio.Queue()
+        self._send(request, route.put_nowait)
+        wanted, answered = _wanted(request), functools.partial(self._unanswered.discard, request.request_id)
         try:
             while True:
-                item = await route.get()
-                if isinstance(item, GenerateError):
-                    raise item.copy()
-                parameters = item.infer_response.parameters
-                if item.error_message:
-                    if parameters[_FINAL].bool_param if _FINAL in parameters else True:
-                        self._unanswered.discard(request.request_id)
-                    raise GenerateError(IN_BAND, item.error_message)
-                outputs = _grpc_outputs(item.infer_response)
-                ended = bool(outputs[FINISH_REASON.name]) or outputs[CONTROL_RESULT.name] is not None
-                final = parameters[_FINAL].bool_param if _FINAL in parameters else ended
-                if final:
-                    self._unanswered.discard(request.request_id)
-                if final and not ended:  # e.g. the empty final of a request cancelled on the server
-                    raise cut("StatusCode.UNAVAILABLE")
+                outputs, final = _response_outputs(await route.get(), wanted, answered)
                 yield outputs
                 if final:
                     return
+        finally:
+            self._routes.pop(request.request_id, None)
+
+    async def receive(self, request: WireRequest, take) -> None:
+        """Send `request`; hand its responses' outputs to `take` as they are read, to its final
+        one; returns then (raises GenerateError, or what `take` raised). `exchange` without a
+        task switch per response: `take` runs on the task that reads the stream."""
+        done = self._asyncio.get_running_loop().create_future()
+        wanted, answered = _wanted(request), functools.partial(self._unanswered.discard, request.request_id)
+
+        def route(item) -> None:
+            if done.done():  # failed already, or its waiter was cancelled
+                return
+            try:
+                outputs, final = _response_outputs(item, wanted, answered)
+                take(outputs)
+            except Exception as error:
+                done.set_exception(error)
+                return
+            if final:
+                done.set_result(None)
+
+        self._send(request, route)
+        try:
+            await done
         finally:
             self._routes.pop(request.request_id, None)
 
@@ -235,6 +260,32 @@ class GrpcStream:
         else:
             self._outgoing.put_nowait(None)
         await self._asyncio.gather(self._reader, return_exceptions=True)
+
+
+def _wanted(request: WireRequest) -> frozenset[str] | None:
+    """The outputs a request asked for (None: every one)."""
+    return None if request.outputs is None else frozenset(request.outputs)
+
+
+def _response_outputs(item, wanted: frozenset[str] | None, answered) -> tuple[dict, bool]:
+    """One routed response's outputs and whether it is the request's final one (then `answered()`
+    is called first); raises its error (the stream's end, an in-band error, or a cut: a final
+    response without a finish reason)."""
+    if isinstance(item, GenerateError):
+        raise item.copy()
+    parameters = item.infer_response.parameters
+    if item.error_message:
+        if parameters[_FINAL].bool_param if _FINAL in parameters else True:
+            answered()
+        raise GenerateError(IN_BAND, item.error_message)
+    outputs = _grpc_outputs(item.infer_response, wanted)
+    ended = bool(outputs[FINISH_REASON.name]) or outputs[CONTROL_RESULT.name] is not None
+    final = parameters[_FINAL].bool_param if _FINAL in parameters else ended
+    if final:
+        answered()
+    if final and not ended:  # e.g. the empty final of a request cancelled on the server
+        raise cut("StatusCode.UNAVAILABLE")
+    return outputs, final
 
 
 def _infer_request(request: WireRequest, model_name: str):
@@ -258,56 +309,129 @@ def _infer_request(request: WireRequest, model_name: str):
     return message
 
 
-_NP_DTYPES: dict[str, np.dtype] = {}  # Triton datatype -> numpy dtype, as tritonclient maps them
+# Triton datatype -> numpy dtype, as tritonclient maps them: the numeric ones seen so far
+_NP_DTYPES: dict[str, np.dtype] = {}
 
 
 def _np_dtype(datatype: str):
-    dtype = _NP_DTYPES.get(datatype)
-    if dtype is None:
+    try:
+        return _NP_DTYPES[datatype]
+    except KeyError:
         from tritonclient.utils import triton_to_np_dtype
 
-        dtype = _NP_DTYPES[datatype] = triton_to_np_dtype(datatype)
-    return dtype
+        dtype = triton_to_np_dtype(datatype)
+        if datatype != "BYTES":
+            _NP_DTYPES[datatype] = dtype
+        return dtype
 
 
-def _grpc_tensors(infer_response) -> dict[str, np.ndarray]:
-    """Every tensor of a response by name, read in one pass the way tritonclient's
-    `InferResult.as_numpy` reads each (which scans the outputs once per name asked for)."""
-    raw = infer_response.raw_output_contents
-    tensors = {}
-    for index, output in enumerate(infer_response.outputs):
-        datatype = output.datatype
-        if index < len(raw):
-            if datatype == "BYTES":
-                from tritonclient.utils import deserialize_bytes_tensor
+def _grpc_tensor(raw: bytes | None, output) -> np.ndarray:
+    """One output tensor, read the way tritonclient's `InferResult.as_numpy` reads it (`raw`: its
+    raw contents, None when it was sent in `contents`)."""
+    datatype = output.datatype
+    if raw is not None:
+        if datatype == "BYTES":
+            from tritonclient.utils import deserialize_bytes_tensor
 
-                array = deserialize_bytes_tensor(raw[index])
-            else:
-                array = np.frombuffer(raw[index], dtype=_np_dtype(datatype))
-        elif len(output.contents.bytes_contents) != 0:
-            array = np.array(output.contents.bytes_contents)
+            array = deserialize_bytes_tensor(raw)
         else:
-            array = np.empty(0, dtype=_np_dtype(datatype))
-        tensors[output.name] = array.reshape(tuple(output.shape))
-    return tensors
+            array = np.frombuffer(raw, dtype=_np_dtype(datatype))
+    elif len(output.contents.bytes_contents) != 0:
+        array = np.array(output.contents.bytes_contents)
+    else:
+        array = np.empty(0, dtype=_np_dtype(datatype))
+    return array.reshape(tuple(output.shape))
 
 
-def _grpc_outputs(infer_response) -> dict:
-    """A response's outputs without the batch dimension (None for those not sent)."""
-    tensors = _grpc_tensors(infer_response)
-    outputs = {}
-    for spec in SAMPLED_OUTPUTS:
-        value = from_wire_values(spec.name, tensors.get(spec.name))
-        outputs[spec.name] = None if value is None else value[0]
-    versions = tensors.get(WEIGHT_VERSION.name)
-    outputs[WEIGHT_VERSION.name] = None if versions is None else _texts(versions[0])
-    finish = tensors.get(FINISH_REASON.name)
-    outputs[FINISH_REASON.name] = "" if finish is None else _text(finish.reshape(-1)[0])
-    control = tensors.get(CONTROL_RESULT.name)
-    outputs[CONTROL_RESULT.name] = None if control is None else json.loads(_text(control.reshape(-1)[0]))
-    for spec in TIMING_OUTPUTS:
-        value = tensors.get(spec.name)
-        outputs[spec.name] = None if value is None else float(value.reshape(-1)[0])
+def _uniform_bytes(raw: bytes | None, count: int) -> bytes | None:
+    """The value of a BYTES tensor's `count` elements (each a 4-byte little-endian length, then
+    its bytes) when all of them hold the same one, else None (read them one by one then): a
+    request's tokens mostly share one weight version, so this saves a Python loop per token."""
+    if raw is None or count < 1 or len(raw) % count:
+        return None
+    width = len(raw) // count
+    if width < 4 or int.from_bytes(raw[:4], "little") != width - 4:
+        return None
+    if count > 1 and raw != raw[:width] * count:
+        return None
+    return raw[4:width]
+
+
+def _read_sampled(raw: bytes | None, output) -> np.ndarray:
+    """A sampled output's values as sent, without the batch dimension."""
+    return _grpc_tensor(raw, output)[0]
+
+
+def _read_versions(raw: bytes | None, output) -> np.ndarray:
+    """The weight versions (one per token) as a str array."""
+    shape = output.shape
+    if len(shape) and shape[0] == 1:
+        count = math.prod(shape)
+        value = _uniform_bytes(raw, count)
+        if value is not None:
+            return np.array([value.decode()] * count, dtype=object)
+    return _texts(_grpc_tensor(raw, output)[0])
+
+
+_EMPTY_TEXT = bytes(4)  # one BYTES element of length 0: a streamed chunk's finish reason before the last
+
+
+def _read_text(raw: bytes | None, output) -> str:
+    """A one-value text output (its first value)."""
+    if raw == _EMPTY_TEXT and math.prod(output.shape) == 1:
+        return ""
+    value = _uniform_bytes(raw, math.prod(output.shape))
+    if value is not None:
+        return value.decode()
+    return _text(_grpc_tensor(raw, output).reshape(-1)[0])
+
+
+def _read_control(raw: bytes | None, output):
+    return json.loads(_read_text(raw, output))
+
+
+def _read_timing(raw: bytes | None, output) -> float:
+    return float(_grpc_tensor(raw, output).reshape(-1)[0])
+
+
+# How each output the client knows is read from a gRPC response; others are left unread.
+_GRPC_READERS = {
+    **{name: _read_sampled for name in SAMPLED_OUTPUT_NAMES},
+    WEIGHT_VERSION.name: _read_versions,
+    FINISH_REASON.name: _read_text,
+    CONTROL_RESULT.name: _read_control,
+    **{spec.name: _read_timing for spec in TIMING_OUTPUTS},
+}
+# What ends a request: read whether or not it was asked for.
+_ALWAYS_READ = frozenset((FINISH_REASON.name, CONTROL_RESULT.name))
+_SAMPLED_NAMES = frozenset(SAMPLED_OUTPUT_NAMES)
+# A response's outputs before any is read: every name, as when it is not sent.
+_NOT_SENT = {
+    **{name: None for name in SAMPLED_OUTPUT_NAMES},
+    WEIGHT_VERSION.name: None,
+    FINISH_REASON.name: "",
+    CONTROL_RESULT.name: None,
+    **{spec.name: None for spec in TIMING_OUTPUTS},
+}
+
+
+def _grpc_outputs(infer_response, wanted: frozenset[str] | None = None) -> dict:
+    """A response's outputs (the module docstring says how each is held), those in `wanted` only
+    when given: the others are not read."""
+    outputs = _NOT_SENT.copy()
+    raw = infer_response.raw_output_contents
+    sent = len(raw)
+    for index, output in enumerate(infer_response.outputs):
+        name = output.name
+        if wanted is not None and name not in wanted and name not in _ALWAYS_READ:
+            continue
+        if name in _SAMPLED_NAMES and index < sent and output.datatype in _NP_DTYPES:
+            # the common case inline (a streamed token's outputs): a view of the values as sent
+            outputs[name] = np.frombuffer(raw[index], _NP_DTYPES[output.datatype]).reshape(output.shape)[0]
+            continue
+        read = _GRPC_READERS.get(name)
+        if read is not None:
+            outputs[name] = read(raw[index] if index < sent else None, output)
     return outputs
 
 
@@ -373,8 +497,9 @@ class HttpConnection:
             async with self.session().post(self._model_url(path), json=body) as response:
                 if response.status != 200:
                     raise GenerateError(str(response.status), _error_message(await response.text()))
+                wanted = _wanted(request)
                 if not request.stream:
-                    yield _json_outputs(json.loads(await response.text()), mask_width)
+                    yield _json_outputs(json.loads(await response.text()), mask_width, wanted)
                     return
                 async for line in response.content:
                     if not line.startswith(b"data:"):
@@ -382,7 +507,7 @@ class HttpConnection:
                     event = json.loads(line[5:])
                     if "error" in event:
                         raise GenerateError(IN_BAND, str(event["error"]))
-                    outputs = _json_outputs(event, mask_width)
+                    outputs = _json_outputs(event, mask_width, wanted)
                     yield outputs
                     if outputs[FINISH_REASON.name]:
                         return
@@ -421,31 +546,27 @@ def _json_body(request: WireRequest) -> dict:
     return body
 
 
-def _json_outputs(reply: dict, mask_width: int) -> dict:
-    """Outputs from a JSON reply (tensors flat, one-value ones possibly as scalars)."""
-    outputs = {}
-    tokens = np.array(reply.get("output_ids", []), np.int32).reshape(-1).size
+def _json_outputs(reply: dict, mask_width: int, wanted: frozenset[str] | None = None) -> dict:
+    """Outputs from a JSON reply (tensors flat, one-value ones possibly as scalars). HTTP sends
+    every output: token and timing outputs not in `wanted` (when given) are not read."""
+    outputs = _NOT_SENT.copy()
+    ids = np.array(reply.get(OUTPUT_IDS.name, []), OUTPUT_IDS.dtype).reshape(-1)
+    width = -1 if ids.size else mask_width  # the server's own W when there are rows to tell it
     for spec in SAMPLED_OUTPUTS:
-        if spec.name not in reply:
-            outputs[spec.name] = None
-            continue
-        array = from_wire_values(spec.name, np.array(reply[spec.name], spec.dtype))
-        width = -1 if tokens else mask_width  # the server's own W when there are rows to tell it
-        outputs[spec.name] = array.reshape((tokens, width) if spec.per == MASK else (-1,))
-    for spec in TIMING_OUTPUTS:  # a request's last response only
-        value = reply.get(spec.name)
-        outputs[spec.name] = None if value is None else float(value[0] if isinstance(value, list) else value)
+        if spec.name in reply and (wanted is None or spec.name in wanted):
+            array = ids if spec is OUTPUT_IDS else np.array(reply[spec.name], spec.dtype)
+            outputs[spec.name] = array.reshape((ids.size, width) if spec.per == MASK else (-1,))
     versions = reply.get(WEIGHT_VERSION.name)
-    outputs[WEIGHT_VERSION.name] = (
-        None if versions is None else _texts(versions if isinstance(versions, list) else [versions])
-    )
+    if versions is not None and (wanted is None or WEIGHT_VERSION.name in wanted):
+        outputs[WEIGHT_VERSION.name] = _texts(versions if isinstance(versions, list) else [versions])
     finish = reply.get(FINISH_REASON.name, "")
     outputs[FINISH_REASON.name] = _text(finish[0] if isinstance(finish, list) else finish)
     control = reply.get(CONTROL_RESULT.name)
     if isinstance(control, list):
         control = control[0]
     outputs[CONTROL_RESULT.name] = None if control is None else json.loads(_text(control))
-    for spec in TIMING_OUTPUTS:
+    for spec in TIMING_OUTPUTS:  # a request's last response only
         value = reply.get(spec.name)
-        outputs[spec.name] = None if value is None else float(np.asarray(value).reshape(-1)[0])
+        if value is not None and (wanted is None or spec.name in wanted):
+            outputs[spec.name] = float(np.asarray(value).reshape(-1)[0])
     return outputs

@@ -34,6 +34,13 @@ class LoopThread:
         """Run `coroutine` on the loop without waiting: a Future whose `cancel()` cancels it."""
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop)
 
+    def call_soon(self, callback, *args) -> None:
+        """Have the loop call `callback(*args)` soon, from any thread (nothing once it is closed)."""
+        try:
+            self._loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:  # the loop is closed: nothing left to call it on
+            pass
+
     def close(self, last) -> None:
         """Run the coroutine `last` (the client's own close), then stop the loop and its thread;
         a second close does nothing."""
