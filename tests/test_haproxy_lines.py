@@ -222,12 +222,9 @@ def _stream_outcome(url: str, logits: np.ndarray) -> tuple[grpcclient.InferenceS
     return client, outcomes
 
 
-@pytest.mark.parametrize("line", ["host", "2.4", "2.8"])
-def test_each_lines_stream_refusals_reach_tritonclient_as_unavailable_with_the_proxys_message(tmp_path, line):
-    """One slot and one queue place for ModelStreamInfer: a first stream holds the slot, and of the
-    next two one waits out the queue timeout and one finds the queue full (which is which depends
-    on their arrival); both read UNAVAILABLE and the proxy's message, never CANCELLED."""
-    command = _haproxy(line)
+def _door_before_a_silent_server(command: list[str], limits: ProxyLimits, directory) -> tuple:
+    """A started gRPC server that never answers, and a front door (files written into
+    `directory`, not started) whose gRPC route leads to it."""
     upstream = _SilentGrpcServer()
     upstream.start()
     internal = {name: free_port() for name in ("http", "metrics", "probe", "stream_gate", "api")}
@@ -236,11 +233,23 @@ def test_each_lines_stream_refusals_reach_tritonclient_as_unavailable_with_the_p
         public={"http": free_port(), "grpc": free_port(), "metrics": 0, "probe": 0},
         admin_key=None,
         internal={**internal, "grpc": upstream.port},
-        limits=ProxyLimits(max_in_flight=1, max_queue=1, queue_timeout_s=0.5),
+        limits=limits,
         haproxy=command,
     )
-    door.directory = tmp_path
+    door.directory = directory
     door.write_files()
+    return upstream, door
+
+
+@pytest.mark.parametrize("line", ["host", "2.4", "2.8"])
+def test_each_lines_stream_refusals_reach_tritonclient_as_unavailable_with_the_proxys_message(tmp_path, line):
+    """One slot and one queue place for ModelStreamInfer: a first stream holds the slot, and of the
+    next two one waits out the queue timeout and one finds the queue full (which is which depends
+    on their arrival); both read UNAVAILABLE and the proxy's message, never CANCELLED."""
+    command = _haproxy(line)
+    upstream, door = _door_before_a_silent_server(
+        command, ProxyLimits(max_in_flight=1, max_queue=1, queue_timeout_s=0.5), tmp_path
+    )
     children = door.children()[:2]  # HAProxy and the gate
     clients = []
     try:
@@ -323,19 +332,7 @@ def test_each_lines_unary_refusals_reach_tritonclient_as_grpc_statuses_with_the_
     gRPC answer tritonclient reads as its status and the proxy's message."""
     command = _haproxy(line)
     limits, expected = UNARY_REFUSALS[refusal]
-    upstream = _SilentGrpcServer()
-    upstream.start()
-    internal = {name: free_port() for name in ("http", "metrics", "probe", "stream_gate", "api")}
-    door = FrontDoor(
-        REPOSITORY,
-        public={"http": free_port(), "grpc": free_port(), "metrics": 0, "probe": 0},
-        admin_key=None,
-        internal={**internal, "grpc": upstream.port},
-        limits=ProxyLimits(**limits),
-        haproxy=command,
-    )
-    door.directory = tmp_path
-    door.write_files()
+    upstream, door = _door_before_a_silent_server(command, ProxyLimits(**limits), tmp_path)
     [haproxy] = door.children()[:1]
     client = None
     try:
