@@ -22,7 +22,8 @@ streams), what the front door (HAProxy) adds to the one call and to a B=1 step
 HTTP API costs against the gRPC client at 1 and 32 streams (bench/api_cost.py), and generate's
 tokens/s with "ngram" speculative decoding against plain decoding (bench/load/speculative.py), and
 generate's tokens/s and TTFT against the same model at a baseline revision, both served side by
-side (bench/load/generate_baseline.py: ratios, nothing asserted).
+side, and against the first release's (static batching), both behind the front door
+(bench/load/generate_baseline.py: ratios, nothing asserted).
 --tiny shrinks it all to seconds. The JSON is rewritten after every case ("complete": false
 until the end), so a run cut short keeps what finished.
 """
@@ -231,15 +232,22 @@ def main(argv: list[str] | None = None) -> dict:
     if not args.skip_served and not args.skip_generate_baseline and device.type == "cpu":
         from .load import generate_baseline
 
-        rev = args.generate_baseline_rev or generate_baseline.DEFAULT_REV
-        print(f"generate against its baseline revision {rev} (both served side by side)", flush=True)
-        try:
-            results["generate_baseline"] = generate_baseline.run(rev, quick=args.tiny, progress=progress)
-            print(generate_baseline.table(results["generate_baseline"]), flush=True)
-        except RuntimeError as error:  # e.g. a shallow clone without the revision
-            results["generate_baseline_skipped"] = str(error)
-            print(f"  skipped: {error}", flush=True)
-        report.write_json(results, output)
+        # The regression check (the revision before this round's generate features, served
+        # straight), then the issue's yardstick: the first release, both behind the front door.
+        comparisons = (
+            ("generate_baseline", args.generate_baseline_rev or generate_baseline.DEFAULT_REV, False),
+            ("generate_first_release", generate_baseline.FIRST_RELEASE_REV, True),
+        )
+        for key, rev, door in comparisons:
+            where = "through the front door" if door else "served straight"
+            print(f"generate against revision {rev}, both {where}", flush=True)
+            try:
+                results[key] = generate_baseline.run(rev, quick=args.tiny, progress=progress, door=door)
+                print(generate_baseline.table(results[key]), flush=True)
+            except RuntimeError as error:  # e.g. a shallow clone without the revision
+                results[f"{key}_skipped"] = str(error)
+                print(f"  skipped: {error}", flush=True)
+            report.write_json(results, output)
     results["targets"] = report.verdicts(results["kernel"], served, served_call, step)
     if results.get("proxy_cost"):
         from .proxy_cost import verdicts as proxy_verdicts
@@ -259,12 +267,14 @@ def main(argv: list[str] | None = None) -> dict:
     report.print_tables(results)
     report.write_json(results, output)
     summary = report.markdown_summary(results)
-    if results.get("generate_baseline"):
-        from .load.generate_baseline import table as baseline_table
+    from .load.generate_baseline import table as baseline_table
 
-        summary += (
-            "\n\n## generate against its baseline revision\n\n" + baseline_table(results["generate_baseline"]) + "\n"
-        )
+    for key, title in (
+        ("generate_baseline", "generate against its baseline revision"),
+        ("generate_first_release", "generate against the first release (targets: tokens/s >= 2x, TTFT p99 <= 0.1x)"),
+    ):
+        if results.get(key):
+            summary += f"\n\n## {title}\n\n" + baseline_table(results[key]) + "\n"
     output.with_suffix(".md").write_text(summary)
     figures = [] if args.no_plot else report.plot(results, plot_path)
     print(f"\nwrote {output}{''.join(', ' + str(figure) for figure in figures)} in {results['wall_s']:.0f} s")

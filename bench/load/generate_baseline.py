@@ -1,6 +1,6 @@
 """The `generate` model of this tree against the same model at a baseline revision, side by side.
 
-    .venv/bin/python -m bench.load.generate_baseline [--rev 492b70f] [--quick] [--rounds N]
+    .venv/bin/python -m bench.load.generate_baseline [--rev 492b70f] [--quick] [--rounds N] [--door]
 
 The baseline revision is checked out into a temporary git worktree (removed after) and its
 `generate` model served by a second tritonserver whose stub imports that revision's package
@@ -11,8 +11,12 @@ GenerateClient, every output decoded, `bench.load.generate`'s closed loop): only
 code differs. Rounds alternate between the two (the first side alternating too), each round the
 same streaming workload (32 clients x 3 requests, max_new_tokens drawn once from [16, 256], masks
 on); per side the medians over rounds of tokens/s and TTFT p50 / p99, and the ratios this tree /
-baseline. Nothing is asserted: the ratios say whether a change made generate slower than the
-revision it is compared with, on the machine of the run.
+baseline. With `--door` each side is a whole `make serve` stack of this tree (supervisor, HAProxy,
+stream gate; the clients through its public gRPC port, as users reach it) whose repository holds
+this tree's sampler and the side's generate. `--rev baed6d0` compares with the first release's
+generate (static batching: each dynamic batch generated to its end). Nothing is asserted: the
+ratios say whether a change made generate slower than the revision it is compared with, on the
+machine of the run.
 """
 
 from __future__ import annotations
@@ -28,13 +32,15 @@ from pathlib import Path
 
 import numpy as np
 
-from testbed.server import REPO_ROOT, TritonServer
+from testbed.server import REPO_ROOT, TritonServer, copy_model
 
 from .generate import BUDGET_RANGE, MODEL, build_repository, closed_loop
 
 # What `make bench` compares with unless told otherwise: main before the weight updates, the
 # per-token receipts and versions, the histograms and the spans reached the generate model.
 DEFAULT_REV = "492b70f"
+# The first release's generate: static batching, the baseline continuous batching is judged by.
+FIRST_RELEASE_REV = "baed6d0"
 SIZES = {
     "full": {"clients": 32, "requests": 3, "rounds": 6},
     "quick": {"clients": 2, "requests": 1, "rounds": 1},
@@ -87,6 +93,24 @@ def build_baseline_repository(tree: Path, dest: Path) -> Path:
     return dest
 
 
+@contextlib.contextmanager
+def serving(repository: Path, door: bool, log_path: Path) -> Iterator[TritonServer]:
+    """tritonserver on `repository`; with `door`, this tree's whole stack in front of it (the
+    repository gains this tree's sampler, which the stack's readiness checks call)."""
+    if not door:
+        with TritonServer(repository) as server:
+            yield server
+        return
+    from testbed.stack import launch
+
+    copy_model(repository, "sampler")
+    stack = launch(repository, log_path, api=False)
+    try:
+        yield stack
+    finally:
+        stack.stop()
+
+
 def _round(url: str, budgets: np.ndarray) -> dict:
     stats = closed_loop(url, MODEL, budgets, stream=True)
     if stats.errors:
@@ -98,7 +122,9 @@ def _round(url: str, budgets: np.ndarray) -> dict:
     }
 
 
-def run(rev: str = DEFAULT_REV, quick: bool = False, rounds: int | None = None, progress=print) -> dict:
+def run(
+    rev: str = DEFAULT_REV, quick: bool = False, rounds: int | None = None, progress=print, door: bool = False
+) -> dict:
     """Interleaved rounds on both servers; per side the medians over rounds, and the ratios."""
     size = SIZES["quick" if quick else "full"]
     rounds = rounds or size["rounds"]
@@ -111,9 +137,13 @@ def run(rev: str = DEFAULT_REV, quick: bool = False, rounds: int | None = None, 
         head = subprocess.run(
             ["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
         ).stdout.strip()
+        repositories = {
+            "current": build_repository(work / "current"),
+            "baseline": build_baseline_repository(tree, work / "baseline"),
+        }
         servers = {
-            "current": stack.enter_context(TritonServer(build_repository(work / "current"))),
-            "baseline": stack.enter_context(TritonServer(build_baseline_repository(tree, work / "baseline"))),
+            side: stack.enter_context(serving(repository, door, work / f"{side}.log"))
+            for side, repository in repositories.items()
         }
         for server in servers.values():  # warm-up: first requests load code paths
             closed_loop(server.grpc_url, MODEL, np.full((2, 1), 8), stream=True)
@@ -131,6 +161,7 @@ def run(rev: str = DEFAULT_REV, quick: bool = False, rounds: int | None = None, 
     return {
         "baseline_rev": rev,
         "baseline_commit": head,
+        "door": door,
         "workload": {
             "clients": size["clients"],
             "requests_per_client": size["requests"],
@@ -148,8 +179,9 @@ def run(rev: str = DEFAULT_REV, quick: bool = False, rounds: int | None = None, 
 def table(result: dict) -> str:
     """The comparison as a Markdown table (medians over rounds, ratios this tree / baseline)."""
     rev = f"{result['baseline_rev']} ({result['baseline_commit']})"
+    through = ", through the front door" if result.get("door") else ""
     lines = [
-        f"| generate, {result['workload']['clients']} streams | tokens/s | TTFT p50 ms | TTFT p99 ms |",
+        f"| generate, {result['workload']['clients']} streams{through} | tokens/s | TTFT p50 ms | TTFT p99 ms |",
         "|---|---|---|---|",
     ]
     for side, label in (("current", "this tree"), ("baseline", rev)):
@@ -167,8 +199,9 @@ def main() -> None:
     parser.add_argument("--rev", default=DEFAULT_REV, help=f"the baseline revision (default {DEFAULT_REV})")
     parser.add_argument("--quick", action="store_true", help="2 clients, 1 request of 4-8 tokens, 1 round")
     parser.add_argument("--rounds", type=int, default=None, help="round pairs (default 6; 1 with --quick)")
+    parser.add_argument("--door", action="store_true", help="each side behind this tree's front door")
     args = parser.parse_args()
-    result = run(args.rev, args.quick, args.rounds)
+    result = run(args.rev, args.quick, args.rounds, door=args.door)
     print(table(result))
     print(f"({result['rounds']} rounds per side, {result['wall_s']:.0f} s)")
 
