@@ -117,6 +117,7 @@ class _RequestHandle:
         self.done = False
         self.broken = False  # its sender failed: dropped like a cancelled request, batch-mates go on
         self._wanted: set[str] | None = None
+        self._held: dict = {}  # the shared outputs' values the client holds (chunk_response)
         self.spans: RequestSpans | None = None  # set when tritonserver traces the request
 
     def is_cancelled(self) -> bool:
@@ -139,7 +140,8 @@ class _RequestHandle:
                 self._wanted = wanted_outputs(self.request, self.model.declared_outputs)
             sending_ns = time.time_ns() if final and self.spans else 0
             self.sender.send(
-                chunk_response(self.model.pb_utils, chunk, self._wanted), flags=self.final_flag if final else 0
+                chunk_response(self.model.pb_utils, chunk, self._wanted, self._held),
+                flags=self.final_flag if final else 0,
             )
             if final:
                 self.model.metrics.ended(KIND_GENERATION, OK)
