@@ -183,7 +183,7 @@ def chunk_response(pb_utils, chunk: GenerationChunk, wanted: set[str] | None = N
     step's outputs once, not once per response). With `held` (one dict per request, kept between
     its responses), the shared outputs are sent compactly (`outputs.compact_shared`); without it,
     one value per token."""
-    outputs = chunk.outputs if held is None else _compacted(chunk.outputs, held)
+    outputs = chunk.outputs if held is None else _compacted(chunk.outputs, wanted, held)
     tensors = [
         pb_utils.Tensor(name, np.ascontiguousarray(value)[np.newaxis])
         for name, value in outputs.items()
@@ -194,11 +194,13 @@ def chunk_response(pb_utils, chunk: GenerationChunk, wanted: set[str] | None = N
     return pb_utils.InferenceResponse(output_tensors=tensors)
 
 
-def _compacted(outputs: dict[str, np.ndarray], held: dict) -> dict[str, np.ndarray]:
-    """`outputs` with the shared outputs as `compact_shared` sends them, given `held` (the values
-    the request's earlier responses left the client with, updated here)."""
+def _compacted(outputs: dict[str, np.ndarray], wanted: set[str] | None, held: dict) -> dict[str, np.ndarray]:
+    """`outputs` with the shared outputs `wanted` as `compact_shared` sends them, given `held`
+    (the values the request's earlier responses left the client with, updated here)."""
     compact = outputs
     for name in SHARED_TOKEN_OUTPUT_NAMES:
+        if wanted is not None and name not in wanted:
+            continue
         values, before = outputs[name], held.get(name)
         # a streamed token with its request's value so far: the common case, decided inline
         if values.shape[0] == 1 and before is not None and values[0] == before:
