@@ -54,11 +54,13 @@ class GenerateStream:
         self.responses: queue.Queue = queue.Queue()
         self.client.start_stream(callback=lambda result, error: self.responses.put((result, error)))
 
-    def send(self, prompt, max_new_tokens: int, request_id: str = "", **params) -> None:
+    def send(self, prompt, max_new_tokens: int, request_id: str = "", outputs=None, **params) -> None:
+        """Send one request; `outputs`: the output names to ask for (None: every one)."""
         self.client.async_stream_infer(
             self.model,
             generate_inputs(prompt, max_new_tokens, **params),
             request_id=request_id,
+            outputs=None if outputs is None else [grpcclient.InferRequestedOutput(name) for name in outputs],
             enable_empty_final_response=True,
         )
 

@@ -103,6 +103,41 @@ def test_streaming_equals_non_streaming(triton_server, width):
     assert streamed.finish_reason == whole.finish_reason == "length"
 
 
+def _sent_outputs(stream: GenerateStream) -> list[dict]:
+    """Every response of the stream's one request, to its final: {output name: array as sent}."""
+    responses = []
+    while True:
+        result, error = stream.responses.get(timeout=120)
+        assert error is None, error
+        response = result.get_response()
+        responses.append({o.name: result.as_numpy(o.name) for o in response.outputs})
+        if response.parameters["triton_final_response"].bool_param:
+            return [r for r in responses if r]  # the empty final response, if any, left out
+
+
+def test_a_response_carries_the_outputs_asked_for_and_the_shared_ones_once(triton_server):
+    with GenerateStream(triton_server.grpc_url) as stream:
+        stream.send(PROMPT, 4, ignore_eos=True, stream=True, seed=21)
+        streamed = _sent_outputs(stream)
+        stream.send(PROMPT, 4, ignore_eos=True, seed=21)
+        [whole] = _sent_outputs(stream)
+        stream.send(PROMPT, 4, ignore_eos=True, stream=True, seed=21, outputs=["output_ids"])
+        ids_only = _sent_outputs(stream)
+    # Streamed: the seed and the weight version on the first response only (no update landed).
+    assert [("sampling_seed" in r, "weight_version" in r) for r in streamed] == [(True, True)] + [(False, False)] * 3
+    assert streamed[0]["sampling_seed"].tolist() == [[21]]
+    assert streamed[0]["weight_version"].tolist() == [[b"default"]]
+    assert all(r["output_ids"].shape == (1, 1) for r in streamed)
+    # Whole: one value standing for its 4 tokens.
+    assert whole["output_ids"].shape == (1, 4)
+    assert whole["sampling_seed"].tolist() == [[21]] and whole["weight_version"].tolist() == [[b"default"]]
+    # Naming output_ids alone gets output_ids alone, on every response.
+    assert [sorted(r) for r in ids_only] == [["output_ids"]] * 4
+    np.testing.assert_array_equal(
+        np.concatenate([r["output_ids"][0] for r in ids_only]), np.concatenate([r["output_ids"][0] for r in streamed])
+    )
+
+
 def test_seeded_generation_reproduces_and_masks_do_not_change_tokens(triton_server):
     with_mask = grpc_generate(triton_server.grpc_url, PROMPT, 10, ignore_eos=True, **SAMPLED)
     again = grpc_generate(triton_server.grpc_url, PROMPT, 10, ignore_eos=True, **SAMPLED)

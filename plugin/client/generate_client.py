@@ -49,10 +49,12 @@ from ..sampling.outputs import (
     SAMPLED_OUTPUTS,
     SAMPLING_MASK,
     SAMPLING_SEED,
+    SHARED_TOKEN_OUTPUT_NAMES,
     TIME_TO_FIRST_TOKEN,
     TIMING_OUTPUTS,
     WEIGHT_VERSION,
     WIRE_NEG_INF,
+    expand_shared,
 )
 from ..sampling.params import PARAM_SPECS, RowParams
 from ..sampling.refusals import DEFAULT_ROUTE_CAPACITY
@@ -237,6 +239,7 @@ class _Job:
         self._replayed_ids: list[int] = []  # on a retried stream: the ids its first tokens must repeat
         self.resume_at = 0  # on a retried stream: tokens of this try that were already yielded
         self.position = 0
+        self._held: dict = {}  # this try's shared outputs' latest values (outputs.expand_shared)
 
     def wire(self, request_id: str) -> WireRequest:
         return WireRequest(request_id, self.stream, self.inputs, self.outputs)
@@ -252,12 +255,16 @@ class _Job:
                 self.index,
             ) from None
         self.resume_at, self.position = self.yielded, 0
+        self._held.clear()
         self._replayed_ids = np.concatenate(self._yielded_ids).tolist() if self._yielded_ids else []
 
     def accept(self, outputs: dict) -> GenerateResult | None:
         """Take one response (the transports' outputs, only those asked for); a streamed request
         returns the chunk to yield (None when a retried try is still replaying tokens already yielded)."""
         ids = outputs["output_ids"]
+        if ids is not None:  # the shared outputs, sent compactly, one per token again
+            for name in SHARED_TOKEN_OUTPUT_NAMES:
+                outputs[name], self._held[name] = expand_shared(outputs.get(name), len(ids), self._held.get(name))
         if self.stream and self.resume_at and ids is not None:
             skip = min(max(self.resume_at - self.position, 0), len(ids))
             replayed = ids[:skip].tolist()

@@ -410,7 +410,8 @@ class ContinuousEngine:
 
     def _step(self, newcomers: list[_Sequence]) -> None:
         started_ns = time.time_ns()  # a traced request's step span begins here
-        # One cancellation query per request per step (the backend has no batch query).
+        # Every handle is asked every step; one whose question is costly paces it itself (the
+        # Triton handle asks tritonserver at most once per serving.generate_model.CANCEL_CHECK_INTERVAL_S).
         cancelled = [s.handle.is_cancelled() for s in self._rows]
         self._drop(np.array(cancelled, bool), cancel=True)
         fresh = []

@@ -115,6 +115,14 @@ GENERATION_TOKEN_OUTPUTS = (*SAMPLED_OUTPUTS, WEIGHT_VERSION)
 GENERATION_TOKEN_OUTPUT_NAMES = tuple(spec.name for spec in GENERATION_TOKEN_OUTPUTS)
 # Kept for a generated token whose request did not ask for a mask (its mask columns are padding).
 UNMASKED_OUTPUT_NAMES = tuple(spec.name for spec in GENERATION_TOKEN_OUTPUTS if spec.per != MASK)
+# generate's per-token outputs whose value a request's tokens share (its seed always, its weight
+# version until an update lands mid-request). Each would cost a tensor per streamed token, and a
+# text one a Python loop over its values in the stub, so the generate model sends them compactly
+# (`compact_shared`): a response carries one value per token, or one value standing for all of its
+# tokens, or none when its tokens have the value the request's previous response ended with. A
+# client restores one per token (`expand_shared`).
+SHARED_TOKEN_OUTPUTS = (SAMPLING_SEED, WEIGHT_VERSION)
+SHARED_TOKEN_OUTPUT_NAMES = frozenset(spec.name for spec in SHARED_TOKEN_OUTPUTS)
 # Every output of each model.
 MODEL_OUTPUTS = {
     "sampler": SAMPLED_OUTPUTS,
@@ -155,3 +163,30 @@ def padding(name: str, rows: int, mask_width: int) -> np.ndarray:
     spec = BY_NAME[name]
     shape = (rows, mask_width) if spec.per == MASK else (rows,)
     return np.full(shape, spec.fill, spec.dtype)
+
+
+def compact_shared(values: np.ndarray, held) -> tuple[np.ndarray | None, object]:
+    """What to send of a shared output's per-token `values` ([n]) when the receiver holds `held`
+    (the value the request's previous response ended with, None before its first), and the value
+    it holds after: None (nothing to send) when every token has `held`, one value when they all
+    share one, else every token's."""
+    if not len(values):
+        return values, held
+    first = values[0]
+    if len(values) > 1 and not (values == first).all():
+        return values, values[-1]
+    if held is not None and first == held:
+        return None, held
+    return values[:1], first
+
+
+def expand_shared(value: np.ndarray | None, tokens: int, held: np.ndarray | None) -> tuple[np.ndarray | None, object]:
+    """A shared output's values for a response's `tokens` tokens, one per token (None when none
+    was ever sent), from what the response carried (`value`: None when left out) and what the
+    request's previous responses left (`held`: their last value, as a 1-value array); and what is
+    held after it."""
+    if value is None:
+        value = held
+    if value is None or len(value) == tokens:
+        return value, held if value is None or not len(value) else value[-1:]
+    return np.repeat(value[-1:], tokens), value[-1:]

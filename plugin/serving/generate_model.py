@@ -13,6 +13,7 @@ weight version: `weight_control`), answered with one `control_result` response.
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 import time
@@ -105,22 +106,47 @@ class _Outbox:
         self.thread.join()
 
 
+# How long a request in flight goes at most without asking tritonserver whether its client
+# cancelled it. The engine asks every row every step, but each `request.is_cancelled()` is an IPC
+# round trip the engine's thread waits for (the backend has no batch query), as many per step as
+# rows: so a handle passes the question on at most this often and answers "not cancelled" in
+# between. A cancelled request stops within this interval and one step.
+CANCEL_CHECK_INTERVAL_S = 0.1
+# Requests admitted together would ask together in one step every interval: the k-th handle's
+# first interval is shortened to the fractional part of k times this (the golden ratio's
+# multiples spread any number of requests evenly), which spreads the asks over the steps.
+_CANCEL_CHECK_STAGGER = 0.6180339887498949
+
+
 class _RequestHandle:
     """One request's response sender: tokens, its error, or the empty final after cancellation.
 
     The responses are built and sent on the outbox thread; `done` is set at once."""
 
-    def __init__(self, model: GenerateModel, request, outbox: _Outbox):
+    def __init__(self, model: GenerateModel, request, outbox: _Outbox, ordinal: int = 0, clock=time.monotonic):
         self.model, self.request, self.outbox = model, request, outbox
+        self._clock = clock
+        self._next_cancel_check: float | None = None  # None: never asked (the first ask goes through)
+        self._first_interval_s = CANCEL_CHECK_INTERVAL_S * ((ordinal * _CANCEL_CHECK_STAGGER) % 1.0)
         self.sender = request.get_response_sender()
         self.final_flag = model.pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         self.done = False
         self.broken = False  # its sender failed: dropped like a cancelled request, batch-mates go on
         self._wanted: set[str] | None = None
+        self._held: dict = {}  # the shared outputs' values the client holds (chunk_response)
         self.spans: RequestSpans | None = None  # set when tritonserver traces the request
 
     def is_cancelled(self) -> bool:
-        return self.broken or self.request.is_cancelled()
+        """Whether the request is cancelled or its sender broke; tritonserver is asked at most
+        once per CANCEL_CHECK_INTERVAL_S (the first time at once)."""
+        if self.broken:
+            return True
+        now = self._clock()
+        if self._next_cancel_check is not None and now < self._next_cancel_check:
+            return False
+        first = self._next_cancel_check is None
+        self._next_cancel_check = now + (self._first_interval_s if first else CANCEL_CHECK_INTERVAL_S)
+        return self.request.is_cancelled()
 
     @property
     def traces_steps(self) -> bool:
@@ -139,7 +165,8 @@ class _RequestHandle:
                 self._wanted = wanted_outputs(self.request, self.model.declared_outputs)
             sending_ns = time.time_ns() if final and self.spans else 0
             self.sender.send(
-                chunk_response(self.model.pb_utils, chunk, self._wanted), flags=self.final_flag if final else 0
+                chunk_response(self.model.pb_utils, chunk, self._wanted, self._held),
+                flags=self.final_flag if final else 0,
             )
             if final:
                 self.model.metrics.ended(KIND_GENERATION, OK)
@@ -215,6 +242,7 @@ class GenerateModel:
             max_waiting_tokens=int_parameter(model_config, "max_waiting_tokens", EngineLimits.max_waiting_tokens),
         )
         self.outbox = _Outbox(self.logger, self.metrics.send_outcomes)
+        self._handle_ordinals = itertools.count()  # staggers the handles' cancellation asks
         self.engine = ContinuousEngine(
             self.lm,
             self.sampler,
@@ -250,7 +278,7 @@ class GenerateModel:
         spans = BatchSpans(self.tracer)
         try:
             requests = [r for r in requests if not self._is_control(r)]
-            handles = [_RequestHandle(self, request, self.outbox) for request in requests]
+            handles = [_RequestHandle(self, request, self.outbox, next(self._handle_ordinals)) for request in requests]
             parsed, admitted_handles = [], []
             for handle in handles:
                 try:

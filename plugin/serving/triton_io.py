@@ -14,7 +14,7 @@ import torch
 
 from ..generation.request import GenerationChunk, GenerationRequest, check_generation_request
 from ..sampling.inputs import IGNORE_EOS, INPUT_IDS, MAX_NEW_TOKENS, ROW, STOP_TOKEN_IDS, STREAM, InputSpec
-from ..sampling.outputs import FINISH_REASON, to_wire_values
+from ..sampling.outputs import FINISH_REASON, SHARED_TOKEN_OUTPUT_NAMES, compact_shared, to_wire_values
 from ..sampling.params import LOGITS, PARAM_SPECS, RowParams
 from ..sampling.validation import SamplingRequestError, check_vocab_size
 
@@ -177,15 +177,42 @@ def _finish_reason(reason: str) -> np.ndarray:
     return value
 
 
-def chunk_response(pb_utils, chunk: GenerationChunk, wanted: set[str] | None = None):
+def chunk_response(pb_utils, chunk: GenerationChunk, wanted: set[str] | None = None, held: dict | None = None):
     """A response with a chunk's outputs (the `wanted` ones when given), each with the leading
     batch dimension of 1. The chunk holds the values as sent already (the engine converts a
-    step's outputs once, not once per response)."""
+    step's outputs once, not once per response). With `held` (one dict per request, kept between
+    its responses), the shared outputs are sent compactly (`outputs.compact_shared`); without it,
+    one value per token."""
+    outputs = chunk.outputs if held is None else _compacted(chunk.outputs, wanted, held)
     tensors = [
         pb_utils.Tensor(name, np.ascontiguousarray(value)[np.newaxis])
-        for name, value in chunk.outputs.items()
+        for name, value in outputs.items()
         if wanted is None or name in wanted
     ]
     if wanted is None or FINISH_REASON.name in wanted:
         tensors.append(pb_utils.Tensor(FINISH_REASON.name, _finish_reason(chunk.finish_reason)))
     return pb_utils.InferenceResponse(output_tensors=tensors)
+
+
+def _compacted(outputs: dict[str, np.ndarray], wanted: set[str] | None, held: dict) -> dict[str, np.ndarray]:
+    """`outputs` with the shared outputs `wanted` as `compact_shared` sends them, given `held`
+    (the values the request's earlier responses left the client with, updated here)."""
+    compact = outputs
+    for name in SHARED_TOKEN_OUTPUT_NAMES:
+        if wanted is not None and name not in wanted:
+            continue
+        values, before = outputs[name], held.get(name)
+        # a streamed token with its request's value so far: the common case, decided inline
+        if values.shape[0] == 1 and before is not None and values[0] == before:
+            sent = None
+        else:
+            sent, held[name] = compact_shared(values, before)
+            if sent is values:
+                continue
+        if compact is outputs:
+            compact = dict(outputs)
+        if sent is None:
+            del compact[name]
+        else:
+            compact[name] = sent
+    return compact
