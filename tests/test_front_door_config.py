@@ -7,9 +7,11 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import shutil
 import stat
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -168,6 +170,25 @@ def test_a_descriptor_limit_too_low_for_the_connection_cap_is_refused_with_the_f
     with pytest.raises(ProxyError, match="PROXY_MAX_CONNECTIONS"):
         door.prepare()
     assert door.directory is None
+
+
+@needs_haproxy
+def test_a_private_directory_too_long_for_haproxys_socket_goes_without_the_exporter(monkeypatch):
+    """HAProxy refuses a unix socket path over 97 bytes (it binds `<path>.<pid>.tmp` first), 10 fewer
+    than the kernel: the exporter's socket is then left out and the door starts; the stream gate's
+    (bound by Python) stays."""
+    short = Path(tempfile.mkdtemp(prefix="d"))
+    base = short / ("d" * (62 - len(str(short)) - 1))  # <base>/triton-front-door-XXXXXXXX/stats.sock: 100 bytes
+    base.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(base))
+    door = FrontDoor(REPOSITORY, {"http": 18000, "grpc": 18001, "metrics": 18002, "probe": 0}, "user-key")
+    try:
+        door.prepare()
+        assert len(str(door.directory / "stats.sock")) == 100 and door.stats_socket is None
+        assert door.gate_socket is not None and "DOOR_STATS_SOCKET" not in door.environment()
+    finally:
+        door.clean_up()
+        shutil.rmtree(short)
 
 
 def response(final: bool | None = None, error: str = "", request_id: str = "", outputs: int = 0) -> bytes:

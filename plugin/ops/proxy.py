@@ -39,7 +39,9 @@ HAPROXY_PATHS = ("/usr/sbin/haproxy", "/usr/local/sbin/haproxy")
 # On loopback, in this order (stream_gate_keyed: the gate's listener for keyed clients' streams).
 INTERNAL_PORTS = ("http", "grpc", "metrics", "stream_gate", "probe", "api", "stream_gate_keyed")
 SIDE_PORT_CONNECTIONS = 64  # the metrics and probe ports' maxconn in the template
-UNIX_PATH_MAX = 107  # the longest unix socket path (sun_path holds 108 bytes with its NUL)
+# The longest unix socket paths: sun_path holds 108 bytes with its NUL, and HAProxy keeps room in
+# it to bind `<path>.<pid>.tmp` first (its `haproxy -c` says "max 97").
+UNIX_PATH_MAX, HAPROXY_UNIX_PATH_MAX = 107, 97
 # What clients read when shed or refused, as the template sets it (`setenv MSG_...`).
 MESSAGES = dict(re.findall(r'^\s+setenv (MSG_\w+) "(.*)"$', TEMPLATE.read_text(), re.MULTILINE))
 QUEUE_FULL, QUEUE_TIMEOUT, RESTRICTED = (MESSAGES[f"MSG_{n}"] for n in ("QUEUE_FULL", "QUEUE_TIMEOUT", "RESTRICTED"))
@@ -103,13 +105,13 @@ class FrontDoor:
     @property
     def stats_socket(self) -> Path | None:
         """HAProxy's exporter socket (ops.proxy_metrics), where this haproxy has the exporter."""
-        path = self.socket("stats.sock")
+        path = self.socket("stats.sock", HAPROXY_UNIX_PATH_MAX)
         return path if path and self.haproxy[0] and exporter_available(*self.haproxy) else None
 
-    def socket(self, name: str) -> Path | None:
-        """`name` in the private directory, where a unix socket fits (sun_path: 107 bytes)."""
+    def socket(self, name: str, longest: int = UNIX_PATH_MAX) -> Path | None:
+        """`name` in the private directory, where a unix socket path fits (`longest` bytes)."""
         path = self.directory / name if self.directory else None
-        return path if path and len(str(path)) < UNIX_PATH_MAX else None
+        return path if path and len(str(path)) <= longest else None
 
     @property
     def gate_socket(self) -> Path | None:
