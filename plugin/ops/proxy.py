@@ -5,9 +5,9 @@ as map files; the template's header lists them. No rule is written here.
 
 `FrontDoor.prepare` writes the key and map files into a private directory (0700, files 0600,
 created exclusively) and checks the template with them (`haproxy -c`: a refused value stops the
-start); `children` are HAProxy, the stream gate and the HTTP API, which the supervisor runs and
-restarts. tritonserver gets a random internal key on its command line, which the proxy sets on the
-admin requests it admits: the user's key is only in the key file.
+start); `ops.door_commands` runs HAProxy on them, beside the stream gate and the HTTP API.
+tritonserver gets a random internal key on its command line, which the proxy sets on the admin
+requests it admits: the user's key is only in the key file.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import re
 import resource
 import secrets
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -26,8 +25,7 @@ from pathlib import Path
 
 from ..sampling.admin import WRONG_KEYS_PER_MINUTE
 from . import settings
-from .child import HARD_LIMIT, Child
-from .door_commands import api_command, api_runs, gate_command
+from .door_commands import api_runs
 from .model_limits import model_routes
 from .proxy_metrics import exporter_available
 from .secret_files import API_KEY_CLIENT, KEY_PATTERN, write_secret_file
@@ -35,7 +33,6 @@ from .server_process import free_port
 
 TEMPLATE = Path(__file__).resolve().with_name("haproxy") / "haproxy.cfg"
 LUA_CHECKS = TEMPLATE.with_name("json_checks.lua")
-HAPROXY_PATHS = ("/usr/sbin/haproxy", "/usr/local/sbin/haproxy")
 # On loopback, in this order (stream_gate_keyed: the gate's listener for keyed clients' streams).
 INTERNAL_PORTS = ("http", "grpc", "metrics", "stream_gate", "probe", "api", "stream_gate_keyed")
 SIDE_PORT_CONNECTIONS = 64  # the metrics and probe ports' maxconn in the template
@@ -72,7 +69,7 @@ def limit_variables(limits: ProxyLimits) -> dict[str, str]:
 
 def find_haproxy() -> str | None:
     """The haproxy binary: on PATH, or where Debian installs it (/usr/sbin is not on every PATH)."""
-    return shutil.which("haproxy") or next((path for path in HAPROXY_PATHS if os.access(path, os.X_OK)), None)
+    return shutil.which("haproxy", path=os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/usr/local/sbin"]))
 
 
 def internal_ports(base: int = 0) -> dict[str, int]:
@@ -170,8 +167,13 @@ class FrontDoor:
 
     def check(self) -> subprocess.CompletedProcess:
         """`haproxy -c` of the template with this door's values."""
-        command = [*self.haproxy, "-c", "-f", str(TEMPLATE)]
-        return subprocess.run(command, env=self.environment(), capture_output=True, text=True, timeout=60)
+        return subprocess.run(
+            self.haproxy_command("-c"), env=self.environment(), capture_output=True, text=True, timeout=60
+        )
+
+    def haproxy_command(self, *flags: str) -> list[str]:
+        """HAProxy with `flags` on the template (its values are in `environment()`)."""
+        return [*self.haproxy, *flags, "-f", str(TEMPLATE)]
 
     def prepare(self) -> None:
         """Write the files into a fresh private directory and check the template with them; raises
@@ -192,27 +194,6 @@ class FrontDoor:
 
     def serves_api(self) -> bool:
         return api_runs(self.repository, self.public.get("api", 0))
-
-    def children(self, log_path: Path | None = None) -> list[Child]:
-        """The proxy (its values in its environment; SIGUSR1 stops it accepting while what is in
-        flight finishes), the gate and the API: each dies with its parent and may hold as many
-        descriptors as the hard limit allows (HAProxy needs about two per connection)."""
-        commands = [("haproxy", [*self.haproxy, "-db", "-f", str(TEMPLATE)], self.environment(), signal.SIGUSR1)]
-        commands += [("stream gate", gate_command(self), None, signal.SIGTERM)] if self.stream_gate else []
-        commands += [("http api", api_command(self), None, signal.SIGTERM)] if self.serves_api() else []
-        return [
-            Child(
-                name,
-                command,
-                env=env,
-                log_path=log_path,
-                die_with_parent=True,
-                nofile=HARD_LIMIT,
-                soft_stop=stop,
-                nice=settings.TRITON_NICE.value(),
-            )
-            for name, command, env, stop in commands
-        ]
 
     def clean_up(self) -> None:
         """Remove the private directory (key and maps)."""

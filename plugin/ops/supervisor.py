@@ -12,7 +12,7 @@ died, reload it, or drain and restart the server when dead stubs' regions pile u
   request between, is reloaded (unload + load through the model-repository API).
 - `Supervisor`: runs tritonserver (in a session of its own, with a parent-death signal, under the
   memory limit, umask 077, without TRITON_ADMIN_KEY in its environment) and the front door's
-  children (`ops.proxy`), restarts whichever dies with backoff (`ops.child`), sweeps dead stubs'
+  children (`ops.door_commands`), restarts whichever dies with backoff (`ops.child`), sweeps dead stubs'
   regions (`ops.shm_cleanup`), serves /ready, /live, /status and /metrics on the probe port, and
   on SIGTERM stops the proxy accepting, lets tritonserver finish what is in flight, then stops all.
 """
@@ -32,6 +32,7 @@ from pathlib import Path
 
 from . import proxy_metrics, settings
 from .child import Child, describe_exit, end_process_group, group_members
+from .door_commands import door_children
 from .memory_limit import MemoryCage
 from .probe import ProbeResult, http_request, probe_model
 from .proxy import FrontDoor
@@ -488,7 +489,7 @@ class Supervisor:
         self.drain_restarts = 0
         self._dead_regions: DeadStubRegions | None = None
         self._next_region_sweep = 0.0
-        self.helpers = config.front_door.children() if config.front_door else []
+        self.helpers = door_children(config.front_door) if config.front_door else []
 
     def server_running(self) -> bool:
         """Whether tritonserver runs and no stop was asked for."""
