@@ -191,6 +191,29 @@ def test_a_private_directory_too_long_for_haproxys_socket_goes_without_the_expor
         shutil.rmtree(short)
 
 
+@needs_haproxy
+def test_the_launcher_checks_the_door_a_start_would_run_and_leaves_nothing_behind(tmp_path, monkeypatch, capsys):
+    """What the image's build runs: the launcher's own front door (its defences, client keys and
+    ports) checked by `haproxy -c`, its values printed with the secrets redacted, and no key file,
+    map or directory left."""
+    from triton_sampling_mask.ops import launcher
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    for name in ("TRITON_ADMIN_KEY", "TRITON_ADMIN_KEY_FILE", "TRITON_CLIENT_KEYS_FILE", "TRITON_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    api_key = "k" * 40
+    monkeypatch.setenv("TRITON_API_KEY", api_key)
+    launcher.main(["--model-repository", str(REPOSITORY), "--check-door"])
+    out = capsys.readouterr().out
+    assert "DOOR_INTERNAL_KEY=<secret>" in out and "DOOR_API_AUTHORIZATION=<secret>" in out, out
+    assert "DOOR_ADMIN_KEY_FILE=" in out and "DOOR_STREAM_GATE=on" in out and "DOOR_CLIENT_KEYS=on" in out, out
+    assert api_key not in out and "client_keys.map" not in out, out
+    routes = {route.name: route for route in model_limits.model_routes(REPOSITORY, 12288)}
+    maps = out[out.index("\nbody_limits.map:\n") :]
+    assert f"\nsampler {routes['sampler'].body_limit_bytes}\n" in maps[: maps.index("input_specs.map")], out
+    assert list(tmp_path.iterdir()) == []
+
+
 def response(final: bool | None = None, error: str = "", request_id: str = "", outputs: int = 0) -> bytes:
     """A ModelStreamInferResponse as Triton serializes it."""
     message = service_pb2.ModelStreamInferResponse(error_message=error)

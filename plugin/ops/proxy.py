@@ -18,7 +18,6 @@ import resource
 import secrets
 import shutil
 import subprocess
-import sys
 import tempfile
 from dataclasses import dataclass, field, make_dataclass
 from pathlib import Path
@@ -200,34 +199,3 @@ class FrontDoor:
         if self.directory is not None:
             shutil.rmtree(self.directory, ignore_errors=True)
             self.directory = None
-
-
-def main(argv: list[str] | None = None) -> None:
-    """`haproxy -c` of the template with the values `make serve` gives it for a repository (the
-    image's build runs this); --print shows them and the map files, secrets redacted."""
-    import argparse
-
-    parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("--model-repository", type=Path, default=Path(settings.MODEL_REPOSITORY.value()))
-    parser.add_argument("--print", action="store_true", help="print the values and the maps")
-    args = parser.parse_args(argv)
-    names = ("http", "grpc", "metrics", "probe", "api")
-    ports = {name: getattr(settings, f"TRITON_{name.upper()}_PORT").value() for name in names}
-    door = FrontDoor(args.model_repository, ports, secrets.token_urlsafe(32))
-    try:
-        door.prepare()
-        for name, value in sorted(door.environment().items()) if args.print else ():
-            print(f"{name}={'<secret>' if name in ('DOOR_INTERNAL_KEY', 'DOOR_API_AUTHORIZATION') else value}")
-        for path in (
-            sorted(set(door.directory.glob("*.map")) - {door.directory / "client_keys.map"}) if args.print else ()
-        ):
-            print(f"\n{path.name}:\n{path.read_text()}", end="")
-        print(f"haproxy accepts the front door's values for {door.repository}", file=sys.stderr)
-    except ProxyError as error:
-        raise SystemExit(str(error)) from None
-    finally:
-        door.clean_up()
-
-
-if __name__ == "__main__":
-    main()
