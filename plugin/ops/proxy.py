@@ -35,9 +35,8 @@ LUA_CHECKS = TEMPLATE.with_name("json_checks.lua")
 # On loopback, in this order (stream_gate_keyed: the gate's listener for keyed clients' streams).
 INTERNAL_PORTS = ("http", "grpc", "metrics", "stream_gate", "probe", "api", "stream_gate_keyed")
 SIDE_PORT_CONNECTIONS = 64  # the metrics and probe ports' maxconn in the template
-# The longest unix socket paths: sun_path holds 108 bytes with its NUL, and HAProxy keeps room in
-# it to bind `<path>.<pid>.tmp` first (its `haproxy -c` says "max 97").
-UNIX_PATH_MAX, HAPROXY_UNIX_PATH_MAX = 107, 97
+UNIX_PATH_MAX = 107  # the longest unix socket path: sun_path holds 108 bytes with its NUL
+HAPROXY_UNIX_PATH_MAX = 97  # HAProxy's: it binds `<path>.<pid>.tmp` first (`haproxy -c`: "max 97")
 # What clients read when shed or refused, as the template sets it (`setenv MSG_...`).
 MESSAGES = dict(re.findall(r'^\s+setenv (MSG_\w+) "(.*)"$', TEMPLATE.read_text(), re.MULTILINE))
 QUEUE_FULL, QUEUE_TIMEOUT, RESTRICTED = (MESSAGES[f"MSG_{n}"] for n in ("QUEUE_FULL", "QUEUE_TIMEOUT", "RESTRICTED"))
@@ -166,9 +165,8 @@ class FrontDoor:
 
     def check(self) -> subprocess.CompletedProcess:
         """`haproxy -c` of the template with this door's values."""
-        return subprocess.run(
-            self.haproxy_command("-c"), env=self.environment(), capture_output=True, text=True, timeout=60
-        )
+        command = self.haproxy_command("-c")
+        return subprocess.run(command, env=self.environment(), capture_output=True, text=True, timeout=60)
 
     def haproxy_command(self, *flags: str) -> list[str]:
         """HAProxy with `flags` on the template (its values are in `environment()`)."""
