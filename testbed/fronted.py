@@ -10,6 +10,7 @@ from pathlib import Path
 from testbed.server import PORT_NAMES, LoopbackUrls, TritonServer
 from testbed.startup_wait import CAP_S, wait_until_ready
 from triton_sampling_mask.ops.child import Child
+from triton_sampling_mask.ops.door_commands import door_children
 from triton_sampling_mask.ops.proxy import FrontDoor, ProxyLimits
 from triton_sampling_mask.ops.server_process import free_port, loopback_args
 
@@ -59,7 +60,7 @@ class FrontedTritonServer(LoopbackUrls):
         self.server.start(timeout_s)
         try:
             self.front_door.prepare()
-            self.helpers = self.front_door.children(self.server.log_path.with_suffix(".proxy.log"))
+            self.helpers = door_children(self.front_door, self.server.log_path.with_suffix(".proxy.log"))
             for helper in self.helpers:
                 helper.start()
             wait_until_ready(

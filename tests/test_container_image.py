@@ -418,7 +418,10 @@ def test_the_image_runs_the_front_door():
     for the image's repository (the launcher runs it by default: serve.sh passes no --no-proxy)."""
     commands = run_commands(DOCKERFILE.read_text())
     assert any("--no-install-recommends haproxy" in command for command in commands), commands
-    assert any("-m triton_sampling_mask.ops.proxy --model-repository /models" in command for command in commands)
+    assert any(
+        "-m triton_sampling_mask.ops.launcher --model-repository /models --check-door" in command
+        for command in commands
+    )
     assert "--no-proxy" not in (REPO_ROOT / "docker" / "serve.sh").read_text()
 
 

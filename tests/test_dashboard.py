@@ -27,7 +27,7 @@ def exported_names() -> set[str]:
     SamplerMetrics(stub, "sampler", "1", 512)
     GenerateMetrics(stub, "generate")
     triton = set(re.findall(r"`(nv_\w+)`", (REPO_ROOT / "docs" / "metrics.md").read_text()))
-    return set(stub.families) | set(proxy_metrics.TYPES) | triton
+    return set(stub.families) | set(proxy_metrics.HELP) | triton
 
 
 def metric_names(expr: str) -> set[str]:

@@ -19,6 +19,7 @@ import hpack
 import pytest
 
 from triton_sampling_mask.ops import proxy
+from triton_sampling_mask.ops.door_commands import door_children
 from triton_sampling_mask.ops.proxy import FrontDoor
 from triton_sampling_mask.ops.server_process import free_port
 from triton_sampling_mask.sampling.admin import CLIENT_ADDRESS_PARAMETER
@@ -118,7 +119,7 @@ def door(tmp_path):
         pytest.skip("the HTTP API's extra is not installed")
     front.directory = tmp_path
     front.write_files()
-    [haproxy] = front.children()[:1]
+    [haproxy] = door_children(front)[:1]
     running = subprocess.Popen(haproxy.command, env=haproxy.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 20

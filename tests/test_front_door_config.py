@@ -7,9 +7,11 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import shutil
 import stat
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -168,6 +170,48 @@ def test_a_descriptor_limit_too_low_for_the_connection_cap_is_refused_with_the_f
     with pytest.raises(ProxyError, match="PROXY_MAX_CONNECTIONS"):
         door.prepare()
     assert door.directory is None
+
+
+@needs_haproxy
+def test_a_private_directory_too_long_for_haproxys_socket_goes_without_the_exporter(monkeypatch):
+    """HAProxy refuses a unix socket path over 97 bytes (it binds `<path>.<pid>.tmp` first), 10 fewer
+    than the kernel: the exporter's socket is then left out and the door starts; the stream gate's
+    (bound by Python) stays."""
+    short = Path(tempfile.mkdtemp(prefix="d"))
+    base = short / ("d" * (62 - len(str(short)) - 1))  # <base>/triton-front-door-XXXXXXXX/stats.sock: 100 bytes
+    base.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(base))
+    door = FrontDoor(REPOSITORY, {"http": 18000, "grpc": 18001, "metrics": 18002, "probe": 0}, "user-key")
+    try:
+        door.prepare()
+        assert len(str(door.directory / "stats.sock")) == 100 and door.stats_socket is None
+        assert door.gate_socket is not None and "DOOR_STATS_SOCKET" not in door.environment()
+    finally:
+        door.clean_up()
+        shutil.rmtree(short)
+
+
+@needs_haproxy
+def test_the_launcher_checks_the_door_a_start_would_run_and_leaves_nothing_behind(tmp_path, monkeypatch, capsys):
+    """What the image's build runs: the launcher's own front door (its defences, client keys and
+    ports) checked by `haproxy -c`, its values printed with the secrets redacted, and no key file,
+    map or directory left."""
+    from triton_sampling_mask.ops import launcher
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    for name in ("TRITON_ADMIN_KEY", "TRITON_ADMIN_KEY_FILE", "TRITON_CLIENT_KEYS_FILE", "TRITON_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    api_key = "k" * 40
+    monkeypatch.setenv("TRITON_API_KEY", api_key)
+    launcher.main(["--model-repository", str(REPOSITORY), "--check-door"])
+    out = capsys.readouterr().out
+    assert "DOOR_INTERNAL_KEY=<secret>" in out and "DOOR_API_AUTHORIZATION=<secret>" in out, out
+    assert "DOOR_ADMIN_KEY_FILE=" in out and "DOOR_STREAM_GATE=on" in out and "DOOR_CLIENT_KEYS=on" in out, out
+    assert api_key not in out and "client_keys.map" not in out, out
+    routes = {route.name: route for route in model_limits.model_routes(REPOSITORY, 12288)}
+    maps = out[out.index("\nbody_limits.map:\n") :]
+    assert f"\nsampler {routes['sampler'].body_limit_bytes}\n" in maps[: maps.index("input_specs.map")], out
+    assert list(tmp_path.iterdir()) == []
 
 
 def response(final: bool | None = None, error: str = "", request_id: str = "", outputs: int = 0) -> bytes:

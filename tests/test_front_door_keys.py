@@ -23,6 +23,7 @@ import tritonclient.grpc as grpcclient
 
 from triton_sampling_mask.client.wire import sampler_inputs
 from triton_sampling_mask.ops import proxy
+from triton_sampling_mask.ops.door_commands import door_children
 from triton_sampling_mask.ops.proxy import FrontDoor, ProxyLimits
 from triton_sampling_mask.ops.secret_files import API_KEY_CLIENT, read_client_keys
 from triton_sampling_mask.ops.server_process import free_port
@@ -144,7 +145,7 @@ def door(tmp_path):
     )
     front.directory = tmp_path
     front.write_files()
-    [haproxy] = front.children()[:1]
+    [haproxy] = door_children(front)[:1]
     running = haproxy.start()
     try:
         deadline = time.monotonic() + 20
@@ -380,7 +381,7 @@ def test_a_keyed_stream_has_the_gates_queue_of_its_own(tmp_path):
     front.client_keys = KEYS
     front.directory = tmp_path
     front.write_files()
-    children = [child.start() for child in front.children()[:2]]  # HAProxy and the gate
+    children = [child.start() for child in door_children(front)[:2]]  # HAProxy and the gate
     clients = []
 
     def stream(key: str | None = None) -> queue.Queue:

@@ -32,6 +32,7 @@ import tritonclient.grpc as grpcclient
 from triton_sampling_mask.client.wire import sampler_inputs
 from triton_sampling_mask.ops import proxy, proxy_metrics
 from triton_sampling_mask.ops.child import Child
+from triton_sampling_mask.ops.door_commands import door_children
 from triton_sampling_mask.ops.proxy import MESSAGES, QUEUE_FULL, QUEUE_TIMEOUT, FrontDoor, ProxyLimits
 from triton_sampling_mask.ops.server_process import free_port
 
@@ -136,7 +137,7 @@ def test_each_lines_haproxy_accepts_the_config_and_refuses_every_bad_framing(tmp
     door = _door(tmp_path, stub.server_address[1], command)
     check = door.check()
     assert check.returncode == 0 and "warning" not in (check.stdout + check.stderr).lower(), check.stdout + check.stderr
-    [haproxy] = door.children()[:1]
+    [haproxy] = door_children(door)[:1]
     running = subprocess.Popen(haproxy.command, env=haproxy.env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     port = door.public["http"]
     try:
@@ -250,7 +251,7 @@ def test_each_lines_stream_refusals_reach_tritonclient_as_unavailable_with_the_p
     upstream, door = _door_before_a_silent_server(
         command, ProxyLimits(max_in_flight=1, max_queue=1, queue_timeout_s=0.5), tmp_path
     )
-    children = door.children()[:2]  # HAProxy and the gate
+    children = door_children(door)[:2]  # HAProxy and the gate
     clients = []
     try:
         for child in children:
@@ -333,7 +334,7 @@ def test_each_lines_unary_refusals_reach_tritonclient_as_grpc_statuses_with_the_
     command = _haproxy(line)
     limits, expected = UNARY_REFUSALS[refusal]
     upstream, door = _door_before_a_silent_server(command, ProxyLimits(**limits), tmp_path)
-    [haproxy] = door.children()[:1]
+    [haproxy] = door_children(door)[:1]
     client = None
     try:
         haproxy.start()

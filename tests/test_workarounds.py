@@ -14,6 +14,7 @@ import pytest
 
 from triton_sampling_mask.ops import capabilities, proxy, server_process, workarounds
 from triton_sampling_mask.ops.capabilities import ServerCapabilities
+from triton_sampling_mask.ops.door_commands import door_children
 from triton_sampling_mask.ops.proxy import FrontDoor
 from triton_sampling_mask.ops.workarounds import BY_NAME, WORKAROUNDS, Workaround
 
@@ -177,9 +178,9 @@ def test_the_proxy_values_follow_the_plan_and_stay_valid(tmp_path, switches):
 def test_the_front_door_starts_the_gate_only_when_the_plan_runs_it(tmp_path):
     door = FrontDoor(REPO_ROOT / "model_repository", {"http": 1, "grpc": 2, "metrics": 3, "probe": 0}, None)
     door.directory = tmp_path
-    assert [child.name for child in door.children()] == ["haproxy", "stream gate"]
+    assert [child.name for child in door_children(door)] == ["haproxy", "stream gate"]
     door = dataclasses.replace(door, stream_gate=False, json_checks=False)
-    assert [child.name for child in door.children()] == ["haproxy"]
+    assert [child.name for child in door_children(door)] == ["haproxy"]
     assert {"DOOR_STREAM_GATE", "DOOR_JSON_CHECKS"}.isdisjoint(door.environment())
 
 

@@ -202,11 +202,6 @@ class Child:
         end_process_group(self.process.pid)
         return self.process.returncode
 
-    def wait(self, deadline: float) -> None:
-        """Wait for the process to exit until `deadline` (time.monotonic())."""
-        while self.running() and time.monotonic() < deadline:
-            time.sleep(0.05)
-
     def restart_delay(self, served: bool = False) -> float:
         """Seconds from its death until the restart, fixed at the first call after a death: the
         shortest after a run of STABLE_RUN_S or one that `served`, longer with each quick death

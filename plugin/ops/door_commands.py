@@ -1,5 +1,6 @@
-"""The command lines of the front door's children beside HAProxy (ops.proxy): the stream gate
-(ops.stream_gate) and the HTTP API (plugin/api), and whether the API runs.
+"""The front door's processes, which the supervisor runs and restarts: HAProxy on the values
+`ops.proxy` decides, the stream gate (ops.stream_gate) and the HTTP API (plugin/api), with their
+command lines, and whether the API runs.
 
 The API runs behind the proxy only, when the proxy has a public port for it, the repository has a
 `generate` model and the `api` extra is installed; it listens on loopback, talks to tritonserver's
@@ -9,11 +10,13 @@ own gRPC port, and loads the generate model's `model_path` for its tokenizer.
 from __future__ import annotations
 
 import importlib.util
+import signal
 import sys
 from pathlib import Path
 
 from ..model_config import read_config_file, string_parameters
 from . import settings
+from .child import HARD_LIMIT, Child
 from .model_limits import model_routes
 
 GENERATE_MODEL = "generate"  # the model the HTTP API serves
@@ -82,3 +85,14 @@ def gate_command(door) -> list[str]:
         *(f"--keyed-max-queue={limits.keyed_max_queue}", f"--keyed-queue-timeout={limits.keyed_queue_timeout_s}"),
         *(f"--cancellable={route.name}" for route in routes if route.decoupled),
     ]
+
+
+def door_children(door, log_path: Path | None = None) -> list[Child]:
+    """HAProxy behind `door` (an ops.proxy.FrontDoor; its values in its environment, and SIGUSR1
+    stops it accepting while what is in flight finishes), the gate and the API: each dies with its
+    parent and may hold as many descriptors as the hard limit allows (HAProxy: about two a connection)."""
+    commands = [("haproxy", door.haproxy_command("-db"), door.environment(), signal.SIGUSR1)]
+    commands += [("stream gate", gate_command(door), None, signal.SIGTERM)] if door.stream_gate else []
+    commands += [("http api", api_command(door), None, signal.SIGTERM)] if door.serves_api() else []
+    common = {"log_path": log_path, "die_with_parent": True, "nofile": HARD_LIMIT, "nice": settings.TRITON_NICE.value()}
+    return [Child(name, command, env=env, soft_stop=stop, **common) for name, command, env, stop in commands]

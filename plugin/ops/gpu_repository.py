@@ -4,7 +4,9 @@ Every model's config.pbtxt is copied with two changes: its instance group become
 instance per visible GPU; the model samples on cuda:<model_instance_device_id>) and the parameter
 FORCE_CPU_ONLY_INPUT_TENSORS is "no", so Triton hands GPU-resident inputs over without a copy and
 the model takes them through DLPack. Everything else (the mask width W included) is unchanged, and
-the version folders (1/model.py) are copied as they are.
+the version folders (1/model.py) are copied as they are. The configs are rewritten through protobuf
+with Triton's own ModelConfig (the package's config reader, `model_config`), so their comments stay
+in the CPU repository only.
 
     python -m triton_sampling_mask.ops.gpu_repository SOURCE_REPOSITORY DEST_REPOSITORY
 """
@@ -12,35 +14,23 @@ the version folders (1/model.py) are copied as they are.
 from __future__ import annotations
 
 import argparse
-import re
 import shutil
 from pathlib import Path
 
-GPU_INSTANCE_GROUP = "instance_group [\n  { kind: KIND_GPU, count: 1 }\n]"
 FORCE_CPU_ONLY_KEY = "FORCE_CPU_ONLY_INPUT_TENSORS"
-_INSTANCE_GROUP = re.compile(r"instance_group\s*\[[^\]]*\]")
-_PARAMETERS = re.compile(r"parameters\s*\[")
-_FORCE_CPU_ONLY = re.compile(rf'(key:\s*"{FORCE_CPU_ONLY_KEY}",\s*value:\s*\{{\s*string_value:\s*)"[^"]*"')
 
 
 def gpu_config_text(config_text: str) -> str:
-    """The GPU variant of a config.pbtxt text: KIND_GPU instances, GPU inputs left on the GPU."""
-    text, groups = _INSTANCE_GROUP.subn(GPU_INSTANCE_GROUP, config_text)
-    if groups == 0:
-        text = text.rstrip("\n") + "\n\n" + GPU_INSTANCE_GROUP + "\n"
-    elif groups > 1:
-        raise ValueError("config.pbtxt has several instance_group blocks; expected one")
-    if _FORCE_CPU_ONLY.search(text):
-        return _FORCE_CPU_ONLY.sub(lambda m: f'{m.group(1)}"no"', text)
-    entry = f'{{ key: "{FORCE_CPU_ONLY_KEY}", value: {{ string_value: "no" }} }}'
-    text, lists = _PARAMETERS.subn(
-        lambda m: f"parameters [\n  # Keep GPU inputs on the GPU (the model reads them through DLPack).\n  {entry},",
-        text,
-        count=1,
-    )
-    if lists == 0:
-        text = text.rstrip("\n") + f"\n\nparameters [\n  {entry}\n]\n"
-    return text
+    """The GPU variant of a config.pbtxt text: KIND_GPU instances, GPU inputs left on the GPU
+    (rewritten through protobuf with Triton's own ModelConfig, as `model_config` reads it)."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    config = text_format.Parse(config_text, model_config_pb2.ModelConfig())
+    del config.instance_group[:]
+    config.instance_group.add(kind=model_config_pb2.ModelInstanceGroup.KIND_GPU, count=1)
+    config.parameters[FORCE_CPU_ONLY_KEY].string_value = "no"
+    return text_format.MessageToString(config)
 
 
 def build_gpu_repository(source: Path, dest: Path) -> Path:

@@ -6,7 +6,7 @@ PATH, so the server runs with this virtual environment's bin/ first on PATH.
 
     python -m triton_sampling_mask.ops.launcher [--model-repository DIR] [--no-supervise]
         [--no-proxy] [--probe-port N] [--watchdog-interval S] [--exit-timeout S]
-        [--open-admin-apis] [--show-defences] [-- extra tritonserver flags]
+        [--open-admin-apis] [--show-defences] [--check-door] [-- extra tritonserver flags]
 
 By default tritonserver runs as the child of a supervisor (`ops.supervisor`): it is restarted
 with backoff when it dies, a watchdog sends every loaded model a tiny real inference every few
@@ -26,7 +26,8 @@ carries the admin key); `make serve` installs it first where it can (root and ap
 
 At start it reads the server's version and flags and whether it runs in a container
 (`ops.capabilities`), and runs the defences `ops.workarounds` plans for them; `--show-defences`
-prints that plan and exits.
+prints that plan and exits; `--check-door` prepares the front door as a start would, checks it
+(`haproxy -c`), prints its values (secrets redacted) and model maps, and exits (the image's build runs it).
 
 The environment variables it reads (ports, the admin key, timeouts, pool sizes) are declared,
 with their defaults, in `ops.settings` (docs/settings.md).
@@ -43,7 +44,7 @@ from pathlib import Path
 from . import capabilities, settings
 from .memory_limit import MemoryCage, make_cage
 from .proxy import FrontDoor, ProxyError, find_haproxy, internal_ports
-from .secret_files import check_chosen_path, private_directory, read_client_keys, write_secret_file
+from .secret_files import check_chosen_path, private_directory, read_client_keys, remove_secret_file, write_secret_file
 from .server_process import (
     ADMIN_APIS,
     ADMIN_HEADER,
@@ -124,6 +125,15 @@ def defence_plan() -> WorkaroundPlan:
     return defences
 
 
+def print_door(door: FrontDoor) -> None:
+    """The values and model maps HAProxy accepted (`--check-door`), secrets redacted."""
+    for name, value in sorted(door.environment().items()):
+        print(f"{name}={'<secret>' if name in ('DOOR_INTERNAL_KEY', 'DOOR_API_AUTHORIZATION') else value}")
+    for path in sorted(set(door.directory.glob("*.map")) - {door.directory / "client_keys.map"}):
+        print(f"\n{path.name}:\n{path.read_text()}", end="")
+    print(f"[launcher] haproxy accepts the front door's values for {door.repository}", file=sys.stderr)
+
+
 # Command-line flags that override a setting: flag, setting, meaning.
 SETTING_FLAGS = (
     ("--probe-port", settings.TRITON_PROBE_PORT, "port of the supervisor's /ready and /live (0: none)"),
@@ -164,6 +174,11 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="print the server's capabilities and the defences that would run here (ops.workarounds), and exit",
     )
+    parser.add_argument(
+        "--check-door",
+        action="store_true",
+        help="prepare the front door as a start would, check it with haproxy -c, print its values and maps, and exit",
+    )
     parser.add_argument("extra", nargs=argparse.REMAINDER, help="flags passed to tritonserver after --")
     args = parser.parse_args(argv)
     if args.show_defences:
@@ -177,7 +192,7 @@ def main(argv: list[str] | None = None) -> None:
             args.exit_timeout = int(arg.split("=", 1)[1])
 
     ports = ports_from_environment()
-    proxied = not (args.no_proxy or args.no_supervise)
+    proxied = args.check_door or not (args.no_proxy or args.no_supervise)
     if proxied and find_haproxy() is None:
         sys.exit(
             "[launcher] haproxy is not installed, and without it tritonserver would face clients itself: install it "
@@ -202,7 +217,7 @@ def main(argv: list[str] | None = None) -> None:
         cage = make_cage(f"triton-server-{ports['http']}-{os.getpid()}")
     else:
         cage = MemoryCage("none", 0)  # a container's own limit bounds it
-    if args.no_supervise:
+    if args.no_supervise and not proxied:
         command = server_command(
             Path(args.model_repository),
             ports,
@@ -231,6 +246,13 @@ def main(argv: list[str] | None = None) -> None:
             front_door.clean_up()
             cage.remove()
             sys.exit(f"[launcher] {error}")
+        if args.check_door:
+            print_door(front_door)
+            front_door.clean_up()
+            cage.remove()
+            if key_file:
+                remove_secret_file(key_file)
+            return
         internal = front_door.internal
         print(
             f"[launcher] HAProxy owns the public ports (HTTP {ports['http']}, gRPC {ports['grpc']}, metrics "

@@ -25,7 +25,6 @@ import psutil
 
 from . import settings
 
-CGROUP_ROOT = Path("/sys/fs/cgroup")
 V1_UNLIMITED = 2**62  # v1 reports "no limit" as a huge page-rounded number
 
 

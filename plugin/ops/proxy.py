@@ -5,9 +5,9 @@ as map files; the template's header lists them. No rule is written here.
 
 `FrontDoor.prepare` writes the key and map files into a private directory (0700, files 0600,
 created exclusively) and checks the template with them (`haproxy -c`: a refused value stops the
-start); `children` are HAProxy, the stream gate and the HTTP API, which the supervisor runs and
-restarts. tritonserver gets a random internal key on its command line, which the proxy sets on the
-admin requests it admits: the user's key is only in the key file.
+start); `ops.door_commands` runs HAProxy on them, beside the stream gate and the HTTP API.
+tritonserver gets a random internal key on its command line, which the proxy sets on the admin
+requests it admits: the user's key is only in the key file.
 """
 
 from __future__ import annotations
@@ -17,17 +17,14 @@ import re
 import resource
 import secrets
 import shutil
-import signal
 import subprocess
-import sys
 import tempfile
 from dataclasses import dataclass, field, make_dataclass
 from pathlib import Path
 
 from ..sampling.admin import WRONG_KEYS_PER_MINUTE
 from . import settings
-from .child import HARD_LIMIT, Child
-from .door_commands import api_command, api_runs, gate_command
+from .door_commands import api_runs
 from .model_limits import model_routes
 from .proxy_metrics import exporter_available
 from .secret_files import API_KEY_CLIENT, KEY_PATTERN, write_secret_file
@@ -35,11 +32,11 @@ from .server_process import free_port
 
 TEMPLATE = Path(__file__).resolve().with_name("haproxy") / "haproxy.cfg"
 LUA_CHECKS = TEMPLATE.with_name("json_checks.lua")
-HAPROXY_PATHS = ("/usr/sbin/haproxy", "/usr/local/sbin/haproxy")
 # On loopback, in this order (stream_gate_keyed: the gate's listener for keyed clients' streams).
 INTERNAL_PORTS = ("http", "grpc", "metrics", "stream_gate", "probe", "api", "stream_gate_keyed")
 SIDE_PORT_CONNECTIONS = 64  # the metrics and probe ports' maxconn in the template
-UNIX_PATH_MAX = 107  # the longest unix socket path (sun_path holds 108 bytes with its NUL)
+UNIX_PATH_MAX = 107  # the longest unix socket path: sun_path holds 108 bytes with its NUL
+HAPROXY_UNIX_PATH_MAX = 97  # HAProxy's: it binds `<path>.<pid>.tmp` first (`haproxy -c`: "max 97")
 # What clients read when shed or refused, as the template sets it (`setenv MSG_...`).
 MESSAGES = dict(re.findall(r'^\s+setenv (MSG_\w+) "(.*)"$', TEMPLATE.read_text(), re.MULTILINE))
 QUEUE_FULL, QUEUE_TIMEOUT, RESTRICTED = (MESSAGES[f"MSG_{n}"] for n in ("QUEUE_FULL", "QUEUE_TIMEOUT", "RESTRICTED"))
@@ -70,7 +67,7 @@ def limit_variables(limits: ProxyLimits) -> dict[str, str]:
 
 def find_haproxy() -> str | None:
     """The haproxy binary: on PATH, or where Debian installs it (/usr/sbin is not on every PATH)."""
-    return shutil.which("haproxy") or next((path for path in HAPROXY_PATHS if os.access(path, os.X_OK)), None)
+    return shutil.which("haproxy", path=os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/usr/local/sbin"]))
 
 
 def internal_ports(base: int = 0) -> dict[str, int]:
@@ -103,13 +100,13 @@ class FrontDoor:
     @property
     def stats_socket(self) -> Path | None:
         """HAProxy's exporter socket (ops.proxy_metrics), where this haproxy has the exporter."""
-        path = self.socket("stats.sock")
+        path = self.socket("stats.sock", HAPROXY_UNIX_PATH_MAX)
         return path if path and self.haproxy[0] and exporter_available(*self.haproxy) else None
 
-    def socket(self, name: str) -> Path | None:
-        """`name` in the private directory, where a unix socket fits (sun_path: 107 bytes)."""
+    def socket(self, name: str, longest: int = UNIX_PATH_MAX) -> Path | None:
+        """`name` in the private directory, where a unix socket path fits (`longest` bytes)."""
         path = self.directory / name if self.directory else None
-        return path if path and len(str(path)) < UNIX_PATH_MAX else None
+        return path if path and len(str(path)) <= longest else None
 
     @property
     def gate_socket(self) -> Path | None:
@@ -168,8 +165,12 @@ class FrontDoor:
 
     def check(self) -> subprocess.CompletedProcess:
         """`haproxy -c` of the template with this door's values."""
-        command = [*self.haproxy, "-c", "-f", str(TEMPLATE)]
+        command = self.haproxy_command("-c")
         return subprocess.run(command, env=self.environment(), capture_output=True, text=True, timeout=60)
+
+    def haproxy_command(self, *flags: str) -> list[str]:
+        """HAProxy with `flags` on the template (its values are in `environment()`)."""
+        return [*self.haproxy, *flags, "-f", str(TEMPLATE)]
 
     def prepare(self) -> None:
         """Write the files into a fresh private directory and check the template with them; raises
@@ -191,60 +192,8 @@ class FrontDoor:
     def serves_api(self) -> bool:
         return api_runs(self.repository, self.public.get("api", 0))
 
-    def children(self, log_path: Path | None = None) -> list[Child]:
-        """The proxy (its values in its environment; SIGUSR1 stops it accepting while what is in
-        flight finishes), the gate and the API: each dies with its parent and may hold as many
-        descriptors as the hard limit allows (HAProxy needs about two per connection)."""
-        commands = [("haproxy", [*self.haproxy, "-db", "-f", str(TEMPLATE)], self.environment(), signal.SIGUSR1)]
-        commands += [("stream gate", gate_command(self), None, signal.SIGTERM)] if self.stream_gate else []
-        commands += [("http api", api_command(self), None, signal.SIGTERM)] if self.serves_api() else []
-        return [
-            Child(
-                name,
-                command,
-                env=env,
-                log_path=log_path,
-                die_with_parent=True,
-                nofile=HARD_LIMIT,
-                soft_stop=stop,
-                nice=settings.TRITON_NICE.value(),
-            )
-            for name, command, env, stop in commands
-        ]
-
     def clean_up(self) -> None:
         """Remove the private directory (key and maps)."""
         if self.directory is not None:
             shutil.rmtree(self.directory, ignore_errors=True)
             self.directory = None
-
-
-def main(argv: list[str] | None = None) -> None:
-    """`haproxy -c` of the template with the values `make serve` gives it for a repository (the
-    image's build runs this); --print shows them and the map files, secrets redacted."""
-    import argparse
-
-    parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("--model-repository", type=Path, default=Path(settings.MODEL_REPOSITORY.value()))
-    parser.add_argument("--print", action="store_true", help="print the values and the maps")
-    args = parser.parse_args(argv)
-    names = ("http", "grpc", "metrics", "probe", "api")
-    ports = {name: getattr(settings, f"TRITON_{name.upper()}_PORT").value() for name in names}
-    door = FrontDoor(args.model_repository, ports, secrets.token_urlsafe(32))
-    try:
-        door.prepare()
-        for name, value in sorted(door.environment().items()) if args.print else ():
-            print(f"{name}={'<secret>' if name in ('DOOR_INTERNAL_KEY', 'DOOR_API_AUTHORIZATION') else value}")
-        for path in (
-            sorted(set(door.directory.glob("*.map")) - {door.directory / "client_keys.map"}) if args.print else ()
-        ):
-            print(f"\n{path.name}:\n{path.read_text()}", end="")
-        print(f"haproxy accepts the front door's values for {door.repository}", file=sys.stderr)
-    except ProxyError as error:
-        raise SystemExit(str(error)) from None
-    finally:
-        door.clean_up()
-
-
-if __name__ == "__main__":
-    main()

@@ -32,6 +32,7 @@ import socket
 import subprocess
 from collections import defaultdict
 from pathlib import Path
+from types import SimpleNamespace
 
 EXPORTER_QUERY = "/metrics?scope=frontend&scope=backend"
 # The public frontends (fe_<name>, docs/metrics.md): HAProxy's others (the exporter's own frontend,
@@ -54,7 +55,6 @@ HELP = {
     RECEIVED: "requests (gRPC calls) the front door received, by frontend",
     WAITING: "requests waiting in the front door for a slot at tritonserver, by model route",
 }
-TYPES = {REFUSED: "counter", RECEIVED: "counter", WAITING: "gauge"}
 
 
 @functools.cache
@@ -172,21 +172,20 @@ def counts(stats_socket: Path, gate_socket: Path | None = None) -> dict[str, dic
 
 
 def exposition(by_frontend: dict[str, dict]) -> str:
-    """The series of the module docstring as Prometheus text."""
-    lines = []
-    for series in (REFUSED, RECEIVED, WAITING):
-        lines += [f"# HELP {series} {HELP[series]}", f"# TYPE {series} {TYPES[series]}"]
-        for frontend, counts in sorted(by_frontend.items()):
-            if series == REFUSED:
-                lines += [f'{series}{{frontend="{frontend}",reason="{r}"}} {counts[r]:.0f}' for r in REASONS]
-            elif series == RECEIVED:
-                lines.append(f'{series}{{frontend="{frontend}"}} {counts["received"]:.0f}')
-            else:
-                lines += [
-                    f'{series}{{frontend="{frontend}",backend="{b}"}} {n:.0f}'
-                    for b, n in sorted(counts["waiting"].items())
-                ]
-    return "\n".join(lines) + "\n"
+    """The series of the module docstring as Prometheus text, written by prometheus_client."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+    from prometheus_client.exposition import generate_latest
+
+    refused = CounterMetricFamily(REFUSED, HELP[REFUSED], labels=["frontend", "reason"])
+    received = CounterMetricFamily(RECEIVED, HELP[RECEIVED], labels=["frontend"])
+    waiting = GaugeMetricFamily(WAITING, HELP[WAITING], labels=["frontend", "backend"])
+    for frontend, counts in sorted(by_frontend.items()):
+        for reason in REASONS:
+            refused.add_metric([frontend, reason], counts[reason])
+        received.add_metric([frontend], counts["received"])
+        for backend, now in sorted(counts["waiting"].items()):
+            waiting.add_metric([frontend, backend], now)
+    return generate_latest(SimpleNamespace(collect=lambda: [refused, received, waiting])).decode()
 
 
 def render(stats_socket: Path, gate_socket: Path | None = None) -> str:

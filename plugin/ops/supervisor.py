@@ -12,7 +12,7 @@ died, reload it, or drain and restart the server when dead stubs' regions pile u
   request between, is reloaded (unload + load through the model-repository API).
 - `Supervisor`: runs tritonserver (in a session of its own, with a parent-death signal, under the
   memory limit, umask 077, without TRITON_ADMIN_KEY in its environment) and the front door's
-  children (`ops.proxy`), restarts whichever dies with backoff (`ops.child`), sweeps dead stubs'
+  children (`ops.door_commands`), restarts whichever dies with backoff (`ops.child`), sweeps dead stubs'
   regions (`ops.shm_cleanup`), serves /ready, /live, /status and /metrics on the probe port, and
   on SIGTERM stops the proxy accepting, lets tritonserver finish what is in flight, then stops all.
 """
@@ -32,6 +32,7 @@ from pathlib import Path
 
 from . import proxy_metrics, settings
 from .child import Child, describe_exit, end_process_group, group_members
+from .door_commands import door_children
 from .memory_limit import MemoryCage
 from .probe import ProbeResult, http_request, probe_model
 from .proxy import FrontDoor
@@ -185,23 +186,22 @@ class Watchdog:
             report["models"] = {**report["models"], **stalled}
         return report["passed"] and report["fresh"], report
 
-    def _url(self, path: str) -> str:
-        return f"http://{self.config.http_url}{path}"
-
-    def _index(self) -> list[dict]:
-        status, body = http_request(
-            "POST", self._url("/v2/repository/index"), b"{}", self.headers, self.config.probe_timeout_s
-        )
+    def _call(self, path: str, post: bool = False, timeout_s: float | None = None) -> bytes:
+        """tritonserver's answer to GET `path`, or to POST `{}` with the admin key; raises
+        ConnectionError (saying the status) unless it is 200, or TimeoutError."""
+        method, body, headers = ("POST", b"{}", self.headers) if post else ("GET", None, None)
+        url = f"http://{self.config.http_url}{path}"
+        status, answer = http_request(method, url, body, headers, timeout_s or self.config.probe_timeout_s)
         if status != 200:
-            raise ConnectionError(f"repository index: HTTP {status}: {body[:200].decode(errors='replace')}")
-        return json.loads(body)
+            raise ConnectionError(f"HTTP {status} {answer[:200].decode(errors='replace')}")
+        return answer
 
     def run_round(self) -> RoundReport:
         """Probe every expected model once; start reloads where a stub is dead or hung."""
         generation = self._generation
         started = time.monotonic()
         try:
-            index = self._index()
+            index = json.loads(self._call("/v2/repository/index", post=True))
         except (ConnectionError, TimeoutError, ValueError) as error:
             report = RoundReport(time.monotonic(), {}, f"tritonserver not answering: {error}")
             self._publish(report, generation)
@@ -285,11 +285,7 @@ class Watchdog:
     def _config_of(self, name: str) -> dict | None:
         if name not in self._configs:
             try:
-                status, body = http_request(
-                    "GET", self._url(f"/v2/models/{name}/config"), timeout_s=self.config.probe_timeout_s
-                )
-                if status == 200:
-                    self._configs[name] = json.loads(body)
+                self._configs[name] = json.loads(self._call(f"/v2/models/{name}/config"))
             except (ConnectionError, TimeoutError, ValueError):
                 pass
         return self._configs.get(name)
@@ -299,12 +295,7 @@ class Watchdog:
         failures: a hung model's queue still rejects requests (a request that fails inside an
         execution moves the executions)."""
         try:
-            status, body = http_request(
-                "GET", self._url(f"/v2/models/{name}/stats"), timeout_s=timeout_s or self.config.probe_timeout_s
-            )
-            if status != 200:
-                return None
-            stats = json.loads(body).get("model_stats", [])
+            stats = json.loads(self._call(f"/v2/models/{name}/stats", timeout_s=timeout_s)).get("model_stats", [])
             return (
                 sum(int(s.get("inference_count", 0)) for s in stats),
                 sum(int(s.get("execution_count", 0)) for s in stats),
@@ -362,14 +353,9 @@ class Watchdog:
         log(f"watchdog: reloading '{name}': {why}")
         ok, detail = False, ""
         try:
-            status, body = http_request(
-                "POST", self._url(f"/v2/repository/models/{name}/unload"), b"{}", self.headers, RELOAD_TIMEOUT_S
-            )
-            if status == 200:
-                status, body = http_request(
-                    "POST", self._url(f"/v2/repository/models/{name}/load"), b"{}", self.headers, RELOAD_TIMEOUT_S
-                )
-            ok, detail = status == 200, f"HTTP {status} {body[:200].decode(errors='replace')}"
+            for action in ("unload", "load"):
+                self._call(f"/v2/repository/models/{name}/{action}", post=True, timeout_s=RELOAD_TIMEOUT_S)
+            ok = True
         except (ConnectionError, TimeoutError) as error:
             detail = str(error)
         seconds = time.monotonic() - started
@@ -439,18 +425,12 @@ class _ProbeHandler(BaseHTTPRequestHandler):
         except (OSError, ValueError) as error:
             self._answer(503, {"error": f"the front door's metrics are not available: {error}"})
             return
-        self.send_response(200)
-        self.send_header("Content-Type", "text/plain; version=0.0.4")
-        self.send_header("Content-Length", str(len(body)))
-        self.send_header("Connection", "close")
-        self.end_headers()
-        self.wfile.write(body)
-        self.close_connection = True
+        self._answer(200, body, "text/plain; version=0.0.4")
 
-    def _answer(self, status: int, payload: dict) -> None:
-        body = json.dumps(payload).encode()
+    def _answer(self, status: int, payload: dict | bytes, content_type: str = "application/json") -> None:
+        body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
         self.send_response(status)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
         self.send_header("Connection", "close")
         self.end_headers()
@@ -488,7 +468,7 @@ class Supervisor:
         self.drain_restarts = 0
         self._dead_regions: DeadStubRegions | None = None
         self._next_region_sweep = 0.0
-        self.helpers = config.front_door.children() if config.front_door else []
+        self.helpers = door_children(config.front_door) if config.front_door else []
 
     def server_running(self) -> bool:
         """Whether tritonserver runs and no stop was asked for."""
