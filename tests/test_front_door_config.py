@@ -214,6 +214,25 @@ def test_the_launcher_checks_the_door_a_start_would_run_and_leaves_nothing_behin
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("refusal", ["client keys", "haproxy"])
+def test_a_launcher_that_refuses_to_start_leaves_no_generated_admin_key(tmp_path, monkeypatch, refusal):
+    """A start stopped by an unusable client key file, or by HAProxy refusing the door's values,
+    removes the admin key it generated (and its private directory)."""
+    from triton_sampling_mask.ops import launcher
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    for name in ("TRITON_ADMIN_KEY", "TRITON_ADMIN_KEY_FILE", "TRITON_CLIENT_KEYS_FILE", "TRITON_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    if refusal == "client keys":
+        monkeypatch.setenv("TRITON_CLIENT_KEYS_FILE", "/nonexistent/client.keys")
+    else:
+        refused = subprocess.CompletedProcess([], 1, "", "[ALERT] a value refused")
+        monkeypatch.setattr(proxy.FrontDoor, "check", lambda self: refused)
+    with pytest.raises(SystemExit):
+        launcher.main(["--model-repository", str(REPOSITORY)])
+    assert list(tmp_path.iterdir()) == []
+
+
 def response(final: bool | None = None, error: str = "", request_id: str = "", outputs: int = 0) -> bytes:
     """A ModelStreamInferResponse as Triton serializes it."""
     message = service_pb2.ModelStreamInferResponse(error_message=error)

@@ -198,6 +198,7 @@ def main(argv: list[str] | None = None) -> None:
             "[launcher] haproxy is not installed, and without it tritonserver would face clients itself: install it "
             "(`apt-get install haproxy`; `make serve` does as root) or pass --no-proxy (TRITON_PROXY=none)"
         )
+    keys = client_keys() if proxied else {}  # a bad key file stops the start before any secret is written
     admin_key, key_file = None, None
     if args.open_admin_apis:
         print(
@@ -238,13 +239,15 @@ def main(argv: list[str] | None = None) -> None:
             internal_ports(settings.TRITON_INTERNAL_PORT_BASE.value()),
             stream_gate=defences.runs("stream_gate"),
             json_checks=defences.runs("json_checks"),
-            client_keys=client_keys(),
+            client_keys=keys,
         )
         try:
             front_door.prepare()
         except ProxyError as error:
             front_door.clean_up()
             cage.remove()
+            if key_file:
+                remove_secret_file(key_file)
             sys.exit(f"[launcher] {error}")
         if args.check_door:
             print_door(front_door)
