@@ -44,8 +44,9 @@ tritonserver, and frames pass through as they are, except that
   above half of what the client grants) is reset as it was, so its requests are cancelled.
 Each response message's leading bytes are read to tell a final one (in place when the message is
 whole in its frame, as a streamed token's is); nothing is deserialised, and a streamed token costs
-a socket read and a write toward the proxy, a read of the proxy's WINDOW_UPDATE, and a little
-frame parsing here (no grpc runtime).
+a socket read, a little frame parsing here (no grpc runtime) and its share of a write toward the
+proxy and of the read of the proxy's WINDOW_UPDATE: writes toward the proxy are coalesced
+(COALESCE_S).
 
     python -m triton_sampling_mask.ops.stream_gate --listen 127.0.0.1:P --upstream 127.0.0.1:Q
         [--max-open N] [--max-message-bytes B] [--max-streams N --max-queue N --queue-timeout S]
