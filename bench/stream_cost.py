@@ -83,10 +83,11 @@ class Round:
 
 
 def cpu_times(pids: list[int]) -> tuple[float, float]:
-    """User and system CPU seconds of these processes and their live descendants."""
+    """User and system CPU seconds of these processes and their live descendants (this process
+    alone: the servers it started are its descendants, each counted under its own name)."""
     user = system = 0.0
     for pid in pids:
-        for process in process_tree(pid):
+        for process in process_tree(pid) if pid != os.getpid() else [psutil.Process(pid)]:
             try:
                 times = process.cpu_times()
             except psutil.Error:

@@ -5,8 +5,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
+import time
 
 import numpy as np
+import psutil
 import pytest
 import torch
 
@@ -292,3 +297,18 @@ def test_the_figures_render_from_a_results_table(tmp_path):
         assert path.read_bytes().startswith(b"\x89PNG\r\n\x1a\n") and path.stat().st_size > 10_000
     # without served tables or speculative results there is nothing to draw, and nothing is written
     assert plots.render({"kernel": []}, tmp_path / "none") == [] and not (tmp_path / "none").exists()
+
+
+def test_stream_cost_counts_the_clients_process_without_the_servers_it_started():
+    """The servers the benchmark measures are its own children, each counted under its own name:
+    the clients' CPU time is this process's alone, not its descendants' as well."""
+    burn = "import sys, time\nend = time.process_time() + 0.5\nwhile time.process_time() < end: pass\nsys.stdin.read()"
+    child = subprocess.Popen([sys.executable, "-c", burn], stdin=subprocess.PIPE)
+    try:
+        while sum(psutil.Process(child.pid).cpu_times()[:2]) < 0.5:
+            time.sleep(0.05)
+        own = psutil.Process().cpu_times()
+        counted = stream_cost.cpu_times([os.getpid()])
+    finally:
+        child.communicate(b"")
+    assert sum(counted) - (own.user + own.system) < 0.25

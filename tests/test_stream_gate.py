@@ -10,6 +10,7 @@ import stat
 import struct
 
 import hpack
+import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from tritonclient.grpc import service_pb2
@@ -20,14 +21,23 @@ from triton_sampling_mask.ops.stream_gate import DATA, END_STREAM, HEADERS, RST_
 STREAM = 1
 
 
+@pytest.fixture(autouse=True)
+def _writes_at_once(monkeypatch):
+    """The relay's writes toward the proxy go at once (no coalescing), so each check reads them as
+    soon as it has fed the relay; test_writes_toward_the_proxy_are_coalesced checks the coalescing."""
+    monkeypatch.setattr(stream_gate.StreamGate, "coalesce_s", 0.0, raising=False)
+
+
 class Transport:
     """What the relay writes on one side."""
 
     def __init__(self):
         self.written = bytearray()
+        self.writes = 0
 
     def write(self, data: bytes) -> None:
         self.written += data
+        self.writes += 1
 
     def resume_reading(self) -> None:
         pass
@@ -138,6 +148,35 @@ def test_a_release_waits_for_the_end_of_a_header_block_the_proxy_has_begun():
     assert forwarded(gate)[0] == first + second
     kinds = [(f[0], f[2]) for f in gate.server.transport.frames()]
     assert kinds[-3:] == [(HEADERS, 3), (stream_gate.CONTINUATION, 3), (DATA, STREAM)]
+
+
+def test_writes_toward_the_proxy_are_coalesced_and_a_write_after_a_quiet_spell_goes_at_once(monkeypatch):
+    """tritonserver sends each streamed token in a packet of its own: the relay writes the first at
+    once, the ones that follow within coalesce_s in one write when that time is up, and what is
+    still waiting when the server's connection ends before the relay closes; every frame arrives,
+    in order."""
+    monkeypatch.setattr(stream_gate.StreamGate, "coalesce_s", 0.05, raising=False)
+    tokens = [frame(DATA, 0, STREAM, response(final=False)) for _ in range(4)]
+
+    async def run():
+        gate = relay(max_open=4)
+        gate.client_data(frame(DATA, 0, STREAM, grpc_message(b"a")))
+        client = gate.client.transport
+        gate.server_data(tokens[0])
+        assert client.writes == 1 and bytes(client.written) == tokens[0]  # the first: at once
+        for token in tokens[1:]:
+            gate.server_data(token)
+        assert client.writes == 1  # the others wait for coalesce_s
+        await asyncio.sleep(0.1)
+        assert client.writes == 2 and bytes(client.written) == b"".join(tokens)
+        await asyncio.sleep(0.1)
+        gate.server_data(tokens[0])  # after a quiet spell: at once
+        assert client.writes == 3
+        gate.server_data(tokens[1])
+        gate.close()  # the server's connection ended: what waits goes before the close
+        assert client.writes == 4 and bytes(client.written) == b"".join(tokens) + tokens[0] + tokens[1]
+
+    asyncio.run(run())
 
 
 def _server_frames(gate: stream_gate.Relay) -> list[tuple[int, int, int, bytes]]:

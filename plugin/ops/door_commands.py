@@ -20,6 +20,11 @@ from .child import HARD_LIMIT, Child
 from .model_limits import model_routes
 
 GENERATE_MODEL = "generate"  # the model the HTTP API serves
+# HAProxy's environment beside the template's values: its 256 KiB buffers (tune.bufsize) come and go
+# with each relayed chunk, more than its per-thread pool cache (512 KiB) keeps, and glibc's malloc
+# would give each back to the kernel and fault it in again (a brk and a page fault per streamed
+# token); with these thresholds freed memory stays for reuse, up to 32 MiB.
+HAPROXY_MALLOC = {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=1048576:glibc.malloc.trim_threshold=33554432"}
 # The API's flags an operator sets through the environment (docs/settings.md), by flag name; a
 # switch is passed bare when on, a setting left to the API (None) not at all.
 API_LIMITS = {
@@ -91,7 +96,7 @@ def door_children(door, log_path: Path | None = None) -> list[Child]:
     """HAProxy behind `door` (an ops.proxy.FrontDoor; its values in its environment, and SIGUSR1
     stops it accepting while what is in flight finishes), the gate and the API: each dies with its
     parent and may hold as many descriptors as the hard limit allows (HAProxy: about two a connection)."""
-    commands = [("haproxy", door.haproxy_command("-db"), door.environment(), signal.SIGUSR1)]
+    commands = [("haproxy", door.haproxy_command("-db"), {**door.environment(), **HAPROXY_MALLOC}, signal.SIGUSR1)]
     commands += [("stream gate", gate_command(door), None, signal.SIGTERM)] if door.stream_gate else []
     commands += [("http api", api_command(door), None, signal.SIGTERM)] if door.serves_api() else []
     common = {"log_path": log_path, "die_with_parent": True, "nofile": HARD_LIMIT, "nice": settings.TRITON_NICE.value()}

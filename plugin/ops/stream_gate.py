@@ -44,8 +44,9 @@ tritonserver, and frames pass through as they are, except that
   above half of what the client grants) is reset as it was, so its requests are cancelled.
 Each response message's leading bytes are read to tell a final one (in place when the message is
 whole in its frame, as a streamed token's is); nothing is deserialised, and a streamed token costs
-a socket read and a write toward the proxy, a read of the proxy's WINDOW_UPDATE, and a little
-frame parsing here (no grpc runtime).
+a socket read, a little frame parsing here (no grpc runtime) and its share of a write toward the
+proxy and of the read of the proxy's WINDOW_UPDATE: writes toward the proxy are coalesced
+(COALESCE_S).
 
     python -m triton_sampling_mask.ops.stream_gate --listen 127.0.0.1:P --upstream 127.0.0.1:Q
         [--max-open N] [--max-message-bytes B] [--max-streams N --max-queue N --queue-timeout S]
@@ -60,6 +61,7 @@ import json
 import os
 import signal
 import struct
+import time
 from collections import OrderedDict
 
 import hpack
@@ -88,7 +90,12 @@ READ_BYTES = 65536  # one socket read at most
 STOP_GRACE_S = 2.0  # after SIGTERM, how long open connections may go on
 MODEL_NAME_BYTES = 256  # a first request's leading bytes read for its model's name
 DRAIN_LIMIT_S = 60.0  # how long an abandoned stream's remaining responses may take to be read
-DRAIN_WINDOW_BYTES = 2**30  # the window opened for them (a window may not pass 2**31 - 1)
+DRAIN_WINDOW_BYTES = 2**30
+# Toward the proxy, at most one write per connection in this time: tritonserver sends each streamed
+# token in a packet of its own, and a write per token costs this relay, the proxy (its read, its
+# WINDOW_UPDATE back, its write) and the client a system call and a wake-up each. A write after a
+# quiet spell goes at once, so a lone stream's tokens are never held.
+COALESCE_S = 0.001  # the window opened for them (a window may not pass 2**31 - 1)
 
 
 def _varint(data: bytes, pos: int) -> tuple[int, int]:
@@ -268,6 +275,8 @@ class Relay:
         self.block: list = []  # the server's header block being read: [stream, flags, fragments]
         self.to_client: list[bytes] = []
         self.to_server: list[bytes] = []
+        self.client_timer: asyncio.TimerHandle | None = None  # a write toward the client, due
+        self.client_written = float("-inf")  # when the last one went (time.monotonic, the loop's clock)
         self.closed = False
         self.connecting: asyncio.Future | None = None
         # A header block the proxy has begun and not ended: no frame may be sent to the server
@@ -305,19 +314,34 @@ class Relay:
         return (self.server if half is self.client else self.client).transport
 
     def _flush(self) -> None:
+        """Send what is queued: toward the server at once; toward the client at once when nothing
+        went to it in the last COALESCE_S, else with what else comes by then, in one write."""
         if self.closed:
             return
         if self.client_gone:
             self.to_client.clear()
         if self.to_server and self.server.transport is not None:
             self.server.transport.write(b"".join(self.to_server))
-        if self.to_client:
-            self.client.transport.write(b"".join(self.to_client))
         self.to_server.clear()
+        if self.to_client and self.client_timer is None:
+            due = self.client_written + self.gate.coalesce_s
+            if time.monotonic() >= due:
+                self._flush_client()
+            else:
+                self.client_timer = asyncio.get_running_loop().call_at(due, self._flush_client)
+
+    def _flush_client(self) -> None:
+        self.client_timer = None
+        if self.to_client and not self.closed and not self.client_gone:
+            self.client.transport.write(b"".join(self.to_client))
+            self.client_written = time.monotonic()
         self.to_client.clear()
 
     def close(self) -> None:
         if not self.closed:
+            if self.client_timer is not None:  # what waits for the client goes before the close
+                self.client_timer.cancel()
+                self._flush_client()
             self.closed = True
             self.gate.relays.discard(self)
             streams, self.streams = self.streams, {}
@@ -330,6 +354,7 @@ class Relay:
     def client_lost(self) -> None:
         """The proxy's connection ended: its streams with open requests are drained, the
         others reset; the server connection closes once none is left (or after DRAIN_LIMIT_S)."""
+        self.to_client.clear()  # nothing more can reach it
         if self.closed or self.server.transport is None:
             self.close()
             return
@@ -707,6 +732,8 @@ class Relay:
 class StreamGate:
     """Relays ModelStreamInfer calls to `upstream`, each with at most `max_open` open requests, and
     at most `max_streams` streams at once (0: no bound), `max_queue` more waiting `queue_timeout_s`."""
+
+    coalesce_s = COALESCE_S  # the least time between two writes toward the proxy on a connection
 
     def __init__(
         self,
