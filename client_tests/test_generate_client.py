@@ -78,8 +78,10 @@ def test_streamed_chunks_concatenate_to_the_whole_result(protocol, triton_server
             chunks = list(stream)
     for index in (0, 1):
         mine = [c for c in chunks if c.index == index]
-        assert [len(c.output_ids) for c in mine] == [1] * 6
-        assert [c.finish_reason for c in mine] == [""] * 5 + ["length"]
+        # a token per chunk while the response thread keeps up; tokens that came while it was
+        # sending go in one chunk: every chunk holds at least one, and only the last ends it
+        assert all(len(c.output_ids) >= 1 for c in mine) and sum(len(c.output_ids) for c in mine) == 6
+        assert [c.finish_reason for c in mine] == [""] * (len(mine) - 1) + ["length"]
         joined = concatenate_tokens(mine)
         for name in ("output_ids", "sampling_mask", "sampling_mask_len", "sampling_logprobs"):
             np.testing.assert_array_equal(getattr(joined, name), getattr(whole[index], name), err_msg=name)

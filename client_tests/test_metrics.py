@@ -130,9 +130,11 @@ def test_generate_metrics_follow_a_real_load(triton_server):
                 last[request_id] = now
                 if masked[int(request_id)]:
                     # -log(kept mass), as the server exports it (clipped at 0 against rounding).
-                    kept_mass.append(
-                        max(float(outputs["sampling_logprobs"][0]) - float(outputs["output_logprobs"][0]), 0.0)
-                    )
+                    # (every token of the response: one that caught up with the engine holds several)
+                    kept_mass += [
+                        max(float(kept) - float(sampled), 0.0)
+                        for kept, sampled in zip(outputs["sampling_logprobs"], outputs["output_logprobs"])
+                    ]
                 if running_seen < 1 and finals < LOAD // 2:
                     # the load is on: requests run, the gauge says so (the engine sets it after the
                     # step whose tokens were just sent, so a scrape may come a step early: again)

@@ -50,6 +50,19 @@ class GenerationChunk:
         """No tokens (a request with max_new_tokens 0)."""
         return cls({name: padding(name, 0, width) for name in GENERATION_TOKEN_OUTPUT_NAMES}, finish_reason)
 
+    @classmethod
+    def joined(cls, chunks: list[GenerationChunk]) -> GenerationChunk:
+        """Consecutive chunks of one request as one: their tokens in order, and the last one's
+        request-level outputs (timings), finish reason and steps."""
+        if len(chunks) == 1:
+            return chunks[0]
+        last = chunks[-1]
+        outputs = dict(last.outputs)
+        for name in GENERATION_TOKEN_OUTPUT_NAMES:
+            if name in last.outputs:
+                outputs[name] = np.concatenate([chunk.outputs[name] for chunk in chunks])
+        return cls(outputs, last.finish_reason, last.steps)
+
 
 def check_generation_request(
     prompt: np.ndarray, max_new_tokens: int, stop_token_ids: np.ndarray, vocab_size: int, context_length: int

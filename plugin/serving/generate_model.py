@@ -13,6 +13,7 @@ weight version: `weight_control`), answered with one `control_result` response.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import queue
 import threading
@@ -134,6 +135,11 @@ class _RequestHandle:
         self.broken = False  # its sender failed: dropped like a cancelled request, batch-mates go on
         self._wanted: set[str] | None = None
         self._held: dict = {}  # the shared outputs' values the client holds (chunk_response)
+        # A streamed request's chunks not sent yet: while the outbox is behind (each send is a round
+        # trip to tritonserver), a request's tokens queued meanwhile go in one response, so the
+        # outbox's backlog is at most one response per request, not one per token.
+        self._unsent: collections.deque = collections.deque()
+        self._flush_queued = False
         self.spans: RequestSpans | None = None  # set when tritonserver traces the request
 
     def is_cancelled(self) -> bool:
@@ -155,7 +161,19 @@ class _RequestHandle:
 
     def send(self, chunk: GenerationChunk, final: bool) -> None:
         self.done = self.done or final
-        self.outbox.put(self._send_now, chunk, final)
+        self._unsent.append((chunk, final))
+        if not self._flush_queued:  # one flush in the outbox at a time sends whatever has come by then
+            self._flush_queued = True
+            self.outbox.put(self._flush)
+
+    def _flush(self) -> None:
+        # Cleared before taking the chunks: one the engine adds from now on queues a flush of its own.
+        self._flush_queued = False
+        taken = []
+        while self._unsent:
+            taken.append(self._unsent.popleft())
+        if taken:
+            self._send_now(GenerationChunk.joined([chunk for chunk, _ in taken]), taken[-1][1])
 
     def _send_now(self, chunk: GenerationChunk, final: bool) -> None:
         if self.broken:
