@@ -12,7 +12,6 @@ requests it admits: the user's key is only in the key file.
 
 from __future__ import annotations
 
-import os
 import re
 import resource
 import secrets
@@ -67,7 +66,7 @@ def limit_variables(limits: ProxyLimits) -> dict[str, str]:
 
 def find_haproxy() -> str | None:
     """The haproxy binary: on PATH, or where Debian installs it (/usr/sbin is not on every PATH)."""
-    return shutil.which("haproxy", path=os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/usr/local/sbin"]))
+    return shutil.which("haproxy") or shutil.which("haproxy", path="/usr/sbin:/usr/local/sbin")
 
 
 def internal_ports(base: int = 0) -> dict[str, int]:
