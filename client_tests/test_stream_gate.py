@@ -57,12 +57,13 @@ def listening(port: int) -> bool:
 
 
 def arrival_order(url: str, prompts: list, budget: int) -> list[int]:
-    """The request index of each streamed chunk, in arrival order: all requests on one stream."""
+    """The request index of each streamed token, in arrival order: all requests on one stream (a
+    chunk may hold several tokens of its request)."""
 
     async def run():
         async with AsyncGenerateClient(url, mask_width=128) as client:
             async with client.stream(prompts, PARAMS, budget, ignore_eos=True) as chunks:
-                return [chunk.index async for chunk in chunks]
+                return [chunk.index async for chunk in chunks for _ in chunk.output_ids]
 
     return asyncio.run(run())
 

@@ -246,6 +246,7 @@ class LoopbackUrls:
 
 # The three endpoints a test server listens on, each on a free port.
 PORT_NAMES = ("http", "grpc", "metrics")
+PORT_ATTEMPTS = 3  # starts on fresh ports when one was taken before tritonserver bound it
 
 
 class TritonServer(LoopbackUrls):
@@ -284,27 +285,34 @@ class TritonServer(LoopbackUrls):
 
     def start(self, timeout_s: float = startup_wait.CAP_S) -> TritonServer:
         """Start the server and wait until every model is ready, for as long as it makes progress
-        (startup_wait; `timeout_s` is the last-resort cap); raises with the log tail if not."""
-        self.child = Child(
-            "tritonserver",
-            self.command(),
-            env=server_environment(self.admin_key),
-            umask=SERVER_UMASK,
-            log_path=self.log_path,
-            append_log=False,
-            nice=settings.TRITON_NICE.value(),
-        ).start()
-        try:
-            startup_wait.wait_until_ready(
-                f"tritonserver on port {self.ports['http']}",
-                lambda: self.is_ready() and self.metrics_listening(),
-                [self.child],
-                cap_s=timeout_s,
-            )
-        except startup_wait.StartupFailed as failed:
-            self.stop()
-            raise startup_wait.StartupFailed(f"{failed}:\n{self.log_tail()}") from None
-        return self
+        (startup_wait; `timeout_s` is the last-resort cap); raises with the log tail if not. A port
+        taken between `free_port` and tritonserver's bind (by any connection's ephemeral port) is
+        retried on fresh ports."""
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            self.child = Child(
+                "tritonserver",
+                self.command(),
+                env=server_environment(self.admin_key),
+                umask=SERVER_UMASK,
+                log_path=self.log_path,
+                append_log=False,
+                nice=settings.TRITON_NICE.value(),
+            ).start()
+            try:
+                startup_wait.wait_until_ready(
+                    f"tritonserver on port {self.ports['http']}",
+                    lambda: self.is_ready() and self.metrics_listening(),
+                    [self.child],
+                    cap_s=timeout_s,
+                )
+                return self
+            except startup_wait.StartupFailed as failed:
+                tail = self.log_tail()
+                self.stop()
+                if attempt == PORT_ATTEMPTS or "already in use" not in tail:
+                    raise startup_wait.StartupFailed(f"{failed}:\n{tail}") from None
+                self.ports = {name: free_port() for name in PORT_NAMES}
+        raise AssertionError("unreachable")
 
     def metrics_listening(self) -> bool:
         """Whether the metrics port accepts connections (it opens a moment after HTTP is ready)."""
