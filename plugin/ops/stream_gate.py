@@ -90,12 +90,12 @@ READ_BYTES = 65536  # one socket read at most
 STOP_GRACE_S = 2.0  # after SIGTERM, how long open connections may go on
 MODEL_NAME_BYTES = 256  # a first request's leading bytes read for its model's name
 DRAIN_LIMIT_S = 60.0  # how long an abandoned stream's remaining responses may take to be read
-DRAIN_WINDOW_BYTES = 2**30
+DRAIN_WINDOW_BYTES = 2**30  # the window opened for them (a window may not pass 2**31 - 1)
 # Toward the proxy, at most one write per connection in this time: tritonserver sends each streamed
 # token in a packet of its own, and a write per token costs this relay, the proxy (its read, its
 # WINDOW_UPDATE back, its write) and the client a system call and a wake-up each. A write after a
 # quiet spell goes at once, so a lone stream's tokens are never held.
-COALESCE_S = 0.001  # the window opened for them (a window may not pass 2**31 - 1)
+COALESCE_S = 0.001
 
 
 def _varint(data: bytes, pos: int) -> tuple[int, int]:
