@@ -134,6 +134,15 @@ def print_door(door: FrontDoor) -> None:
     print(f"[launcher] haproxy accepts the front door's values for {door.repository}", file=sys.stderr)
 
 
+def leave_nothing(door: FrontDoor, cage: MemoryCage, key_file: Path | None) -> None:
+    """Remove what a start made before exiting without a supervisor to own it: the door's private
+    directory, the memory cgroup and a generated admin key."""
+    door.clean_up()
+    cage.remove()
+    if key_file:
+        remove_secret_file(key_file)
+
+
 # Command-line flags that override a setting: flag, setting, meaning.
 SETTING_FLAGS = (
     ("--probe-port", settings.TRITON_PROBE_PORT, "port of the supervisor's /ready and /live (0: none)"),
@@ -244,17 +253,11 @@ def main(argv: list[str] | None = None) -> None:
         try:
             front_door.prepare()
         except ProxyError as error:
-            front_door.clean_up()
-            cage.remove()
-            if key_file:
-                remove_secret_file(key_file)
+            leave_nothing(front_door, cage, key_file)
             sys.exit(f"[launcher] {error}")
         if args.check_door:
             print_door(front_door)
-            front_door.clean_up()
-            cage.remove()
-            if key_file:
-                remove_secret_file(key_file)
+            leave_nothing(front_door, cage, key_file)
             return
         internal = front_door.internal
         print(
