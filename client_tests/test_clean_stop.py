@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from testbed.server import ExternalTritonServer
-from testbed.stack import CLIENT_KEY, Stack, launch, shipped_repository, write_client_keys
+from testbed.stack import CLIENT_KEY, Stack, launch_keyed
 from triton_sampling_mask.client import GenerateClient
 from triton_sampling_mask.client.sampling_params import SamplingParams
 from triton_sampling_mask.ops.proxy import find_haproxy
@@ -47,12 +47,7 @@ def test_a_stop_after_api_streams_and_a_door_stream_ends_tritonserver_without_si
         pytest.skip("needs a local launcher of its own, stopped by the test")
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(soft, 8192)), hard))  # the SDK's connections
-    stack = launch(
-        shipped_repository(tmp_path / "model_repository"),
-        tmp_path / "launcher.log",
-        env={"TRITON_CLIENT_KEYS_FILE": write_client_keys(tmp_path)},
-        stack_memory_bytes=None,
-    )
+    stack = launch_keyed(tmp_path)
     try:
         texts = asyncio.run(_chats(stack))
         assert len(texts) == CHATS and all(texts), stack.log_tail()

@@ -13,7 +13,7 @@ import pytest
 
 from testbed import trainer_burst
 from testbed.server import ExternalTritonServer
-from testbed.stack import launch, shipped_repository, write_client_keys
+from testbed.stack import launch_keyed
 from triton_sampling_mask.ops.proxy import ProxyLimits, find_haproxy
 
 pytestmark = pytest.mark.skipif(find_haproxy() is None, reason="the front door needs haproxy")
@@ -26,12 +26,7 @@ def stack(tmp_path_factory):
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(soft, 8192)), hard))  # the SDK's 1,000 connections
     work = tmp_path_factory.mktemp("trainer-burst")
-    running = launch(
-        shipped_repository(work / "model_repository"),
-        work / "launcher.log",
-        env={"TRITON_CLIENT_KEYS_FILE": write_client_keys(work)},
-        stack_memory_bytes=None,
-    )
+    running = launch_keyed(work)
     yield running
     running.stop()
 

@@ -208,6 +208,17 @@ def shipped_repository(dest: Path, models: tuple[str, ...] = ("sampler", "genera
     return dest
 
 
+def launch_keyed(work: Path) -> Stack:
+    """`make serve`'s stack on the shipped models in `work`, with a client key file naming
+    CLIENT_KEY (keyed clients' capacity of their own) and no cgroup of its own."""
+    return launch(
+        shipped_repository(work / "model_repository"),
+        work / "launcher.log",
+        env={"TRITON_CLIENT_KEYS_FILE": write_client_keys(work)},
+        stack_memory_bytes=None,
+    )
+
+
 def launch(
     repository: Path,
     log_path: Path,

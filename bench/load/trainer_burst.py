@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from testbed import trainer_burst
-from testbed.stack import launch, shipped_repository, write_client_keys
+from testbed.stack import launch_keyed
 
 RESULTS = Path(__file__).resolve().parent.parent / "results" / "trainer_burst.md"
 
@@ -34,12 +34,7 @@ RESULTS = Path(__file__).resolve().parent.parent / "results" / "trainer_burst.md
 def one_round(args: argparse.Namespace) -> trainer_burst.BurstOutcome:
     """A fresh stack, one burst, the stack stopped."""
     work = Path(tempfile.mkdtemp(prefix="trainer-burst-"))
-    stack = launch(
-        shipped_repository(work / "model_repository"),
-        work / "launcher.log",
-        env={"TRITON_CLIENT_KEYS_FILE": write_client_keys(work)},
-        stack_memory_bytes=None,
-    )
+    stack = launch_keyed(work)
     try:
         return trainer_burst.run(stack, args.requests, args.generate_requests, args.flood, max_tokens=args.max_tokens)
     finally:
