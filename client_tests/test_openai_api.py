@@ -144,7 +144,7 @@ def test_async_chat_with_masks_matches_the_generate_model(api_server, direct, te
     )
     assert choice.message.content == text_tokenizer.decode(extra["token_ids"], skip_special_tokens=True)
     assert "".join(t.token for t in choice.logprobs.content) == choice.message.content
-    # Streamed: the role first, then one chunk per token whose pieces add up to the whole answer.
+    # Streamed: the role first, then chunks of one token or more whose pieces add up to the whole answer.
     assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].model_extra["prompt_token_ids"] == prompt_ids
     tokens = [c.choices[0] for c in chunks[1:]]
     assert "".join(t.delta.content or "" for t in tokens) == choice.message.content

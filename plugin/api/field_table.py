@@ -47,7 +47,7 @@ _NO_PREFIX_CACHE = "the engine keeps no prefix cache, so cache keys change nothi
 _NO_TOP = "top alternatives are not computed (return_sampling_mask gives every support token's log-prob)"
 _ONE_ENGINE = "one engine, no data-parallel ranks or disaggregation"
 _NO_REASONING = "no reasoning parser runs: the text is never split"
-_PER_TOKEN = "answers stream one event per token"
+_PER_TOKEN = "answers stream one event per engine response (a token, or every token made while the last event waited)"
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,7 @@ FIELD_RULES: tuple[FieldRule, ...] = tuple(
             "top_p": "the sampler's top_p",
             "seed": "the request's 64-bit seed",
             "stop": "stop strings, matched on the text",
-            "stream": "Server-Sent Events, one per token",
+            "stream": "Server-Sent Events, one per engine response (one token or more)",
             "stream_options": "include_usage, continuous_usage_stats",
         },
     )
