@@ -88,7 +88,7 @@ INPUT_IDS = InputSpec("input_ids", np.int32, LIST, True, "the prompt's token ids
 MAX_NEW_TOKENS = InputSpec("max_new_tokens", np.int32, ROW, True, "tokens to generate at most", required=True)
 STOP_TOKEN_IDS = InputSpec("stop_token_ids", np.int32, LIST, True, "ids that end the generation (kept)")
 IGNORE_EOS = InputSpec("ignore_eos", np.bool_, ROW, True, "generate past the LM's end-of-sequence ids")
-STREAM = InputSpec("stream", np.bool_, ROW, True, "one response per token instead of one at the end")
+STREAM = InputSpec("stream", np.bool_, ROW, True, "responses as tokens come, not one at the end")
 # Makes a request a control request (weight updates, pause / continue), answered in control_result.
 CONTROL = InputSpec("control", np.object_, ROW, True, "a control request, JSON (docs/weights.md)")
 CONTROL_INPUT = CONTROL.name
