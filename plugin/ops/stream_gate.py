@@ -1,52 +1,14 @@
 """The stream gate: gRPC ModelStreamInfer between the proxy and tritonserver, with a bound on the
-requests each stream has open.
+requests each stream has open, and the route's queue of streams.
 
-Triton 2.51 reads a stream's next request as soon as it has read one, whatever the client does
-with the responses, and queues every response it cannot write without bound (its
-`--grpc-max-response-pool-size` came in 2.56). A client that sends small requests asking for
-large responses and never reads them pins server memory for good. HAProxy cannot count gRPC
-messages, so this relay sits behind it for ModelStreamInfer only: it forwards a stream's next
-request only while fewer than `max_open` of the stream's requests wait for their final response
-(`triton_final_response`, or an error). A client that stops reading stops being read, and the
-server holds at most `max_open` requests' responses for it. Messages larger than
-`max_message_bytes` are refused (RESOURCE_EXHAUSTED), the cap HAProxy cannot apply to gRPC.
-
-It is also the route's queue: at most `max_streams` streams at the server, the next ones held
-(their requests wait here) until one ends; beyond `max_queue` waiting, or after `queue_timeout_s`
-waiting, a stream is refused with UNAVAILABLE and the proxy's message. HAProxy's own queue cannot
-answer a stream: after any answer HAProxy makes itself to a stream the client is still sending on,
-2.4 and 2.6 reset it with CANCEL (HAProxy issue #1219, fixed in 3.2 and 2.8), and the client
-reads CANCELLED instead of the refusal; an answer that comes from this gate passes through whole.
-Keyed clients' streams (docs/operations.md, "Keyed clients") come on a listener of their own
-(`--keyed-listen`) with a queue of their own (`--keyed-max-streams`, ...). The
-refusals are counted, and served as JSON on a unix socket (`--counters-socket`) to
-ops.proxy_metrics.
-
-It relays HTTP/2 frames, not gRPC calls: each connection from the proxy gets one connection to
-tritonserver, and frames pass through as they are, except that
-- a stream's request DATA is held back, from the first byte of a request past its bound, until
-  one of its requests has had its final response (held bytes are bounded by the stream's
-  flow-control window, which only tritonserver's reads reopen);
-- the headers tritonserver sends are decoded and encoded again (HPACK without a dynamic table),
-  so the gate can end a stream itself: an oversized request gets RST_STREAM toward the server and
-  trailers with grpc-status RESOURCE_EXHAUSTED toward the client;
-- bytes the gate drops (held data of a reset stream, frames of a stream it ended) are credited
-  back with WINDOW_UPDATE, so no connection's window leaks;
-- the proxy's WINDOW_UPDATEs (one per DATA frame it reads: one per streamed token) are kept and
-  passed to tritonserver once they add up to half of the client's window: the server's windows
-  are the client's less what is kept, never more;
-- a stream the client abandons (RST_STREAM, or its connection lost) while requests are open is
-  not reset toward tritonserver: Triton 2.51 never frees the responses of a cancelled stream's
-  requests. The gate ends the stream's requests (END_STREAM), opens its window and reads the
-  remaining responses to their end, dropping them, then closes (at most DRAIN_LIMIT_S). Only a
-  stream to a model that honours cancellation (`--cancellable`: the decoupled `generate`, which
-  stops a cancelled request at its next step) whose client was reading (its flow-control window
-  above half of what the client grants) is reset as it was, so its requests are cancelled.
-Each response message's leading bytes are read to tell a final one (in place when the message is
-whole in its frame, as a streamed token's is); nothing is deserialised, and a streamed token costs
-a socket read, a little frame parsing here (no grpc runtime) and its share of a write toward the
-proxy and of the read of the proxy's WINDOW_UPDATE: writes toward the proxy are coalesced
-(COALESCE_S).
+Why by hand: Triton 2.51 reads a stream's requests on and queues their responses without bound,
+HAProxy cannot count gRPC messages, and its own queue cannot answer a stream whole (HAProxy issue
+#1219); a relay of gRPC calls (grpc.aio, the gate's first form) spent far more CPU per streamed
+token. So this relays HTTP/2 frames: a stream's next request goes on only while fewer than
+`max_open` of its requests wait for their final response; a message over `max_message_bytes` is
+refused (RESOURCE_EXHAUSTED); at most `max_streams` streams reach the server, `max_queue` more
+wait up to `queue_timeout_s` (then UNAVAILABLE); the refusals are served as JSON on
+`--counters-socket` (ops.proxy_metrics). How, frame by frame: docs/stream-gate.md.
 
     python -m triton_sampling_mask.ops.stream_gate --listen 127.0.0.1:P --upstream 127.0.0.1:Q
         [--max-open N] [--max-message-bytes B] [--max-streams N --max-queue N --queue-timeout S]
