@@ -1,36 +1,20 @@
 """Start a real tritonserver (2.51, shipped in the `nvidia-pytriton` wheel) on a model repository.
 
-The wheel carries the server binary, the Python backend and one stub per Python version. The stub
-embeds the system libpython, ignores PYTHONPATH and finds packages through the `python3` first on
-PATH, so the server runs with this virtual environment's bin/ first on PATH.
-
     python -m triton_sampling_mask.ops.launcher [--model-repository DIR] [--no-supervise]
         [--no-proxy] [--probe-port N] [--watchdog-interval S] [--exit-timeout S]
         [--open-admin-apis] [--show-defences] [--check-door] [-- extra tritonserver flags]
 
-By default tritonserver runs as the child of a supervisor (`ops.supervisor`): it is restarted
-with backoff when it dies, a watchdog sends every loaded model a tiny real inference every few
-seconds and reloads a model whose stub died, `http://:TRITON_PROBE_PORT/ready` (default 8003)
-answers 200 only while those inferences work, SIGTERM stops everything within 10 s, and the
-stubs' /dev/shm regions are removed after any exit. `--no-supervise` execs tritonserver instead
-(same flags, none of that). Either way the server runs hardened (`hardening_args`): every model
-loaded in explicit model-control mode, a bounded exit timeout, and the shared-memory,
-model-repository, logging and trace APIs locked behind the admin key (TRITON_ADMIN_KEY;
-generated when unset), under a memory limit (`ops.memory_limit`).
+By default tritonserver runs hardened (`hardening_args`: explicit model control, a bounded exit
+timeout, the admin APIs locked behind TRITON_ADMIN_KEY, generated when unset) under a memory
+limit, as the child of a supervisor (`ops.supervisor`: restarts, a model watchdog, /ready on
+TRITON_PROBE_PORT), behind HAProxy (`ops.proxy`), which owns the public ports; without haproxy it
+refuses to start unless `--no-proxy`. `--no-supervise` execs tritonserver instead. The defences
+that run follow the server's capabilities (`ops.workarounds`; `--show-defences` prints the plan);
+`--check-door` checks the front door's values with `haproxy -c`, prints them and exits. What each
+part does: docs/operations.md; the environment variables: `ops.settings` (docs/settings.md).
 
-Under the supervisor HAProxy is the front door (`ops.proxy`): it owns the public ports and checks
-the admin key, tritonserver listens on loopback and gets a random internal key instead, so the
-user's key is in no process's command line. Where haproxy is not installed the launcher refuses
-to start unless `--no-proxy` (tritonserver then owns the public ports, and its command line
-carries the admin key); `make serve` installs it first where it can (root and apt).
-
-At start it reads the server's version and flags and whether it runs in a container
-(`ops.capabilities`), and runs the defences `ops.workarounds` plans for them; `--show-defences`
-prints that plan and exits; `--check-door` prepares the front door as a start would, checks it
-(`haproxy -c`), prints its values (secrets redacted) and model maps, and exits (the image's build runs it).
-
-The environment variables it reads (ports, the admin key, timeouts, pool sizes) are declared,
-with their defaults, in `ops.settings` (docs/settings.md).
+The wheel's stub embeds the system libpython, ignores PYTHONPATH and finds packages through the
+`python3` first on PATH, so the server runs with this virtual environment's bin/ first on PATH.
 """
 
 from __future__ import annotations

@@ -2,14 +2,8 @@
 memory kills the server (which the supervisor restarts), never a random process of the host.
 Why by hand: tritonserver bounds no memory of its own, and on a bare host nothing else gives one
 child a cgroup (in a container, the container's own limit does: ops.workarounds turns this off).
-
-Where the supervisor can make one it runs tritonserver in a cgroup of its own, below its own:
-cgroup v2 (`memory.max`, no swap) or v1 (`memory.limit_in_bytes`), whichever hierarchy has a
-writable memory controller; the kernel's OOM killer then acts inside that cgroup only, and its
-`oom_kill` counter tells the supervisor why the server died. Elsewhere the fallback is an
-address-space limit (RLIMIT_AS) on tritonserver and each stub: an allocation past it fails
-inside that process. It is skipped where CUDA devices are visible, since the CUDA runtime
-reserves more address space than any useful limit: a GPU container relies on its own limit.
+A cgroup of its own (v2, else v1) where a memory controller is writable, else an address-space
+limit (none where CUDA devices are visible): docs/operations.md, "Memory limit".
 
     python -m triton_sampling_mask.ops.memory_limit   # what `make serve` would use here
 """

@@ -2,25 +2,12 @@
 Why by hand: `http.client` has no unix-socket transport (`_UnixConnection`), and HAProxy's exporter
 counts answers, not why the door gave them: the reasons come from its frontends' and backends' series.
 
-HAProxy serves its counters through its built-in Prometheus exporter on a unix socket in the
-front door's private directory (mode 0600; `fe_stats` of haproxy/haproxy.cfg). A stats
-socket would do too, but its `show acl` prints the admin key file's contents; the exporter
-answers counters only. The supervisor serves `render(socket)` at GET :TRITON_PROBE_PORT/metrics
-(through the proxy), as these series, per public frontend (`frontend`: http, grpc, api, metrics,
-probe; HAProxy's others, such as the exporter's own, are not the door's answers):
-
-- `proxy_requests_refused_total{frontend, reason}`, a counter by why the front door answered a
-  request itself instead of passing it on:
-  `queue_full` (its route already had PROXY_MAX_QUEUE waiting: 503 / UNAVAILABLE at once; on HTTP
-  and the HTTP API the frontend's own 5xx, which its rules give for nothing else; on gRPC the
-  requests of the backend that answers them, since every gRPC refusal is a 200 with trailers, and
-  the streams the stream gate refused, which keeps the ModelStreamInfer route's queue),
-  `queue_timeout` (it waited PROXY_QUEUE_TIMEOUT_S for a slot, or tritonserver was not there: 503 /
-  UNAVAILABLE), `refused` (every other answer of the rules: a failed check, a wrong or missing
-  key, an unknown route), `connection_cap` (connections over the per-address or total cap) and
-  `bad_request` (malformed heads, head timeouts);
-- `proxy_requests_total{frontend}`: every HTTP request (gRPC call) the frontend received;
-- `proxy_queue_waiting{frontend, backend}`: requests waiting in the proxy now, per model route.
+HAProxy's built-in Prometheus exporter serves its counters on a 0600 unix socket in the front
+door's private directory (`fe_stats`; a stats socket's `show acl` would print the admin key file);
+the stream gate serves its own. The supervisor serves `render()` at GET :TRITON_PROBE_PORT/metrics:
+`proxy_requests_refused_total{frontend, reason}`, `proxy_requests_total{frontend}` and
+`proxy_queue_waiting{frontend, backend}`, per public frontend (http, grpc, api, metrics, probe);
+what each reason counts: docs/metrics.md, "The front door (HAProxy)".
 """
 
 from __future__ import annotations
@@ -172,7 +159,7 @@ def counts(stats_socket: Path, gate_socket: Path | None = None) -> dict[str, dic
 
 
 def exposition(by_frontend: dict[str, dict]) -> str:
-    """The series of the module docstring as Prometheus text, written by prometheus_client."""
+    """The series of the module docstring (docs/metrics.md) as Prometheus text, written by prometheus_client."""
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
     from prometheus_client.exposition import generate_latest
 

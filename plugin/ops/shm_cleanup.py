@@ -1,20 +1,12 @@
-"""Remove the /dev/shm regions a dead tritonserver's Python stubs leave behind. Why by hand: the
-Python backend never unlinks a dead stub's region (python_backend PR #431, open).
+"""Remove the /dev/shm regions dead Python-backend stubs leave behind. Why by hand: the Python
+backend never unlinks a dead stub's region (python_backend PR #431, open), and Triton 2.51 keeps a
+dead stub's region mapped until tritonserver exits.
 
-Each Python-backend stub talks to tritonserver through a region `/dev/shm/<prefix><uuid>`. A
-clean exit unlinks it; a crashed stub, a killed server or an exit that hits the exit timeout
-leaves it there for good (1 MiB and up each; a full /dev/shm breaks every later model load).
-The launcher gives each server a prefix of its own (`server_shm_prefix`) and, after any exit,
-removes the regions with that prefix that no live process maps or holds open; a region some
-process still uses is never touched, so another server's regions are safe even under a shared
-prefix.
-
-A stub that dies while its server lives on is a second case: Triton 2.51 never releases the dead
-instance once a request has reached it, so tritonserver keeps the region mapped (and its memory
-held) until it exits, even after the model is reloaded; a stub that hung or stopped and was
-replaced by a reload lingers the same way. `DeadStubRegions` unlinks such a region as soon as no
-current stub names it, and `leaked_regions` measures what tritonserver still maps of unlinked
-regions, for the supervisor to restart it past a bound.
+After a server's exit, `remove_unused_regions` removes the regions under its prefix
+(`server_shm_prefix`) that no live process maps or holds open: a region in use is never touched.
+Under a live server, `DeadStubRegions` unlinks the regions no current stub names, and
+`leaked_regions` measures what tritonserver still maps of them, for the supervisor to restart it
+past a bound (docs/operations.md, "Stub regions in /dev/shm").
 
     python -m triton_sampling_mask.ops.shm_cleanup PREFIX [--dry-run]
 """

@@ -7,14 +7,10 @@ Why by hand: tritonserver restarts nothing (a dead stub answers 500 for good whi
 manager (systemd, supervisord, a kubelet) restarts a process, but cannot tell a model whose stub
 died, reload it, or drain and restart the server when dead stubs' regions pile up.
 
-- `Watchdog`: every model gets a tiny real inference (`ops.probe`) each `watchdog_interval_s`; a
-  model whose stub is dead, or a sampler-like model that timed out twice without finishing any
-  request between, is reloaded (unload + load through the model-repository API).
-- `Supervisor`: runs tritonserver (in a session of its own, with a parent-death signal, under the
-  memory limit, umask 077, without TRITON_ADMIN_KEY in its environment) and the front door's
-  children (`ops.door_commands`), restarts whichever dies with backoff (`ops.child`), sweeps dead stubs'
-  regions (`ops.shm_cleanup`), serves /ready, /live, /status and /metrics on the probe port, and
-  on SIGTERM stops the proxy accepting, lets tritonserver finish what is in flight, then stops all.
+`Watchdog` probes every model (`ops.probe`) and reloads the ones whose stub died or hung;
+`Supervisor` runs tritonserver and the front door's children (`ops.door_commands`), restarts
+whichever dies (`ops.child`), sweeps dead stubs' regions (`ops.shm_cleanup`) and serves /ready,
+/live, /status and /metrics on the probe port.
 """
 
 from __future__ import annotations
