@@ -25,6 +25,7 @@ import signal
 import struct
 import time
 from collections import OrderedDict
+from dataclasses import dataclass, field
 
 import hpack
 
@@ -148,33 +149,30 @@ def _read_model(stream: _Stream, data: bytes) -> None:
         stream.model = b""
 
 
+@dataclass(eq=False, slots=True)
 class _Stream:
     """What the gate tracks of one stream: its open requests and the message it is reading in
     each direction, the request bytes it holds back, whether the server has answered."""
 
-    __slots__ = ("open", "request_head", "request_left", "held", "held_from", "held_end", "response_head")
-    __slots__ += ("response_left", "response_bytes", "answered", "sent_end", "draining", "window", "model", "first")
-    __slots__ += ("admitted", "expired", "credit")
-
-    def __init__(self):
-        self.open = 0
-        self.request_head = b""  # a request's 5-byte prefix, while it is incomplete
-        self.request_left = 0  # bytes of the current request still to pass
-        self.held = bytearray()  # request bytes from the client; those before held_from are forwarded
-        self.held_from = 0
-        self.held_end = False  # the client's END_STREAM came after the held bytes
-        self.response_head = b""
-        self.response_left = 0
-        self.response_bytes = bytearray()  # the current response's leading bytes
-        self.answered = False  # the server has sent its response headers
-        self.sent_end = False  # END_STREAM has gone to the server
-        self.draining = False  # the client left: the server's responses are read and dropped
-        self.window = DEFAULT_WINDOW  # what the server may still send on it toward the client
-        self.model: bytes | None = None  # the model its first request names, once read
-        self.first = bytearray()  # that request's leading bytes, until the name is read
-        self.admitted: bool | None = None  # holds one of the server's slots (False: waits for one)
-        self.expired = False  # it waited out the queue timeout
-        self.credit = 0  # window the client granted on it, not yet passed to the server
+    open: int = 0
+    request_head: bytes = b""  # a request's 5-byte prefix, while it is incomplete
+    request_left: int = 0  # bytes of the current request still to pass
+    # request bytes from the client; those before held_from are forwarded
+    held: bytearray = field(default_factory=bytearray)
+    held_from: int = 0
+    held_end: bool = False  # the client's END_STREAM came after the held bytes
+    response_head: bytes = b""
+    response_left: int = 0
+    response_bytes: bytearray = field(default_factory=bytearray)  # the current response's leading bytes
+    answered: bool = False  # the server has sent its response headers
+    sent_end: bool = False  # END_STREAM has gone to the server
+    draining: bool = False  # the client left: the server's responses are read and dropped
+    window: int = DEFAULT_WINDOW  # what the server may still send on it toward the client
+    model: bytes | None = None  # the model its first request names, once read
+    first: bytearray = field(default_factory=bytearray)  # that request's leading bytes, until the name is read
+    admitted: bool | None = None  # holds one of the server's slots (False: waits for one)
+    expired: bool = False  # it waited out the queue timeout
+    credit: int = 0  # window the client granted on it, not yet passed to the server
 
     @property
     def waiting(self) -> int:
