@@ -784,19 +784,11 @@ async def _main(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    gate = StreamGate(
-        args.upstream,
-        args.max_open,
-        args.max_message_bytes,
-        tuple(args.cancellable),
-        args.max_streams,
-        args.max_queue,
-        args.queue_timeout,
-    )
+    relay = (args.upstream, args.max_open, args.max_message_bytes, tuple(args.cancellable))
+    gate = StreamGate(*relay, args.max_streams, args.max_queue, args.queue_timeout)
     serving = [gate.serve(args.listen, stop, args.counters_socket)]
     if args.keyed_listen:  # the same relay, with keyed clients' queue; its refusals counted with the others
-        limits = (args.keyed_max_streams, args.keyed_max_queue, args.keyed_queue_timeout)
-        gate.keyed = StreamGate(args.upstream, args.max_open, args.max_message_bytes, tuple(args.cancellable), *limits)
+        gate.keyed = StreamGate(*relay, args.keyed_max_streams, args.keyed_max_queue, args.keyed_queue_timeout)
         gate.keyed.refusals = gate.refusals
         serving.append(gate.keyed.serve(args.keyed_listen, stop))
     await asyncio.gather(*serving)

@@ -450,7 +450,7 @@ class _ProbeServer(ThreadingHTTPServer):
 
 
 class Supervisor:
-    """Runs tritonserver as a child until SIGTERM/SIGINT (see the module docstring)."""
+    """Runs tritonserver as a child until SIGTERM/SIGINT (docs/operations.md, "The supervisor")."""
 
     def __init__(self, config: SupervisorConfig):
         self.config = config
