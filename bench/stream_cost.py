@@ -195,7 +195,8 @@ async def measure_async(sides: dict, size: dict, progress=print) -> dict:
 
 
 def one_run(size: dict, progress=print) -> dict:
-    """A fresh tritonserver holding only `generate`, behind its own front door; one run's rounds."""
+    """A fresh tritonserver holding only `generate`, behind its own front door; one run's rounds
+    (with size["null"], the "proxy" side goes straight too: the method's own spread)."""
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="bench-stream-") as tmp:
         repository = build_repository(Path(tmp) / "model_repository")
@@ -208,7 +209,10 @@ def one_run(size: dict, progress=print) -> dict:
             pids = {"tritonserver": [server.process.pid], "client": [os.getpid()], **helpers}
             sides = {
                 side: (url, {name: pids[name] for name in PROCESSES[side] if name in pids})
-                for side, url in (("direct", server.server.grpc_url), ("proxy", server.grpc_url))
+                for side, url in (
+                    ("direct", server.server.grpc_url),
+                    ("proxy", server.server.grpc_url if size.get("null") else server.grpc_url),
+                )
             }
             result = asyncio.run(measure_async(sides, size, progress))
     result["load_average_1m"] = [load_before, os.getloadavg()[0]]
@@ -237,9 +241,10 @@ def summarize(runs: list[dict]) -> dict:
     }
 
 
-def run(quick: bool, progress=print, rounds: int | None = None, runs: int | None = None) -> dict:
-    """`runs` runs (default by size), each on a fresh server and front door, of `rounds` round pairs."""
-    size = dict(SIZES["quick" if quick else "full"])
+def run(quick: bool, progress=print, rounds: int | None = None, runs: int | None = None, null: bool = False) -> dict:
+    """`runs` runs (default by size), each on a fresh server and front door, of `rounds` round pairs
+    (`null`: both sides straight)."""
+    size = dict(SIZES["quick" if quick else "full"], null=null)
     size["rounds"] = rounds or size["rounds"]
     size["runs"] = runs or size["runs"]
     results = []
@@ -402,8 +407,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--runs", type=int, default=None, help="runs, each on a fresh server (default 1)")
     parser.add_argument("--publish", action="store_true", help="write the results into bench/results/")
     parser.add_argument("--output", type=Path, default=None, help="write the JSON here")
+    parser.add_argument(
+        "--null", action="store_true", help="both sides straight: the ratios' spread with no front door (not published)"
+    )
     args = parser.parse_args(argv)
-    cost = run(args.quick, rounds=args.rounds, runs=args.runs)
+    if args.null and args.publish:
+        parser.error("--null measures the method, not the door: it is not published")
+    cost = run(args.quick, rounds=args.rounds, runs=args.runs, null=args.null)
     cost = report.publish(cost, verdicts(cost), args.output)
     if args.publish:
         print("wrote " + ", ".join(str(path) for path in publish_results(cost)))
