@@ -50,9 +50,22 @@ class LoopThread:
         try:
             self.run(last)
         finally:
+            self.run(_end_remaining_tasks())
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join()
             self._loop.close()
+
+
+async def _end_remaining_tasks() -> None:
+    """Cancel and await every other task on the loop, then close its async generators, as
+    `asyncio.run` does before it closes its loop: a task left pending would be destroyed later
+    with a "Task was destroyed but it is pending!" error (grpc.aio leaves a stream's request
+    writer running a moment after the stream's end)."""
+    tasks = asyncio.all_tasks() - {asyncio.current_task()}
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await asyncio.get_running_loop().shutdown_asyncgens()
 
 
 class LoopClient(ReplicaAccounts):
