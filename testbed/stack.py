@@ -10,6 +10,7 @@ import os
 import random
 import socket
 import sys
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -60,22 +61,34 @@ def request(
         conn.close()
 
 
+# Blocks handed out by this process: stacks launched side by side (the router bench's replicas)
+# have not bound their ports yet when the next block is chosen, so a bind test alone may hand out
+# overlapping blocks, and two stacks then fight over a port.
+_HANDED_OUT: set[int] = set()
+_HANDING_OUT = threading.Lock()
+
+
 def free_port_block(count: int) -> int:
-    """The first of `count` consecutive loopback ports nothing listens on."""
-    for _ in range(200):
-        base = random.randrange(20000, 30000)
-        try:
-            sockets = []
-            for port in range(base, base + count):
-                sock = socket.socket()
-                sockets.append(sock)
-                sock.bind(("127.0.0.1", port))
+    """The first of `count` consecutive loopback ports nothing listens on, none of them handed out
+    before by this process."""
+    with _HANDING_OUT:
+        for _ in range(200):
+            base = random.randrange(20000, 30000)
+            if not _HANDED_OUT.isdisjoint(range(base, base + count)):
+                continue
+            try:
+                sockets = []
+                for port in range(base, base + count):
+                    sock = socket.socket()
+                    sockets.append(sock)
+                    sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            finally:
+                for sock in sockets:
+                    sock.close()
+            _HANDED_OUT.update(range(base, base + count))
             return base
-        except OSError:
-            continue
-        finally:
-            for sock in sockets:
-                sock.close()
     raise RuntimeError("no block of free ports")
 
 
