@@ -415,7 +415,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.null and args.publish:
         parser.error("--null measures the method, not the door: it is not published")
     cost = run(args.quick, rounds=args.rounds, runs=args.runs, null=args.null)
-    cost = report.publish(cost, verdicts(cost), args.output)
+    # an A/A run's ratios are the method's spread, not the door's: no target verdicts on them
+    cost = report.publish(cost, {} if args.null else verdicts(cost), args.output)
     if args.publish:
         print("wrote " + ", ".join(str(path) for path in publish_results(cost)))
     return cost
