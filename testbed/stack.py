@@ -44,6 +44,9 @@ GREEDY = json.dumps(
 STACK_MEMORY_BYTES = 6 * 2**30
 # What tritonserver may use inside it (the launcher's own limit, TRITON_MEMORY_LIMIT_BYTES).
 SERVER_MEMORY_BYTES = 4 * 2**30
+# tritonserver restarts, before the stack was ever ready, that fail its start: a server that cannot
+# start (a port taken) is restarted by the supervisor for good, with a backoff, and never ready.
+RESTARTS_BEFORE_READY = 3
 
 
 def request(
@@ -191,6 +194,21 @@ class Stack(LoopbackUrls):
         """Whether the supervisor's /ready answers 200 (every model passed a real inference)."""
         return request(self.ports["probe"], "GET", "/ready")[0] == 200
 
+    def restarts(self) -> int | None:
+        """How often the supervisor restarted tritonserver (its /status), None when unknown."""
+        status, text = request(self.ports["probe"], "GET", "/status", timeout_s=2)
+        try:
+            return int(json.loads(text)["restarts"]) if status in (200, 503) else None
+        except (ValueError, KeyError, TypeError):
+            return None
+
+    def failing_start(self) -> str | None:
+        """Why the stack will not become ready although its launcher runs, or None."""
+        restarts = self.restarts()
+        if restarts is not None and restarts >= RESTARTS_BEFORE_READY:
+            return f"the supervisor restarted tritonserver {restarts} times before it was ready"
+        return None
+
     def stop(self) -> float:
         """SIGTERM the launcher (SIGKILL for its group after STOP_LIMIT_S); seconds until it exited."""
         started = time.monotonic()
@@ -293,6 +311,7 @@ def launch(
             lambda: stack.sampler_answers() and (not wait_ready or stack.ready()),
             [child],
             poll_s=0.5,
+            failed=stack.failing_start,
         )
     except StartupFailed as failed:
         stack.stop()

@@ -3,7 +3,8 @@
 A busy machine (a developer's, CI on it) slows a start without stopping it, so a start is given
 as long as it makes progress: one of its processes (or their descendants, e.g. tritonserver's
 stubs) uses CPU time or writes to its log. It fails, naming what it waited for and why, when a
-process exits, when all of them stay silent for `stall_s` (a hung start), or, as a last resort
+process exits, when `failed()` names a reason (e.g. a supervisor restarting a server that cannot
+start), when all of them stay silent for `stall_s` (a hung start), or, as a last resort
 against one that keeps busy without ever being ready, after `cap_s` in all. Used by the test and
 benchmark servers here (`server.TritonServer`, the front door, the HTTP API and the launched stack).
 """
@@ -57,9 +58,11 @@ def wait_until_ready(
     poll_s: float = 0.25,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
+    failed: Callable[[], str | None] = lambda: None,
 ) -> float:
     """Return the seconds waited once `ready()` holds. Raise StartupFailed naming `what` when one of
-    `children` exits, when none of them makes progress (work_done) for `stall_s`, or after `cap_s`."""
+    `children` exits, when `failed()` (asked once a progress period) gives a reason, when none of them
+    makes progress (work_done) for `stall_s`, or after `cap_s`."""
     started = last_progress = measured_at = clock()
     done = [work_done(child) for child in children]
     while True:
@@ -73,6 +76,9 @@ def wait_until_ready(
         now = clock()
         if now - measured_at >= PROGRESS_EVERY_S:
             measured_at = now
+            reason = failed()
+            if reason:
+                raise StartupFailed(f"{what} did not become ready: {reason}")
             latest = [work_done(child) for child in children]
             if latest != done:
                 done, last_progress = latest, now

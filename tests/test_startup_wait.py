@@ -70,6 +70,17 @@ def test_a_start_whose_process_exits_fails_at_once(monkeypatch):
     assert clock() <= 6
 
 
+def test_a_start_that_its_own_check_calls_failed_fails_then_naming_the_reason(monkeypatch):
+    """A busy start (a supervisor restarting a server that cannot bind) fails when `failed` says so."""
+    clock = Clock()
+    failed = lambda: "restarted 3 times" if clock() >= 30 else None  # noqa: E731
+    with pytest.raises(StartupFailed, match=r"^the server did not become ready: restarted 3 times$"):
+        waiting(
+            monkeypatch, clock, progress_until=10**9, ready_at=10**9, children=[FakeChild()], poll_s=1, failed=failed
+        )
+    assert 30 <= clock() <= 32
+
+
 def test_a_start_busy_forever_fails_at_the_cap(monkeypatch):
     clock = Clock()
     with pytest.raises(StartupFailed, match=r"did not become ready within 900 s, although still working$"):
