@@ -285,3 +285,20 @@ def test_framing_headers_are_read_strictly(port, headers, says):
     answer = send(port, "POST", SAMPLER, json.dumps({"inputs": [LOGITS_4]}).encode(), headers)
     assert answer[0] == 400, answer
     assert says in error_of(answer)
+
+
+@pytest.mark.parametrize(
+    "connection", ["", "Connection: close\r\n", "Connection: keep-alive\r\n"], ids=["bare", "close", "keep-alive"]
+)
+@pytest.mark.parametrize("path", ["/v2/health/ready", "/v2/health/live", "/v2/models/sampler/ready"])
+def test_an_http_1_0_readiness_check_gets_a_whole_answer(port, path, connection):
+    """nginx (proxy_http_version 1.0 by default), HAProxy's httpchk and ab send HTTP/1.0. tritonserver
+    answers an empty 200 without a length on a kept-alive connection, so through a door that kept
+    its server connection alive the answer never ended: the client waited out the server timeout."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(f"GET {path} HTTP/1.0\r\n{connection}\r\n".encode())
+        answer = b""
+        while chunk := sock.recv(65536):  # to the end of the answer: without the fix, a timeout
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.0 200") and body == b"", answer
