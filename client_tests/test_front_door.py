@@ -167,6 +167,42 @@ def test_metrics_and_probe_ports_answer_reads_only(stack):
     assert status == 200 and 'proxy_requests_refused_total{frontend="http",reason="queue_full"}' in text, text
 
 
+@pytest.mark.parametrize(
+    "port_name, path",
+    [
+        ("http", "/v2/health/ready"),
+        ("http", "/v2"),
+        ("http", "/v2/models/sampler/config"),
+        ("metrics", "/metrics"),
+        ("probe", "/ready"),
+        ("probe", "/live"),
+        ("api", "/health"),
+        ("api", "/v1/models"),
+    ],
+)
+def test_a_head_gets_the_head_of_the_get_answer_on_every_port(stack, port_name, path):
+    """Uptime monitors and `wget --spider` health checks send HEAD, which RFC 9110 asks of every
+    server that answers GET; tritonserver, its metrics and the API answer GET only, and the
+    supervisor's probe answered HEAD with a 501 HTML page."""
+    if not stack.proxied:
+        pytest.skip("the proxy's own routes")
+    conn = http.client.HTTPConnection("127.0.0.1", stack.ports[port_name], timeout=30)
+    try:
+        conn.request("HEAD", path)
+        head = conn.getresponse()
+        assert head.read() == b""
+        # where the connection is kept, a body sent after the HEAD's head would be read as this answer
+        conn.request("GET", path)
+        get = conn.getresponse()
+        body = get.read()
+    finally:
+        conn.close()
+    assert head.status == get.status == 200, (head.status, get.status)
+    assert head.getheader("content-type") == get.getheader("content-type")
+    if port_name in ("http", "api"):  # the same answer (the probe's report and the metrics move)
+        assert int(head.getheader("content-length")) == len(body)
+
+
 # The front door's frontends docs/metrics.md lists: the only ones its /metrics exports.
 DOCUMENTED_FRONTENDS = {"http", "grpc", "api", "metrics", "probe"}
 SCRAPES = 5

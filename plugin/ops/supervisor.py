@@ -411,6 +411,8 @@ class _ProbeHandler(BaseHTTPRequestHandler):
         else:
             self._answer(404, {"error": "try /ready, /live, /status or /metrics"})
 
+    do_HEAD = do_GET  # noqa: N815 (http.server's name); `_answer` sends a HEAD the head alone
+
     def _answer_metrics(self) -> None:
         """The front door's refusals (ops.proxy_metrics), 503 while HAProxy's exporter is not there."""
         door = self.supervisor.config.front_door
@@ -430,7 +432,8 @@ class _ProbeHandler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(body)))
         self.send_header("Connection", "close")
         self.end_headers()
-        self.wfile.write(body)
+        if self.command != "HEAD":
+            self.wfile.write(body)
         self.close_connection = True
 
     def log_message(self, *args) -> None:  # probes every few seconds: no access log
