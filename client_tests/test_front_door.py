@@ -20,6 +20,7 @@ import signal
 import time
 from pathlib import Path
 
+import grpc
 import numpy as np
 import psutil
 import pytest
@@ -289,6 +290,18 @@ def test_grpc_admin_methods_need_the_key(stack):
         assert {model.name for model in index.models} == {"sampler", "generate"}
     finally:
         client.close()
+
+
+def test_grpcs_standard_health_check_is_public(stack):
+    """Kubernetes' grpc probes, grpc_health_probe and gRPC load balancers call
+    grpc.health.v1.Health/Check, which tritonserver serves; the door asked them for the admin key."""
+    channel = grpc.insecure_channel(stack.grpc_url)
+    check = channel.unary_unary("/grpc.health.v1.Health/Check", lambda request: request, lambda answer: answer)
+    try:
+        # HealthCheckRequest{} is no bytes; HealthCheckResponse{status: SERVING} is field 1 = 1
+        assert check(b"", timeout=30) == b"\x08\x01"
+    finally:
+        channel.close()
 
 
 def proxy_pid(stack: full_stack.Stack) -> int | None:
