@@ -178,7 +178,8 @@ def test_a_private_directory_too_long_for_haproxys_socket_goes_without_the_expor
     than the kernel: the exporter's socket is then left out and the door starts; the stream gate's
     (bound by Python) stays."""
     short = Path(tempfile.mkdtemp(prefix="d"))
-    base = short / ("d" * (62 - len(str(short)) - 1))  # <base>/triton-front-door-XXXXXXXX/stats.sock: 100 bytes
+    owner = len(f"pid{os.getpid()}-")  # <base>/triton-front-door-pid<pid>-XXXXXXXX/stats.sock: 100 bytes
+    base = short / ("d" * (62 - owner - len(str(short)) - 1))
     base.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(base))
     door = FrontDoor(REPOSITORY, {"http": 18000, "grpc": 18001, "metrics": 18002, "probe": 0}, "user-key")

@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 
 from triton_sampling_mask.ops.launcher import resolve_admin_key
-from triton_sampling_mask.ops.secret_files import remove_secret_file
+from triton_sampling_mask.ops.secret_files import process_directory, remove_secret_file
 
 PORT = 18000
 
@@ -110,3 +112,26 @@ def test_a_long_chosen_key_is_taken_and_a_generated_one_is_long(tmp_dir, monkeyp
     key, _, path = resolve_admin_key(PORT)
     assert len(key) >= 32
     remove_secret_file(path)
+
+
+def test_a_start_removes_what_a_killed_process_left_and_only_that(tmp_dir):
+    """A launcher killed before it could clean up (SIGKILL, the OOM killer) left its admin key, or
+    its front door's key and maps, in <tmp>; the next start removes them, never a live process's
+    directory, another kind of file, or one from before directories named their process."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # its pid names a process that no longer exists (a pid reused since is left alone)
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        left = tmp_dir / f"triton-front-door-pid{gone.pid}-abc123"
+        running = tmp_dir / f"triton-front-door-pid{live.pid}-def456"
+        unnamed = tmp_dir / "triton-front-door-ghi789"
+        other = tmp_dir / f"someone-else-pid{gone.pid}-jkl012"
+        for directory in (left, running, unnamed, other):
+            directory.mkdir()
+            (directory / "admin.key").write_text("k\n")
+        made = process_directory("admin-key-18000")
+        assert not left.exists() and running.exists() and unnamed.exists() and other.exists()
+        assert made.name.startswith(f"triton-admin-key-18000-pid{os.getpid()}-") and mode(made) == 0o700
+    finally:
+        live.kill()
+        live.wait()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from triton_sampling_mask.ops import allocator, server_process, settings
+from triton_sampling_mask.ops import allocator, launcher, server_process, settings
 
 
 def test_resource_args_default_the_pool_and_the_http_threads(monkeypatch):
@@ -105,3 +105,29 @@ def test_the_admin_key_stays_out_of_the_servers_and_stubs_environment(monkeypatc
     monkeypatch.setenv("TRITON_ADMIN_KEY", "secret-key")
     env = server_process.server_environment()
     assert "TRITON_ADMIN_KEY" not in env and "secret-key" not in env.values()
+
+
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (["--http-port=8000"], "TRITON_HTTP_PORT"),  # a Triton command line's habit: the door's port
+        (["--grpc-port", "8001"], "TRITON_GRPC_PORT"),
+        (["--http-address=0.0.0.0"], "loopback"),  # tritonserver in front of the door
+        (["--http-restricted-api=model-repository:k=v"], "TRITON_ADMIN_KEY"),
+        (["--backend-config=python,shm-region-prefix-name=mine"], "swept"),
+    ],
+)
+def test_the_launcher_refuses_a_flag_it_sets_itself_before_anything_starts(flags, says, capsys):
+    """tritonserver reads a flag's last copy, and the caller's come last: one of these moved a
+    port from where the supervisor and the door look, or opened what the door guards."""
+    with pytest.raises(SystemExit) as refusal:  # --check-door: without the check, it checks the door and exits
+        launcher.main(["--model-repository", "model_repository", "--check-door", "--", *flags])
+    assert says in str(refusal.value) and flags[0].split("=")[0] in str(refusal.value)
+    assert "[launcher]" not in capsys.readouterr().out  # refused before the launcher printed anything
+
+
+def test_flags_the_launcher_leaves_to_the_caller_pass():
+    server_process.check_caller_flags(["--log-verbose=1", "--http-thread-count=4"], proxied=True, admin_locked=True)
+    # without the door tritonserver faces clients itself, and with the admin APIs open the lock is the caller's
+    server_process.check_caller_flags(["--http-address=127.0.0.1"], proxied=False, admin_locked=True)
+    server_process.check_caller_flags(["--http-restricted-api=model-repository:k=v"], proxied=True, admin_locked=False)

@@ -28,12 +28,13 @@ from pathlib import Path
 from . import capabilities, settings
 from .memory_limit import MemoryCage, make_cage
 from .proxy import FrontDoor, ProxyError, find_haproxy, internal_ports
-from .secret_files import check_chosen_path, private_directory, read_client_keys, remove_secret_file, write_secret_file
+from .secret_files import check_chosen_path, process_directory, read_client_keys, remove_secret_file, write_secret_file
 from .server_process import (
     ADMIN_APIS,
     ADMIN_HEADER,
     GRPC_ADMIN_HEADER,
     SERVER_UMASK,
+    check_caller_flags,
     check_user_admin_key,
     hardening_args,
     redact,
@@ -66,7 +67,7 @@ def resolve_admin_key(http_port: int) -> tuple[str, str, Path | None]:
             path = Path(chosen)
             check_chosen_path(path)
         else:
-            path = private_directory(f"admin-key-{http_port}") / "admin-key"
+            path = process_directory(f"admin-key-{http_port}") / "admin-key"
         write_secret_file(path, key + "\n")
     except (ValueError, OSError) as error:
         where = f"TRITON_ADMIN_KEY_FILE={chosen}" if chosen else "the admin key file"
@@ -186,6 +187,10 @@ def main(argv: list[str] | None = None) -> None:
 
     ports = ports_from_environment()
     proxied = args.check_door or not (args.no_proxy or args.no_supervise)
+    try:  # refused before anything starts
+        check_caller_flags(extra, proxied, admin_locked=not args.open_admin_apis)
+    except ValueError as error:
+        raise SystemExit(f"[launcher] a flag after --: {error}") from None
     if proxied and find_haproxy() is None:
         sys.exit(
             "[launcher] haproxy is not installed, and without it tritonserver would face clients itself: install it "

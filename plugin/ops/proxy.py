@@ -17,7 +17,6 @@ import resource
 import secrets
 import shutil
 import subprocess
-import tempfile
 from dataclasses import dataclass, field, make_dataclass
 from pathlib import Path
 
@@ -26,7 +25,7 @@ from . import settings
 from .door_commands import api_runs
 from .model_limits import model_routes
 from .proxy_metrics import exporter_available
-from .secret_files import API_KEY_CLIENT, KEY_PATTERN, write_secret_file
+from .secret_files import API_KEY_CLIENT, KEY_PATTERN, process_directory, write_secret_file
 from .server_process import free_port
 
 TEMPLATE = Path(__file__).resolve().with_name("haproxy") / "haproxy.cfg"
@@ -183,7 +182,7 @@ class FrontDoor:
                 f"PROXY_MAX_CONNECTIONS={self.limits.max_connections} needs about {needed} file descriptors "
                 f"but the hard limit (ulimit -Hn) is {hard}: lower PROXY_MAX_CONNECTIONS or raise the limit"
             )
-        self.directory = Path(tempfile.mkdtemp(prefix="triton-front-door-"))  # 0700
+        self.directory = process_directory("front-door")  # 0700
         self.write_files()
         if (check := self.check()).returncode != 0:
             raise ProxyError(f"haproxy refuses the front door's values ({TEMPLATE}):\n{check.stderr.strip()}")

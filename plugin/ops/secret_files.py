@@ -13,14 +13,17 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import stat
 import tempfile
 from pathlib import Path
 
 from .server_process import ADMIN_KEY_CHARACTERS, MIN_ADMIN_KEY_CHARS
 
-# Names of the private directories made here, so that `remove_secret_file` removes only those.
+# Names of the private directories made here, so that `remove_secret_file` removes only those;
+# `process_directory`'s name the process that made them.
 PRIVATE_DIR_PREFIX = "triton-"
+OWNER_PID = re.compile(r"-pid([0-9]{1,10})-[^-]+$")
 # A client key has the admin key's shape (no space, nothing HAProxy's map files or headers read
 # apart); a client's name is a short word, as logged.
 KEY_PATTERN = re.compile(f"{ADMIN_KEY_CHARACTERS}{{{MIN_ADMIN_KEY_CHARS},512}}")
@@ -31,6 +34,27 @@ API_KEY_CLIENT = "api-key"  # TRITON_API_KEY's name as a client key
 def private_directory(name: str) -> Path:
     """A new directory `<tmp>/triton-<name>-<random>`, mode 0700 (mkdtemp never reuses a path)."""
     return Path(tempfile.mkdtemp(prefix=f"{PRIVATE_DIR_PREFIX}{name}-"))
+
+
+def process_directory(name: str) -> Path:
+    """A private directory whose name carries this process's pid, made after removing this user's
+    earlier ones whose process is gone: a process killed before it could clean up (SIGKILL, the
+    OOM killer) left its secrets there. A pid reused since is left alone (the safe side)."""
+    for stale in Path(tempfile.gettempdir()).glob(f"{PRIVATE_DIR_PREFIX}*"):
+        owner = OWNER_PID.search(stale.name)
+        if owner and not _alive(int(owner[1])) and not stale.is_symlink() and stale.stat().st_uid == os.geteuid():
+            shutil.rmtree(stale, ignore_errors=True)
+    return private_directory(f"{name}-pid{os.getpid()}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def check_chosen_path(path: Path) -> None:

@@ -243,6 +243,30 @@ def hardening_args(
     return args
 
 
+_ON_LOOPBACK = "the front door binds the public ports and keeps tritonserver on loopback behind it"
+_ADMIN_LOCK = "the admin APIs are locked with TRITON_ADMIN_KEY (--open-admin-apis opens them)"
+
+
+def check_caller_flags(extra_args: list[str], proxied: bool, admin_locked: bool) -> None:
+    """Raise ValueError naming a flag in `extra_args` that `make serve` sets itself, and what to
+    use instead: tritonserver reads a flag's last copy, so the caller's would move a port away
+    from where the supervisor and the door look, open tritonserver past the door, or unlock the
+    admin APIs."""
+    owned = {f"--{name}-port": f"set TRITON_{name.upper()}_PORT" for name in ("http", "grpc", "metrics")}
+    if proxied:
+        owned |= {f"--{name}-address": _ON_LOOPBACK for name in ("http", "grpc", "metrics")}
+    if admin_locked:
+        owned |= {"--http-restricted-api": _ADMIN_LOCK, "--grpc-restricted-protocol": _ADMIN_LOCK}
+    for arg in extra_args:
+        name = arg.split("=", 1)[0]
+        if name in owned:
+            raise ValueError(f"{name} is the launcher's: {owned[name]}")
+        if "shm-region-prefix-name" in arg:
+            raise ValueError(
+                "--backend-config python,shm-region-prefix-name is the launcher's: stub regions are swept by it"
+            )
+
+
 def loopback_args() -> list[str]:
     """The flags that keep tritonserver's HTTP, gRPC and metrics endpoints on loopback (behind the
     proxy), and forward the client-address header the proxy sets on gRPC calls to the models as a

@@ -192,8 +192,8 @@ TRITON_ADMIN_KEY_FILE = Setting(
     str,
     None,
     "where a generated admin key is written: a new file (mode 0600), refused if the path exists or its "
-    "directory is writable by other users; the supervisor removes it at exit",
-    shown_default="`admin-key` in a new private directory `<tmp>/triton-admin-key-<HTTP port>-<random>`",
+    "directory is writable by other users; the supervisor removes it at exit (the next start, if the launcher was killed)",
+    shown_default="`admin-key` in a new private directory `<tmp>/triton-admin-key-<HTTP port>-pid<launcher pid>-<random>`",
 )
 # The proxy's limits (docs/operations.md, "The front door"). Each model route has its own budget of
 # requests in flight to tritonserver; beyond it requests wait in the proxy, which sheds them (503 /
