@@ -42,8 +42,13 @@ def process_directory(name: str) -> Path:
     OOM killer) left its secrets there. A pid reused since is left alone (the safe side)."""
     for stale in Path(tempfile.gettempdir()).glob(f"{PRIVATE_DIR_PREFIX}*"):
         owner = OWNER_PID.search(stale.name)
-        if owner and not _alive(int(owner[1])) and not stale.is_symlink() and stale.stat().st_uid == os.geteuid():
-            shutil.rmtree(stale, ignore_errors=True)
+        if owner is None or _alive(int(owner[1])):
+            continue
+        try:  # another start may be removing it too
+            if stat.S_ISDIR((info := os.lstat(stale)).st_mode) and info.st_uid == os.geteuid():
+                shutil.rmtree(stale, ignore_errors=True)
+        except OSError:
+            pass
     return private_directory(f"{name}-pid{os.getpid()}")
 
 
