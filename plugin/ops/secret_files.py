@@ -18,6 +18,8 @@ import stat
 import tempfile
 from pathlib import Path
 
+import psutil
+
 from .server_process import ADMIN_KEY_CHARACTERS, MIN_ADMIN_KEY_CHARS
 
 # Names of the private directories made here, so that `remove_secret_file` removes only those;
@@ -42,7 +44,7 @@ def process_directory(name: str) -> Path:
     OOM killer) left its secrets there. A pid reused since is left alone (the safe side)."""
     for stale in Path(tempfile.gettempdir()).glob(f"{PRIVATE_DIR_PREFIX}*"):
         owner = OWNER_PID.search(stale.name)
-        if owner is None or _alive(int(owner[1])):
+        if owner is None or psutil.pid_exists(int(owner[1])):
             continue
         try:  # another start may be removing it too
             if stat.S_ISDIR((info := os.lstat(stale)).st_mode) and info.st_uid == os.geteuid():
@@ -50,16 +52,6 @@ def process_directory(name: str) -> Path:
         except OSError:
             pass
     return private_directory(f"{name}-pid{os.getpid()}")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 def check_chosen_path(path: Path) -> None:
